@@ -1,0 +1,282 @@
+"""Frozen, validated configuration: the model (from a Hugging Face config.json) and the engine.
+
+Every engine override, config-file key and CLI flag shares one name (CLI flags use dashes), listed
+by `EngineConfig`'s fields. Derived values are computed by properties, never written back.
+"""
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                 "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling; `rope_type` is one of SUPPORTED_ROPE_TYPES other than default."""
+
+    rope_type: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder (Llama 2/3, Qwen2, Mistral)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # the checkpoint's own dtype
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        return cls.from_hf_dict(json.loads(config_file.read_text()))
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Read a transformers config.json, in the transformers 4 or 5 style."""
+        archs = hf.get("architectures") or []
+        if len(archs) != 1:
+            raise ValueError(
+                f"config.json 'architectures' must name one architecture, got {archs!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: 'silu'")
+        if hf.get("mlp_bias", False):
+            raise ValueError("mlp_bias=true is not supported; supported: mlp_bias=false")
+        num_heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        theta, scaling = _read_rope(hf)
+        attention_bias = bool(hf.get("attention_bias", False))
+        qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
+        sliding = hf.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
+            sliding = None
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        if dtype not in _TORCH_DTYPES:
+            raise ValueError(f"config dtype {dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hidden // num_heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=attention_bias,
+            sliding_window=sliding,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            dtype=_TORCH_DTYPES[dtype],
+        )
+
+    @property
+    def num_params(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A transformers-5 style config.json for this shape (used by saved checkpoints)."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope |= dataclasses.asdict(self.rope_scaling)
+        return {
+            "architectures": [self.architecture], "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.o_bias, "hidden_act": "silu",
+            "sliding_window": self.sliding_window, "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids), "dtype": self.dtype,
+        }
+
+
+def _read_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling` (4)."""
+    params = hf.get("rope_parameters")
+    if params is None:
+        params = dict(hf.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    fields = {f.name for f in dataclasses.fields(RopeScaling)}
+    return theta, RopeScaling(rope_type=rope_type, **{
+        k: v for k, v in params.items() if k in fields and k != "rope_type"
+    })
+
+
+Batching = Literal["static", "dynamic", "continuous"]
+AttentionImpl = Literal["auto", "pallas", "reference"]
+_CHOICES = {
+    "batching": ("static", "dynamic", "continuous"),
+    "attention_impl": ("auto", "pallas", "reference"),
+    "dtype": ("auto", *SUPPORTED_DTYPES),
+    "policy": ("fcfs", "priority"),
+    "load_format": ("auto", "dummy"),
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; the field names are the overrides, config-file keys and CLI flags."""
+
+    dtype: str = "auto"  # auto: the checkpoint's dtype
+    load_format: str = "auto"  # dummy: random weights of the checkpoint's shape
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from kv_cache_memory_fraction
+    kv_cache_memory_fraction: float = 0.9  # of free device memory (CPU: of kv_cache_bytes_cpu)
+    kv_cache_bytes_cpu: int = 1 << 30
+    attention_impl: str = "auto"
+    batching: str = "continuous"
+    policy: str = "fcfs"
+    window_ms: float = 0.0
+    min_batch_size: int = 1
+    max_batch_size: int | None = None  # None: max_num_seqs
+    decode_steps: int = 1
+    prefill_chunk_sizes: tuple[int, ...] = (16, 64, 256)  # prefill buckets, tokens per row
+    max_top_logprobs: int = 20
+
+    def __post_init__(self):
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "min_batch_size",
+                     "decode_steps", "kv_cache_bytes_cpu"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("max_model_len", "num_pages", "max_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is the null page), got {self.num_pages}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.window_ms < 0:
+            raise ValueError(f"window_ms must be >= 0, got {self.window_ms}")
+        if self.max_top_logprobs < 0:
+            raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
+        sizes = self.prefill_chunk_sizes
+        if not sizes or any(s <= 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"prefill_chunk_sizes must be increasing positive sizes, got {sizes!r}")
+
+    @classmethod
+    def from_overrides(cls, **overrides: Any) -> "EngineConfig":
+        """Build from keyword overrides; an unknown key is a ValueError naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(names)}")
+        if isinstance(overrides.get("prefill_chunk_sizes"), list):
+            overrides["prefill_chunk_sizes"] = tuple(overrides["prefill_chunk_sizes"])
+        return cls(**overrides)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> "EngineConfig":
+        """Read a YAML file of engine keys; `overrides` win over the file."""
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping of engine keys")
+        return cls.from_overrides(**(data | overrides))
+
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        """The context limit: the override, bounded by the model, checked against its window."""
+        limit = self.max_model_len or model.max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {model.max_position_embeddings}"
+            )
+        if model.sliding_window is not None and model.sliding_window < limit:
+            raise ValueError(
+                f"sliding_window {model.sliding_window} is shorter than max_model_len {limit}; "
+                f"sliding-window attention is not supported: set max_model_len <= {model.sliding_window}"
+            )
+        return limit
+
+    def pages_per_seq(self, max_model_len: int) -> int:
+        return math.ceil(max_model_len / self.page_size)

@@ -1,0 +1,1 @@
+"""Host-side scheduling: Python and numpy only, never jax."""

@@ -1,0 +1,60 @@
+"""Device bundles for paged attention: the KV pages and the metadata of one step.
+
+Token j of the sequence in row b is stored at page ``page_table[b, j // page_size]``, offset
+``j % page_size``. Page 0 is the null page: padding tokens write there and empty rows read it.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVCache:
+    k: tuple[jax.Array, ...]  # per layer: [num_pages, page_size, num_kv_heads, head_dim]
+    v: tuple[jax.Array, ...]  # per layer: [num_pages, page_size, num_kv_heads, head_dim]
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+              head_dim: int, dtype) -> "KVCache":
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        return cls(
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        )
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                       dtype) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a step's tokens sit: B rows (sequences) of C tokens (C = 1 for decode)."""
+
+    positions: jax.Array  # [B, C] int32   absolute position of each token
+    query_lens: jax.Array  # [B] int32   real tokens in each row; the rest is padding (0: empty row)
+    seq_lens: jax.Array  # [B] int32   tokens in the pages after this step (positions[:, 0] + query_lens)
+    page_table: jax.Array  # [B, pages_per_seq] int32
+
+    def write_index(self, page_size: int) -> jax.Array:  # [B * C] int32
+        """Flat index (page * page_size + offset) each token's K/V goes to; padding -> null page."""
+        page = jnp.take_along_axis(
+            self.page_table, self.positions // page_size, axis=1, mode="clip"
+        )
+        index = page * page_size + self.positions % page_size
+        chunk = self.positions.shape[1]
+        real = jnp.arange(chunk, dtype=jnp.int32)[None, :] < self.query_lens[:, None]
+        return jnp.where(real, index, 0).reshape(-1)
+
+
+def write_kv(pages: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+    """Scatter new K or V [B, C, kv_heads, head_dim] into the pages at flat token `index`."""
+    num_pages, page_size, kv_heads, head_dim = pages.shape
+    flat = pages.reshape(num_pages * page_size, kv_heads, head_dim)
+    flat = flat.at[index].set(new.reshape(-1, kv_heads, head_dim).astype(pages.dtype))
+    return flat.reshape(pages.shape)

@@ -1,0 +1,154 @@
+"""The Llama-family decoder (Llama 2/3, Qwen2, Mistral) in Flax NNX over the paged KV cache.
+
+Attribute names mirror Hugging Face's parameter names (model.layers.0.self_attn.q_proj ...), so
+the loader maps a checkpoint mechanically. Callers split graph and state once and jit pure
+functions of the state (see model/step.py).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.model.attention import paged_attention
+from jaxserve.model.kv_cache import AttentionMetadata, KVCache, write_kv
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [head_dim // 2] float32
+    """RoPE inverse frequencies, with linear or llama3 scaling, computed in float32 as HF does."""
+    exponents = np.arange(0, cfg.head_dim, 2, dtype=np.float32) / np.float32(cfg.head_dim)
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    # llama3: long wavelengths divided by `factor`, short ones kept, a smooth blend between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [B, C, heads, head_dim]; cos/sin: [B, C, head_dim]. HF's rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+def _linear(cfg_in: int, cfg_out: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(0.02))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        e, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(e, cfg.num_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.k_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.v_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
+        self.o_proj = _linear(cfg.num_heads * d, e, cfg.o_bias, dtype, rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+
+    def __call__(self, x, cos, sin, k_pages, v_pages, md: AttentionMetadata, write_index,
+                 attention_impl: str):
+        b, c, _ = x.shape
+        q = self.q_proj(x).reshape(b, c, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, c, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, c, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pages = write_kv(k_pages, k, write_index)
+        v_pages = write_kv(v_pages, v, write_index)
+        out = paged_attention(q, k_pages, v_pages, md, self.head_dim**-0.5, attention_impl)
+        return self.o_proj(out.reshape(b, c, -1)), k_pages, v_pages
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        e, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(e, i, False, dtype, rngs)
+        self.up_proj = _linear(e, i, False, dtype, rngs)
+        self.down_proj = _linear(i, e, False, dtype, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, cos, sin, k_pages, v_pages, md, write_index, attention_impl):
+        h, k_pages, v_pages = self.self_attn(
+            self.input_layernorm(x), cos, sin, k_pages, v_pages, md, write_index, attention_impl
+        )
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), k_pages, v_pages
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                      param_dtype=dtype, rngs=rngs,
+                                      embedding_init=nnx.initializers.normal(0.02))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """tokens [B, C] + KV pages -> hidden states [B, C, hidden] and the updated pages."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.config = cfg
+        self.model = Decoder(cfg, dtype, rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(
+            cfg.hidden_size, cfg.vocab_size, False, dtype, rngs
+        )
+
+    def __call__(self, tokens: jax.Array, kv: KVCache, md: AttentionMetadata,
+                 attention_impl: str) -> tuple[jax.Array, KVCache]:
+        x = self.model.embed_tokens(tokens)  # [B, C, hidden]
+        freqs = md.positions[..., None].astype(jnp.float32) * rope_inv_freq(self.config)
+        freqs = jnp.concatenate([freqs, freqs], axis=-1)  # [B, C, head_dim]
+        cos, sin = jnp.cos(freqs).astype(x.dtype), jnp.sin(freqs).astype(x.dtype)
+        write_index = md.write_index(kv.k[0].shape[1])
+        new_k, new_v = [], []
+        for layer, k_pages, v_pages in zip(self.model.layers, kv.k, kv.v, strict=True):
+            x, k_pages, v_pages = layer(x, cos, sin, k_pages, v_pages, md, write_index,
+                                        attention_impl)
+            new_k.append(k_pages)
+            new_v.append(v_pages)
+        return self.model.norm(x), KVCache(k=tuple(new_k), v=tuple(new_v))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:  # [..., vocab] float32
+        if self.lm_head is None:
+            table = self.model.embed_tokens.embedding[...]
+            out = jnp.einsum("...e,ve->...v", hidden, table, preferred_element_type=jnp.float32)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(jnp.float32)

@@ -1,0 +1,190 @@
+"""Weights: Hugging Face safetensors -> NNX state, random init, orbax save/restore.
+
+Nothing is ever downloaded: a model is a local directory. An orbax checkpoint written by
+`jaxserve convert` (or the demo model's training) holds `config.json` and `params/`.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.model.llama import LlamaForCausalLM
+
+ORBAX_DIR = "params"
+# Tensors some checkpoints carry that the model derives itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "generation_config.json", "byte_tokenizer.json")
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The graph and a state of ShapeDtypeStructs; no memory is allocated."""
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def _flat(state: nnx.State) -> dict[tuple, jax.ShapeDtypeStruct]:
+    out = {}
+
+    def walk(prefix, node):
+        if isinstance(node, dict):
+            for key, child in node.items():
+                walk((*prefix, key), child)
+        else:
+            out[prefix] = node
+
+    walk((), nnx.to_pure_dict(state))
+    return out
+
+
+def _nest(flat: dict[tuple, jax.Array]) -> dict:
+    root: dict = {}
+    for path, value in flat.items():
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return root
+
+
+def random_state(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """load_format="dummy": norms at 1, biases at 0, the rest N(0, 0.02), made on the device."""
+    graphdef, abstract = abstract_model(cfg, dtype)
+    flat = _flat(abstract)
+
+    @jax.jit
+    def init(key):
+        values = {}
+        for i, (path, leaf) in enumerate(sorted(flat.items(), key=lambda kv: str(kv[0]))):
+            if path[-1] == "weight":
+                values[path] = jnp.ones(leaf.shape, leaf.dtype)
+            elif path[-1] == "bias":
+                values[path] = jnp.zeros(leaf.shape, leaf.dtype)
+            else:
+                noise = jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32)
+                values[path] = (0.02 * noise).astype(leaf.dtype)
+        return values
+
+    values = init(jax.random.key(seed))
+    nnx.replace_by_pure_dict(abstract, _nest(values))
+    return graphdef, abstract
+
+
+def _hf_path(name: str, expected: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[tuple, bool] | None:
+    """HF tensor name -> (state path, transpose?) or None when the model has no such tensor."""
+    parts = tuple(int(p) if p.isdigit() else p for p in name.split("."))
+    stem, leaf = parts[:-1], parts[-1]
+    if leaf == "weight":
+        for candidate, transpose in (("kernel", True), ("embedding", False), ("weight", False)):
+            if (*stem, candidate) in expected:
+                return (*stem, candidate), transpose
+        return None
+    return (parts, False) if parts in expected else None
+
+
+def _safetensor_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in model directory {path}")
+    return files
+
+
+def load_hf_state(path: str | Path, cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """Read a local Hugging Face directory's safetensors (single or sharded) into the state."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    graphdef, abstract = abstract_model(cfg, dtype)
+    expected = _flat(abstract)
+    values: dict[tuple, jax.Array] = {}
+    for file in _safetensor_files(path):
+        with safe_open(file, framework="flax") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                target = _hf_path(name, expected)
+                if target is None:
+                    if name.endswith(_IGNORED_SUFFIXES) or (
+                        name == "lm_head.weight" and cfg.tie_word_embeddings
+                    ):
+                        continue
+                    raise ValueError(f"checkpoint tensor {name!r} in {file.name} has no place in "
+                                     f"the {cfg.architecture} model")
+                key, transpose = target
+                tensor = f.get_tensor(name)
+                # shapes compared in the checkpoint's layout ([out, in] for a linear layer)
+                want = tuple(expected[key].shape)[::-1] if transpose else tuple(expected[key].shape)
+                if tuple(tensor.shape) != want:
+                    raise ValueError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint but "
+                        f"the model expects {want}"
+                    )
+                tensor = tensor.T if transpose else tensor
+                values[key] = jnp.asarray(tensor, dtype=expected[key].dtype)
+    missing = [_hf_name(k) for k in expected if k not in values]
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing)}")
+    nnx.replace_by_pure_dict(abstract, _nest(values))
+    return graphdef, abstract
+
+
+def _hf_name(path: tuple) -> str:
+    leaf = "weight" if path[-1] in ("kernel", "embedding") else path[-1]
+    return ".".join(str(p) for p in (*path[:-1], leaf))
+
+
+def is_orbax_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / ORBAX_DIR).is_dir()
+
+
+def save_orbax(path: str | Path, cfg: ModelConfig, state: nnx.State,
+               extra_files_from: str | Path | None = None) -> None:
+    """Write config.json + params/ (orbax), and copy tokenizer files from `extra_files_from`."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    if (path / ORBAX_DIR).exists():
+        shutil.rmtree(path / ORBAX_DIR)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path / ORBAX_DIR, nnx.to_pure_dict(state))
+    if extra_files_from is not None:
+        for name in _TOKENIZER_FILES:
+            src = Path(extra_files_from) / name
+            if src.is_file():
+                shutil.copy(src, path / name)
+
+
+def load_orbax_state(path: str | Path, cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    import orbax.checkpoint as ocp
+
+    graphdef, abstract = abstract_model(cfg, dtype)
+    target = nnx.to_pure_dict(abstract)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(Path(path).resolve() / ORBAX_DIR, target)
+    restored = jax.tree.map(lambda x, t: jnp.asarray(x, t.dtype), restored, target)
+    nnx.replace_by_pure_dict(abstract, restored)
+    return graphdef, abstract
+
+
+def load_state(path: str | Path, cfg: ModelConfig, dtype, load_format: str = "auto",
+               seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and weights from a directory (HF or orbax) or random ("dummy")."""
+    if load_format == "dummy":
+        return random_state(cfg, dtype, seed)
+    if is_orbax_checkpoint(path):
+        return load_orbax_state(path, cfg, dtype)
+    return load_hf_state(path, cfg, dtype)
+
+
+def state_bytes(state: nnx.State) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))

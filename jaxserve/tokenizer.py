@@ -1,0 +1,400 @@
+"""Tokenizers: a Hugging Face `tokenizers` wrapper, a byte-level tokenizer for the demo model, chat
+templates and an incremental detokenizer.
+
+The one entry point is `load_tokenizer(path)`: a directory with `tokenizer.json` gives a
+`Tokenizer`, one with `byte_tokenizer.json` gives a `ByteTokenizer`. Both implement
+`BaseTokenizer`, the interface the engine and `IncrementalDetokenizer` rely on.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
+
+# Used when a model ships no chat template: "role: content" lines, then the assistant's turn.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first generated one (as vLLM)
+
+
+class BaseTokenizer:
+    """What the engine needs from a tokenizer; `Tokenizer` and `ByteTokenizer` implement it.
+
+    `all_special_ids` are the ids `decode(..., skip_special_tokens=True)` drops.
+    `byte_fallback_ids` are ids the decoder turns into bytes *as one run*: a run of them decodes
+    all-or-nothing, so a later id of the run can change the text of earlier ones.
+    """
+
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int]
+    bos_token: str | None  # text given to chat templates as `bos_token`
+    eos_token: str | None
+    add_bos_token: bool
+    vocab_size: int
+    chat_template: str | None
+    all_special_ids: frozenset[int]
+    byte_fallback_ids: frozenset[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with BOS first when `add_special_tokens` and `add_bos_token`."""
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; incomplete or invalid UTF-8 becomes U+FFFD."""
+        raise NotImplementedError
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render `messages` ([{"role": str, "content": str}, ...]) with the model's chat template
+        (or `DEFAULT_CHAT_TEMPLATE`). The text already holds any BOS the template writes, so
+        encode it with `add_special_tokens=False` when the template starts with `bos_token`.
+        """
+        _check_messages(messages)
+        template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+        return template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+class Tokenizer(BaseTokenizer):
+    """A Hugging Face `tokenizers` tokenizer with the settings of its model directory."""
+
+    def __init__(
+        self,
+        hf_tokenizer: HFTokenizer,
+        config: dict[str, Any] | None = None,
+        generation_config: dict[str, Any] | None = None,
+    ) -> None:
+        """`config` is tokenizer_config.json (over special_tokens_map.json); `generation_config`
+        is generation_config.json, whose `eos_token_id` (int or list) adds stop ids."""
+        config, generation_config = config or {}, generation_config or {}
+        self._tk = hf_tokenizer
+        self.vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
+
+        self.bos_token_id = self._token_id(config.get("bos_token"))
+        if self.bos_token_id is None:
+            self.bos_token_id = _as_id(generation_config.get("bos_token_id"), "bos_token_id")
+        gen_eos = generation_config.get("eos_token_id")
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        eos_ids = {self._token_id(config.get("eos_token"))}
+        eos_ids.update(_as_id(value, "eos_token_id") for value in gen_eos)
+        self.eos_token_ids = frozenset(i for i in eos_ids if i is not None)
+        bos = self.bos_token_id
+        self.bos_token = None if bos is None else hf_tokenizer.id_to_token(bos)
+        self.eos_token = _token_text(config.get("eos_token"))
+
+        self._post_processor_adds_bos = (
+            bos is not None
+            and hf_tokenizer.encode("a").ids[:1] == [bos]
+            and hf_tokenizer.encode("a", add_special_tokens=False).ids[:1] != [bos]
+        )
+        add_bos = config.get("add_bos_token")
+        if add_bos is not None and not isinstance(add_bos, bool):
+            raise ValueError(f"add_bos_token must be true or false, got {add_bos!r}")
+        self.add_bos_token = self._post_processor_adds_bos if add_bos is None else add_bos
+        self.chat_template = _pick_template(config.get("chat_template"))
+
+        added = hf_tokenizer.get_added_tokens_decoder()
+        self.all_special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self.byte_fallback_ids = frozenset()
+        if "ByteFallback" in _decoder_types(hf_tokenizer):
+            vocab = hf_tokenizer.get_vocab(with_added_tokens=False)
+            self.byte_fallback_ids = frozenset(
+                i for tok, i in vocab.items() if _BYTE_TOKEN.fullmatch(tok)
+            )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+        generation_config.json and chat_template.jinja (the last four when present)."""
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found: a Hugging Face tokenizer needs it")
+        config = {**_read_json(path / "special_tokens_map.json")}
+        config.update(_read_json(path / "tokenizer_config.json"))
+        if (path / "chat_template.jinja").is_file():
+            config["chat_template"] = (path / "chat_template.jinja").read_text()
+        generation_config = _read_json(path / "generation_config.json")
+        return cls(HFTokenizer.from_file(str(file)), config, generation_config)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. BOS follows `add_bos_token` and is never doubled: a text that
+        already starts with the BOS token (a rendered chat template) gets no second one."""
+        ids = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.bos_token_id
+        if not add_special_tokens or bos is None:
+            return ids
+        if self._post_processor_adds_bos:
+            if not self.add_bos_token or ids[1:2] == [bos]:
+                return ids[1:]
+        elif self.add_bos_token and ids[:1] != [bos]:
+            return [bos, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` through the tokenizer's decoder."""
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _token_id(self, token: Any) -> int | None:
+        text = _token_text(token)
+        return None if text is None else self._tk.token_to_id(text)
+
+
+class ByteTokenizer(BaseTokenizer):
+    """Byte-level tokenizer of the built-in demo model.
+
+    Layout: ids 0..255 are the UTF-8 bytes, `BOS_ID` = 256, `EOS_ID` = 257, `VOCAB_SIZE` = 258.
+    `encode` never produces a special id from text, so a prompt cannot forge BOS or EOS.
+    """
+
+    NUM_BYTES: ClassVar[int] = 256
+    BOS_ID: ClassVar[int] = 256
+    EOS_ID: ClassVar[int] = 257
+    VOCAB_SIZE: ClassVar[int] = 258
+    SPECIAL_TEXT: ClassVar[dict[int, str]] = {256: "<s>", 257: "</s>"}  # decode without skipping
+    # The layout, as recorded in byte_tokenizer.json and checked on loading.
+    LAYOUT: ClassVar[dict[str, Any]] = {
+        "type": "byte",
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+    }
+
+    def __init__(self, add_bos_token: bool = True, chat_template: str | None = None) -> None:
+        """A byte tokenizer; BOS is prepended by `encode` when `add_bos_token`."""
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self.bos_token_id = self.BOS_ID
+        self.eos_token_ids = frozenset({self.EOS_ID})
+        self.bos_token = self.eos_token = None  # no text encodes to them
+        self.vocab_size = self.VOCAB_SIZE
+        self.all_special_ids = frozenset(self.SPECIAL_TEXT)
+        self.byte_fallback_ids = frozenset()  # bytes decode like bytes.decode("utf-8", "replace")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The UTF-8 bytes of `text`, after BOS when `add_special_tokens` and `add_bos_token`."""
+        bos = [self.BOS_ID] if add_special_tokens and self.add_bos_token else []
+        return bos + list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; special ids are dropped or shown as `SPECIAL_TEXT`."""
+        pieces, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < self.NUM_BYTES:
+                run.append(i)
+            elif i in self.SPECIAL_TEXT:
+                if not skip_special_tokens:
+                    pieces += [run.decode("utf-8", "replace"), self.SPECIAL_TEXT[i]]
+                    run.clear()
+            else:
+                raise ValueError(
+                    f"token id {i} is outside the byte vocabulary [0, {self.VOCAB_SIZE})"
+                )
+        pieces.append(run.decode("utf-8", "replace"))
+        return "".join(pieces)
+
+    def to_json(self) -> dict[str, Any]:
+        """A small JSON-able description, saved as byte_tokenizer.json next to a checkpoint."""
+        return {
+            **self.LAYOUT,
+            "add_bos_token": self.add_bos_token,
+            "chat_template": self.chat_template,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ByteTokenizer:
+        """Inverse of `to_json`; rejects a description of another tokenizer or layout."""
+        for key, expected in cls.LAYOUT.items():
+            if data.get(key) != expected:
+                raise ValueError(
+                    f"byte tokenizer: {key} is {data.get(key)!r}, expected {expected!r}"
+                )
+        return cls(bool(data.get("add_bos_token", True)), data.get("chat_template"))
+
+    def save(self, directory: str | Path) -> Path:
+        """Write `to_json()` to directory/byte_tokenizer.json and return that path."""
+        file = Path(directory) / BYTE_TOKENIZER_FILE
+        file.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return file
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | ByteTokenizer:
+    """The tokenizer of a model directory: tokenizer.json (Hugging Face) or byte_tokenizer.json."""
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(path)
+    if (path / BYTE_TOKENIZER_FILE).is_file():
+        return ByteTokenizer.from_json(_read_json(path / BYTE_TOKENIZER_FILE))
+    raise FileNotFoundError(
+        f"no tokenizer in {path}: expected tokenizer.json or {BYTE_TOKENIZER_FILE}"
+    )
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids, fed a few at a time, into new text.
+
+    Each call decodes a window that starts a few tokens back, so context-dependent pieces (the
+    SentencePiece "▁" that is a space except at the start of a text) come out right, and returns
+    what the window adds past the text already returned:
+
+        ids  [ prompt ... | returned ... | last returned chunk | pending ]
+                                         ^ prefix              ^ read    ^ end
+        delta = decode(ids[prefix:end])[len(decode(ids[prefix:read])):]
+
+    Text is held back while it ends in U+FFFD (a character still incomplete) and, for decoders
+    with byte fallback, while ids end in a run of byte tokens (one later invalid byte would turn
+    the whole run into U+FFFD). So the deltas never need taking back, and together they equal the
+    decode of prompt + generated ids past the decode of the prompt; `finish()` flushes the rest.
+    """
+
+    def __init__(
+        self,
+        tokenizer: BaseTokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        """`prompt_ids` are context only: their text is never returned."""
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = self._kept(prompt_ids)
+        self._read = len(self._ids)
+        self._prefix = max(self._read - _CONTEXT_TOKENS, 0)
+        # Never start the window inside a run of byte tokens.
+        in_run = tokenizer.byte_fallback_ids
+        while (
+            0 < self._prefix < self._read
+            and {*self._ids[self._prefix - 1 : self._prefix + 1]} <= in_run
+        ):
+            self._prefix -= 1
+        self._prefix_text = self._decode(self._prefix, self._read)
+        self._finished = False
+        self.text = ""  # everything returned so far
+
+    def push(self, token_ids: Iterable[int]) -> str:
+        """Append generated ids; return the text they complete ("" while it is incomplete)."""
+        if self._finished:
+            raise RuntimeError("push() after finish()")
+        self._ids += self._kept(token_ids)
+        end = len(self._ids)
+        while end > self._read and self._ids[end - 1] in self._tokenizer.byte_fallback_ids:
+            end -= 1
+        return self._advance(end, final=False)
+
+    def finish(self) -> str:
+        """Return the text still held back (an incomplete character shows as U+FFFD)."""
+        if self._finished:
+            return ""
+        self._finished = True
+        return self._advance(len(self._ids), final=True)
+
+    def _advance(self, end: int, final: bool) -> str:
+        if end <= self._read:
+            return ""
+        new_text = self._decode(self._prefix, end)
+        if len(new_text) <= len(self._prefix_text) or (new_text.endswith("\ufffd") and not final):
+            return ""
+        delta = new_text[len(self._prefix_text) :]
+        self._prefix, self._read = self._read, end
+        self._prefix_text = self._decode(self._prefix, self._read)
+        self.text += delta
+        return delta
+
+    def _kept(self, ids: Iterable[int]) -> list[int]:
+        special = self._tokenizer.all_special_ids if self._skip else frozenset()
+        return [int(i) for i in ids if int(i) not in special]
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+
+@functools.cache
+def _compile_template(source: str) -> jinja2.Template:
+    # As transformers: sandboxed, trim_blocks/lstrip_blocks, the same helpers.
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template: {message}")
+
+    def tojson(x: Any, ensure_ascii: bool = False, **kwargs: Any) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, **kwargs)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        for field in ("role", "content"):
+            if field not in message:
+                raise ValueError(f"messages[{i}] has no '{field}'")
+            if not isinstance(message[field], str):
+                kind = type(message[field]).__name__
+                raise ValueError(f"messages[{i}].{field} must be a str, got {kind}")
+
+
+def _pick_template(value: Any) -> str | None:
+    # tokenizer_config.json holds one template, or a list of {"name", "template"}.
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) else None
+
+
+def _token_text(token: Any) -> str | None:
+    # Special tokens are written as "<s>" or as {"content": "<s>", ...}.
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _as_id(value: Any, name: str) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ValueError(f"generation_config.json: {name} must be an int, got {value!r}")
+    return value
+
+
+def _decoder_types(hf_tokenizer: HFTokenizer) -> set[str]:
+    if hf_tokenizer.decoder is None:
+        return set()
+    state = json.loads(hf_tokenizer.decoder.__getstate__())
+    return {d.get("type") for d in [state, *state.get("decoders", [])]}
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: invalid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    return data

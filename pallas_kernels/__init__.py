@@ -1,0 +1,13 @@
+"""Paged attention for jaxserve's KV cache: Pallas GPU kernels and their pure-jnp reference twins.
+
+This package imports jax only and knows nothing of the engine. The KV layout, shared by kernels
+and references, is per layer:
+
+    k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim]
+
+Page 0 is the null page: empty slots and padding tokens point at it and their outputs are ignored.
+"""
+
+from pallas_kernels.reference import decode_attention_ref, prefill_attention_ref
+
+__all__ = ["decode_attention_ref", "prefill_attention_ref"]

@@ -1,0 +1,64 @@
+"""Pure-jnp paged attention: the reference every kernel is tested against, and the CPU path.
+
+Token j of a sequence lives in page ``page_table[b, j // page_size]`` at offset ``j % page_size``:
+
+    page_table[b] = [7, 3, 9, 0, 0]          page_size = 4, seq_len = 10
+    tokens 0..3 -> page 7, 4..7 -> page 3, 8..9 -> page 9 (offsets 0, 1); the rest is never read
+"""
+
+import jax
+import jax.numpy as jnp
+
+# Finite stand-in for -inf: a row with no valid key (an empty slot) stays NaN-free.
+_MASKED = -1e30
+
+
+def prefill_attention_ref(
+    q: jax.Array,  # [B, C, num_heads, head_dim]   a chunk of C queries per sequence
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    page_table: jax.Array,  # [B, pages_per_seq] int32
+    positions: jax.Array,  # [B, C] int32   absolute position of each query
+    seq_lens: jax.Array,  # [B] int32   keys valid in the pages (chunk included)
+    scale: float,
+) -> jax.Array:  # [B, C, num_heads, head_dim]
+    """Causal attention of a chunk of queries over its sequence's pages.
+
+    Query ``(b, c)`` attends to keys ``j`` with ``j <= positions[b, c]`` and ``j < seq_lens[b]``.
+    The chunk's own K/V must already be written into the pages. Queries with no valid key
+    (padding, empty slots) give finite garbage that callers ignore.
+    """
+    batch, chunk, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    max_len = page_table.shape[1] * page_size
+
+    k = k_pages[page_table].reshape(batch, max_len, num_kv_heads, head_dim)
+    v = v_pages[page_table].reshape(batch, max_len, num_kv_heads, head_dim)
+    qg = q.reshape(batch, chunk, num_kv_heads, group, head_dim)
+
+    # scores: [B, kv_heads, group, C, max_len], in float32 whatever the input dtype
+    scores = jnp.einsum("bckgd,bjkd->bkgcj", qg, k, preferred_element_type=jnp.float32) * scale
+    key_pos = jnp.arange(max_len, dtype=jnp.int32)
+    valid = (key_pos[None, None, :] <= positions[:, :, None]) & (
+        key_pos[None, None, :] < seq_lens[:, None, None]
+    )  # [B, C, max_len]
+    scores = jnp.where(valid[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgcj,bjkd->bckgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(batch, chunk, num_heads, head_dim).astype(q.dtype)
+
+
+def decode_attention_ref(
+    q: jax.Array,  # [S, num_heads, head_dim]   one query per slot, at position seq_lens - 1
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    page_table: jax.Array,  # [S, pages_per_seq] int32
+    seq_lens: jax.Array,  # [S] int32   0 for an empty slot
+    scale: float,
+) -> jax.Array:  # [S, num_heads, head_dim]
+    """One query per slot over the slot's first ``seq_lens`` keys."""
+    out = prefill_attention_ref(
+        q[:, None], k_pages, v_pages, page_table, (seq_lens - 1)[:, None], seq_lens, scale
+    )
+    return out[:, 0]

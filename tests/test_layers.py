@@ -1,0 +1,46 @@
+"""The direction of imports (DESIGN.md section 1): a test fails on an arrow that points the wrong way."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# module prefix -> prefixes it must never import
+FORBIDDEN = {
+    "jaxserve.core": ("jax", "flax", "optax", "jaxserve.model", "jaxserve.runner",
+                      "jaxserve.engine", "jaxserve.server", "pallas_kernels"),
+    "jaxserve.model": ("jaxserve.core", "jaxserve.runner", "jaxserve.engine",
+                       "jaxserve.async_engine", "jaxserve.server", "jaxserve.tokenizer"),
+    "jaxserve.config": ("jaxserve.",),
+    "jaxserve.request": ("jaxserve.",),
+    "jaxserve.sim": ("jaxserve.runner", "jaxserve.model", "jax"),
+    "jaxserve.server": ("jaxserve.runner", "jaxserve.model"),
+    "pallas_kernels": ("jaxserve",),
+}
+
+
+def _modules():
+    for base in ("jaxserve", "pallas_kernels"):
+        for path in sorted((ROOT / base).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            yield ".".join(p for p in rel.parts if p != "__init__"), path
+
+
+def _imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+@pytest.mark.parametrize(("module", "path"), list(_modules()), ids=lambda x: str(x))
+def test_imports_point_the_right_way(module, path):
+    for prefix, forbidden in FORBIDDEN.items():
+        if module == prefix or module.startswith(prefix + "."):
+            bad = [name for name in _imports(path)
+                   if any(name == f.rstrip(".") or name.startswith(f if f.endswith(".") else f + ".")
+                          for f in forbidden)]
+            assert not bad, f"{module} imports {bad}, against DESIGN.md section 1"

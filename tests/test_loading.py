@@ -1,0 +1,143 @@
+"""Config parsing, weight loading, conversion and their error messages."""
+
+import json
+import re
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import HF_FIXTURES
+from safetensors.numpy import load_file, save_file
+from test_model_hf import full_logits
+
+from jaxserve.cli import main as cli_main
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.model.llama import rope_inv_freq
+from jaxserve.model.loader import is_orbax_checkpoint, load_state
+
+LLAMA_CONFIG = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
+
+
+def test_reads_both_config_styles():
+    v5 = ModelConfig.from_hf_dir(HF_FIXTURES / "mistral")
+    assert "rope_parameters" in json.loads((HF_FIXTURES / "mistral" / "config.json").read_text())
+    assert (v5.num_heads, v5.num_kv_heads, v5.head_dim, v5.sliding_window) == (8, 2, 8, 4096)
+    v4 = ModelConfig.from_hf_dir(HF_FIXTURES / "llama3")  # rope_theta/rope_scaling/torch_dtype
+    assert v4.rope_theta == 500000.0 and v4.rope_scaling.rope_type == "llama3"
+    assert v4.rope_scaling.original_max_position_embeddings == 32
+    assert v4.tie_word_embeddings and v4.head_dim == 32 and v4.dtype == "float32"
+    qwen = ModelConfig.from_hf_dir(HF_FIXTURES / "qwen2")
+    assert qwen.qkv_bias and not qwen.o_bias and qwen.sliding_window is None
+    # the same rope described in the v5 style gives the same frequencies
+    hf = json.loads((HF_FIXTURES / "llama3" / "config.json").read_text())
+    params = dict(hf.pop("rope_scaling"), rope_theta=hf.pop("rope_theta"))
+    v5_style = ModelConfig.from_hf_dict(hf | {"rope_parameters": params, "dtype": "float32"})
+    np.testing.assert_array_equal(rope_inv_freq(v5_style), rope_inv_freq(v4))
+    assert not np.allclose(rope_inv_freq(v4), rope_inv_freq(ModelConfig.from_hf_dict(
+        hf | {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}})))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"architectures": ["GPT2LMHeadModel"]},
+     "architecture 'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}},
+     "rope type 'yarn' is not supported; supported: default, linear, llama3"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"dtype": "int8"}, "config dtype 'int8' is not supported"),
+])
+def test_unsupported_config_is_a_clear_error(change, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        ModelConfig.from_hf_dict(LLAMA_CONFIG | change)
+
+
+def test_sliding_window_shorter_than_max_model_len():
+    cfg = ModelConfig.from_hf_dict(LLAMA_CONFIG | {"architectures": ["MistralForCausalLM"],
+                                                   "sliding_window": 64})
+    with pytest.raises(ValueError, match="sliding_window 64 is shorter than max_model_len 256"):
+        EngineConfig().resolve_max_model_len(cfg)
+    assert EngineConfig(max_model_len=64).resolve_max_model_len(cfg) == 64
+    with pytest.raises(ValueError, match="max_model_len 512 exceeds the model's max_position"):
+        EngineConfig(max_model_len=512).resolve_max_model_len(cfg)
+
+
+def test_engine_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['max_num_seq'\]"):
+        EngineConfig.from_overrides(max_num_seq=4)
+    with pytest.raises(ValueError, match="batching must be one of"):
+        EngineConfig(batching="eager")
+    with pytest.raises(ValueError, match="page_size must be a positive integer, got 0"):
+        EngineConfig(page_size=0)
+
+
+def _copy_model(tmp_path, name="llama"):
+    dst = tmp_path / name
+    shutil.copytree(HF_FIXTURES / name, dst, ignore=shutil.ignore_patterns("reference"))
+    return dst
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = _copy_model(tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg = ModelConfig.from_hf_dir(path)
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_state(path, cfg, jnp.float32)
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes(tmp_path):
+    path = _copy_model(tmp_path)
+    cfg = ModelConfig.from_hf_dict(LLAMA_CONFIG | {"intermediate_size": 96})
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight' has "
+                       r"shape \(64, 128\) in the checkpoint but the model expects \(64, 96\)"):
+        load_state(path, cfg, jnp.float32)
+
+
+def test_unexpected_tensor_and_missing_files(tmp_path):
+    path = _copy_model(tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_norm.weight"] = np.ones(16, np.float32)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(
+            "'model.layers.0.self_attn.q_norm.weight' in model.safetensors has no place in the "
+            "LlamaForCausalLM model")):
+        load_state(path, ModelConfig.from_hf_dir(path), jnp.float32)
+    with pytest.raises(FileNotFoundError, match=r"no config\.json in model directory"):
+        ModelConfig.from_hf_dir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files"):
+        load_state(tmp_path / "empty", ModelConfig.from_hf_dir(path), jnp.float32)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    path = _copy_model(tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(path / file))
+    index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = ModelConfig.from_hf_dir(path)
+    ids = [5, 9, 13]
+    a = full_logits(*load_state(path, cfg, jnp.float32), cfg, ids)
+    b = full_logits(*load_state(HF_FIXTURES / "llama", cfg, jnp.float32), cfg, ids)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_convert_to_orbax_and_dummy_weights(tmp_path):
+    out = tmp_path / "converted"
+    assert cli_main(["convert", str(HF_FIXTURES / "qwen2"), str(out)]) == 0
+    assert is_orbax_checkpoint(out)
+    cfg = ModelConfig.from_hf_dir(out)
+    assert cfg == ModelConfig.from_hf_dir(HF_FIXTURES / "qwen2")
+    ids = [3, 4, 5, 6, 7]
+    a = full_logits(*load_state(out, cfg, jnp.float32), cfg, ids)
+    b = full_logits(*load_state(HF_FIXTURES / "qwen2", cfg, jnp.float32), cfg, ids)
+    np.testing.assert_array_equal(a, b)
+    dummy = full_logits(*load_state(None, cfg, jnp.float32, load_format="dummy"), cfg, ids)
+    assert np.isfinite(dummy).all() and not np.allclose(dummy, b)

@@ -1,0 +1,82 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, seeds, logprobs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.model.sampler import SamplingMetadata, sample
+
+VOCAB, ROWS, TOP = 16, 512, 4
+_sample = jax.jit(sample, static_argnums=2)
+
+
+def _meta(temperature=1.0, top_k=VOCAB, top_p=1.0, seeds=None, positions=None):
+    rows = ROWS
+    return SamplingMetadata(
+        temperature=jnp.full((rows,), temperature, jnp.float32),
+        top_k=jnp.full((rows,), top_k, jnp.int32),
+        top_p=jnp.full((rows,), top_p, jnp.float32),
+        seeds=jnp.arange(rows, dtype=jnp.uint32) if seeds is None else seeds,
+        positions=jnp.zeros((rows,), jnp.int32) if positions is None else positions,
+    )
+
+
+@pytest.fixture(scope="module")
+def logits():
+    row = jax.random.normal(jax.random.key(0), (VOCAB,)) * 2
+    return jnp.tile(row, (ROWS, 1))
+
+
+def _tokens(packed):
+    return np.asarray(packed[:, 0])
+
+
+def test_greedy_and_its_logprobs(logits):
+    packed = np.asarray(_sample(logits, _meta(temperature=0.0), TOP))
+    want = int(np.argmax(logits[0]))
+    assert (packed[:, 0] == want).all()
+    lp = packed[:, 1].view(np.float32)
+    np.testing.assert_allclose(lp, jax.nn.log_softmax(logits[0])[want], rtol=1e-6)
+    assert (packed[:, 2] == 1).all()  # rank
+    top_ids = packed[0, 3:3 + TOP]
+    np.testing.assert_array_equal(top_ids, np.argsort(-np.asarray(logits[0]))[:TOP])
+
+
+def test_temperature_sampling_follows_the_distribution(logits):
+    tokens = _tokens(_sample(logits, _meta(), TOP))
+    freq = np.bincount(tokens, minlength=VOCAB) / ROWS
+    probs = np.asarray(jax.nn.softmax(logits[0]))
+    assert np.abs(freq - probs).max() < 0.08
+    assert len(set(tokens.tolist())) > 3
+
+
+def test_top_k_and_top_p_restrict_the_support(logits):
+    order = np.argsort(-np.asarray(logits[0]))
+    assert set(_tokens(_sample(logits, _meta(top_k=2), TOP))) <= set(order[:2].tolist())
+    assert set(_tokens(_sample(logits, _meta(top_k=1), TOP))) == {int(order[0])}
+    probs = np.sort(np.asarray(jax.nn.softmax(logits[0])))[::-1]
+    p = float(probs[0] + probs[1] / 2)  # needs exactly the top two tokens
+    assert set(_tokens(_sample(logits, _meta(top_p=p), TOP))) == set(order[:2].tolist())
+    assert set(_tokens(_sample(logits, _meta(top_p=1e-6), TOP))) == {int(order[0])}
+
+
+def test_seeds_make_sampling_reproducible_and_independent_of_the_row(logits):
+    same_seed = jnp.full((ROWS,), 7, jnp.uint32)
+    positions = jnp.arange(ROWS, dtype=jnp.int32) % 8
+    a = _tokens(_sample(logits, _meta(seeds=same_seed, positions=positions), TOP))
+    b = _tokens(_sample(logits, _meta(seeds=same_seed, positions=positions), TOP))
+    np.testing.assert_array_equal(a, b)
+    # the same (seed, position) gives the same token in any row
+    for pos in range(8):
+        assert len(set(a[np.asarray(positions) == pos].tolist())) == 1
+    assert len(set(a[:8].tolist())) > 1  # different positions draw differently
+
+
+def test_greedy_rows_mixed_with_sampled_rows(logits):
+    temperature = jnp.where(jnp.arange(ROWS) % 2 == 0, 0.0, 1.0)
+    meta = _meta()
+    meta = SamplingMetadata(temperature, meta.top_k, meta.top_p, meta.seeds, meta.positions)
+    tokens = _tokens(_sample(logits, meta, TOP))
+    assert (tokens[::2] == int(np.argmax(logits[0]))).all()
+    assert len(set(tokens[1::2].tolist())) > 1

@@ -1,0 +1,302 @@
+"""Tokenizer, ByteTokenizer, chat templates and the incremental detokenizer."""
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from jinja2.exceptions import SecurityError
+from tokenizers import Tokenizer as HFTokenizer
+
+from jaxserve.tokenizer import (
+    DEFAULT_CHAT_TEMPLATE,
+    ByteTokenizer,
+    IncrementalDetokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
+
+MIXED_TEXT = "Héllo wörld 😀 naïve café, 日本語のテキスト 🎉🧠 Ωμέγα ﬁn."
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="session")
+def stories(stories_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(stories_dir)
+
+
+@pytest.fixture(scope="session")
+def cases(stories_dir: Path) -> list[dict]:
+    return json.loads((stories_dir / "reference_outputs.json").read_text())["cases"]
+
+
+def stream(tokenizer, prompt_ids, ids, chunk=1, skip_special_tokens=True) -> tuple[str, str]:
+    """Feed `ids` `chunk` at a time, checking the text so far is always a prefix of the final
+    text; return (streamed text, decode of prompt + ids past the decode of the prompt)."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens)
+    full = tokenizer.decode([*prompt_ids, *ids], skip_special_tokens)
+    assert full.startswith(prompt_text)
+    expected = full[len(prompt_text) :]
+    out = ""
+    for start in range(0, len(ids), chunk):
+        out += detok.push(ids[start : start + chunk])
+        assert expected.startswith(out), (out, expected)
+    out += detok.finish()
+    assert out == detok.text
+    assert detok.finish() == ""
+    return out, expected
+
+
+# --- Tokenizer on the real stories260K tokenizer -------------------------------------------------
+
+
+def test_stories_settings(stories: Tokenizer) -> None:
+    assert stories.vocab_size == 512
+    assert stories.bos_token_id == 1
+    assert stories.eos_token_ids == frozenset({1, 2})  # </s>, plus BOS from generation_config
+    assert (stories.bos_token, stories.eos_token) == ("<s>", "</s>")
+    assert stories.add_bos_token
+    assert stories.all_special_ids == frozenset({0, 1, 2})
+    assert len(stories.byte_fallback_ids) == 256
+
+
+def test_encode_matches_reference_prompt_ids(stories: Tokenizer, cases: list[dict]) -> None:
+    assert len(cases) == 5
+    for case in cases:
+        assert stories.encode(case["prompt"]) == case["prompt_ids"], case["prompt"]
+        assert stories.encode(case["prompt"], add_special_tokens=False) == case["prompt_ids"][1:]
+
+
+def test_decode_matches_reference_text(stories: Tokenizer, cases: list[dict]) -> None:
+    for case in cases:
+        # The reference text is the prompt followed by the generation, BOS skipped.
+        ids = case["prompt_ids"] + case["generated_ids"]
+        assert stories.decode(ids) == case["text"]
+        assert stories.decode(case["prompt_ids"]) == case["prompt"]
+        assert stories.decode(ids, skip_special_tokens=False) == "<s> " + case["text"]
+
+
+def test_bos_is_added_once(stories_dir: Path) -> None:
+    hf = HFTokenizer.from_file(str(stories_dir / "tokenizer.json"))
+    config = {"bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+    assert Tokenizer(hf, config).encode("Once")[0] == 1
+    assert Tokenizer(hf, {**config, "add_bos_token": False}).encode("Once") == [403]
+    assert Tokenizer(hf, config).encode("<s>Once") == [1, 403]  # already there: no second
+    hf.post_processor = None  # a tokenizer.json that adds no BOS, a config that asks for it
+    assert Tokenizer(hf, config).encode("Once") == [403]
+    with_bos = Tokenizer(hf, {**config, "add_bos_token": True})
+    assert with_bos.encode("Once") == [1, 403]
+    assert with_bos.encode("<s>Once") == [1, 403]
+    assert with_bos.encode("Once", add_special_tokens=False) == [403]
+
+
+def test_eos_ids_from_generation_config(stories_dir: Path) -> None:
+    hf = HFTokenizer.from_file(str(stories_dir / "tokenizer.json"))
+    assert Tokenizer(hf, {"eos_token": "</s>"}, {"eos_token_id": 0}).eos_token_ids == {0, 2}
+    no_bos = Tokenizer(hf, {}, {"bos_token_id": 1, "eos_token_id": [2]})
+    assert (no_bos.bos_token_id, no_bos.eos_token_ids) == (1, {2})
+    with pytest.raises(ValueError, match="eos_token_id must be an int"):
+        Tokenizer(hf, {}, {"eos_token_id": ["2"]})
+    with pytest.raises(ValueError, match="add_bos_token must be true or false"):
+        Tokenizer(hf, {"add_bos_token": "yes"})
+
+
+def test_missing_or_broken_files(tmp_path: Path, stories_dir: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "tokenizer.json")):
+        Tokenizer.from_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer in {tmp_path}"):
+        load_tokenizer(tmp_path)
+    shutil.copy(stories_dir / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: invalid JSON"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_load_tokenizer_picks_the_kind(tmp_path: Path, stories_dir: Path) -> None:
+    assert isinstance(load_tokenizer(stories_dir), Tokenizer)
+    ByteTokenizer(add_bos_token=False).save(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert isinstance(loaded, ByteTokenizer)
+    assert not loaded.add_bos_token
+
+
+# --- Incremental detokenizer on stories260K ------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_detokenizer_reference_cases(stories: Tokenizer, cases: list[dict], chunk: int) -> None:
+    for case in cases:
+        out, _ = stream(stories, case["prompt_ids"], case["generated_ids"], chunk)
+        assert case["prompt"] + out == case["text"]
+
+
+def test_detokenizer_without_prompt_has_no_leading_space(stories: Tokenizer) -> None:
+    ids = stories.encode("Once upon a time", add_special_tokens=False)
+    out, expected = stream(stories, [], ids)
+    assert out == expected == "Once upon a time"
+
+
+def test_detokenizer_holds_back_partial_characters(stories: Tokenizer) -> None:
+    ids = stories.encode(MIXED_TEXT, add_special_tokens=False)
+    assert len(set(ids) & stories.byte_fallback_ids) > 20  # the text really falls back to bytes
+    detok = IncrementalDetokenizer(stories, [1])
+    deltas = [detok.push([i]) for i in ids] + [detok.finish()]
+    assert "".join(deltas) == MIXED_TEXT
+    assert not any("\ufffd" in d for d in deltas)
+    # The normalizer prepends "▁", so this is " 😀": "▁" then four byte tokens.
+    emoji = stories.encode("😀", add_special_tokens=False)
+    detok = IncrementalDetokenizer(stories, stories.encode("Hi"))
+    assert [detok.push([i]) for i in emoji] == [" ", "", "", "", ""]
+    assert detok.push(stories.encode("!", add_special_tokens=False)) == "😀 !"
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_detokenizer_mixed_text_in_context(stories: Tokenizer, chunk: int) -> None:
+    prompt = stories.encode("Lily said:")
+    ids = stories.encode(MIXED_TEXT + " The end.", add_special_tokens=False)
+    out, expected = stream(stories, prompt, ids, chunk)
+    assert out == expected == " " + MIXED_TEXT + " The end."
+
+
+@FAST
+@given(
+    prompt=st.text(max_size=12),
+    ids=st.lists(st.integers(0, 511) | st.integers(3, 258), max_size=40),
+    chunk=st.integers(1, 4),
+    skip=st.booleans(),
+)
+def test_detokenizer_random_ids(stories: Tokenizer, prompt, ids, chunk, skip) -> None:
+    # Random ids are full of stray bytes: decode() turns such runs into U+FFFD.
+    prompt_ids = stories.encode(prompt)
+    full = stories.decode(prompt_ids + ids, skip)
+    assume(full.startswith(stories.decode(prompt_ids, skip)))  # ids may rewrite a prompt's byte run
+    out, expected = stream(stories, prompt_ids, ids, chunk, skip)
+    assert out == expected
+
+
+def test_detokenizer_seeded_byte_runs(stories: Tokenizer) -> None:
+    rng = random.Random(0)
+    pieces = [stories.encode(c, add_special_tokens=False) for c in "aé😀日 ,\n"] + [[1], [2]]
+    for _ in range(200):
+        ids = [i for _ in range(rng.randint(0, 12)) for i in rng.choice(pieces)]
+        out, expected = stream(stories, [1], ids, rng.randint(1, 3))
+        assert out == expected and "\ufffd" not in out
+
+
+def test_detokenizer_push_after_finish(stories: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(stories, [1])
+    detok.finish()
+    with pytest.raises(RuntimeError, match="after finish"):
+        detok.push([403])
+
+
+# --- ByteTokenizer -------------------------------------------------------------------------------
+
+
+@FAST
+@given(text=st.text())
+def test_byte_tokenizer_round_trip(text: str) -> None:
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    assert ids[0] == ByteTokenizer.BOS_ID and all(0 <= i < 256 for i in ids[1:])
+    assert tok.decode(ids) == text
+    out, expected = stream(tok, tok.encode("x"), [*ids[1:], ByteTokenizer.EOS_ID])
+    assert out == expected == text
+
+
+@FAST
+@given(ids=st.lists(st.integers(0, ByteTokenizer.VOCAB_SIZE - 1)), chunk=st.integers(1, 3))
+def test_byte_tokenizer_random_ids(ids: list[int], chunk: int) -> None:
+    tok = ByteTokenizer()
+    for skip in (True, False):
+        out, expected = stream(tok, [ByteTokenizer.BOS_ID], ids, chunk, skip)
+        assert out == expected
+
+
+def test_byte_tokenizer_layout_and_json() -> None:
+    tok = ByteTokenizer()
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids) == (258, 256, {257})
+    assert tok.decode([256, 104, 105, 257], skip_special_tokens=False) == "<s>hi</s>"
+    assert tok.decode([256, 104, 105, 257]) == "hi"
+    assert ByteTokenizer.from_json(json.loads(json.dumps(tok.to_json()))).to_json() == tok.to_json()
+    with pytest.raises(ValueError, match="token id 258 is outside the byte vocabulary"):
+        tok.decode([258])
+    with pytest.raises(ValueError, match="vocab_size is 300, expected 258"):
+        ByteTokenizer.from_json({**tok.to_json(), "vocab_size": 300})
+    with pytest.raises(ValueError, match="type is 'bpe'"):
+        ByteTokenizer.from_json({**tok.to_json(), "type": "bpe"})
+
+
+# --- Chat templates ------------------------------------------------------------------------------
+
+TEMPLATE = """{{ bos_token }}
+{% for m in messages %}
+    {% if m.role not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('unknown role ' + m.role) }}
+    {% endif %}
+<|{{ m.role }}|>{{ m.content }}{{ eos_token }}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}"""
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_chat_template_from_config(stories_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(stories_dir / "tokenizer.json", tmp_path)
+    config = json.loads((stories_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": TEMPLATE}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(tmp_path)
+    text = tok.apply_chat_template(MESSAGES)
+    # lstrip_blocks drops the indentation before {% %}, trim_blocks the newline after it.
+    assert text == "<s>\n<|system|>Be brief.</s>\n<|user|>Hi</s>\n<|assistant|>\n"
+    assert tok.apply_chat_template(MESSAGES, add_generation_prompt=False).endswith("Hi</s>\n")
+    ids = tok.encode(text)
+    assert ids[0] == 1 and ids[1] != 1  # the template's BOS is not doubled
+    with pytest.raises(ValueError, match="chat template: unknown role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_default_chat_template(stories: Tokenizer) -> None:
+    assert stories.chat_template is None
+    expected = "system: Be brief.\nuser: Hi\nassistant: "
+    assert stories.apply_chat_template(MESSAGES) == expected
+    assert ByteTokenizer().apply_chat_template(MESSAGES) == expected
+    assert ByteTokenizer(chat_template=DEFAULT_CHAT_TEMPLATE).apply_chat_template(
+        MESSAGES, add_generation_prompt=False
+    ) == expected.removesuffix("assistant: ")
+
+
+def test_chat_template_helpers_and_sandbox() -> None:
+    dated = ByteTokenizer(chat_template="{{ strftime_now('%Y') }}{{ messages | tojson }}")
+    text = dated.apply_chat_template([{"role": "user", "content": "é"}])
+    assert text[:2] == "20" and text[4:] == '[{"role": "user", "content": "é"}]'
+    escape = ByteTokenizer(chat_template="{{ ''.__class__.__mro__ }}")
+    with pytest.raises(SecurityError):
+        escape.apply_chat_template(MESSAGES)
+
+
+@pytest.mark.parametrize(
+    ("messages", "error"),
+    [
+        ([], "non-empty list"),
+        ("hi", "non-empty list"),
+        (["hi"], r"messages\[0\] must be a dict, got str"),
+        ([{"content": "hi"}], r"messages\[0\] has no 'role'"),
+        ([{"role": "user"}], r"messages\[0\] has no 'content'"),
+        ([MESSAGES[0], {"role": 1, "content": "x"}], r"messages\[1\]\.role must be a str, got int"),
+        (
+            [{"role": "user", "content": None}],
+            r"messages\[0\]\.content must be a str, got NoneType",
+        ),
+    ],
+)
+def test_chat_messages_are_validated(messages, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        ByteTokenizer().apply_chat_template(messages)
