@@ -1,5 +1,6 @@
 """The model against Hugging Face transformers' real outputs (fixtures from make_hf_fixtures.py)."""
 
+import functools
 import json
 
 import jax
@@ -31,9 +32,14 @@ def full_logits(graphdef, state, cfg: ModelConfig, ids: list[int], dtype=jnp.flo
         seq_lens=jnp.array([n], jnp.int32),
         page_table=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
     )
+    return np.asarray(_forward_logits(graphdef, state, kv, jnp.array([ids], jnp.int32), md)[0])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_logits(graphdef, state, kv, tokens, md):
     model = nnx.merge(graphdef, state)
-    hidden, _ = model(jnp.array([ids], jnp.int32), kv, md, "reference")
-    return np.asarray(model.logits(hidden)[0])
+    hidden, _ = model(tokens, kv, md, "reference")
+    return model.logits(hidden)
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
