@@ -1,209 +1,294 @@
-"""The offline API, as vLLM's: `LLM(model, **overrides).generate(prompts, sampling_params)`.
+"""The engine: `LLMEngine.step()` = schedule -> dispatch -> (collect the previous step) -> update;
+and `LLM`, the offline API, as vLLM's.
 
-For now `generate` runs its requests as static batches (up to max_num_seqs at a time, prompts
-chunked to the prefill buckets under max_num_batched_tokens, then decoding together until all
-finish); the continuous-batching scheduler takes over this loop.
+Overlap: iteration t+1 is dispatched before iteration t's tokens are read, so the host's
+bookkeeping runs while the device computes. Tokens sampled past a stop are discarded.
 """
 
+import itertools
+import logging
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.page_pool import PagePool
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.window import BatchingWindow
 from jaxserve.request import (
     CompletionOutput,
     Logprob,
-    RequestMetrics,
+    Request,
     RequestOutput,
+    RequestStatus,
     SamplingParams,
 )
-from jaxserve.runner import ModelRunner, Row, RowResult, TokenLogprobs
+from jaxserve.runner import Inflight, ModelRunner, Samples, TokenLogprobs
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
-PromptType = str | dict[str, Any] | list[int]
-
-
-@dataclass
-class _Sequence:
-    """One request's host state in the offline loop."""
-
-    index: int
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    pages: list[int]
-    max_len: int  # stop at this many tokens (prompt + output)
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
-    num_computed: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+log = logging.getLogger("jaxserve")
+PromptType = str | dict[str, Any]
 
 
 def _logprob_dict(lp: TokenLogprobs, token: int, num_top: int) -> dict[int, Logprob]:
     out = {token: Logprob(lp.logprob, lp.rank)}
-    for rank, (tid, value) in enumerate(zip(lp.top_ids[:num_top], lp.top_logprobs[:num_top],
-                                            strict=True), start=1):
-        out.setdefault(int(tid), Logprob(float(value), rank))
+    for rank, (tid, value) in enumerate(zip(lp.top_ids[:num_top].tolist(),
+                                            lp.top_logprobs[:num_top].tolist(), strict=True), 1):
+        out.setdefault(tid, Logprob(value, rank))
     return out
 
 
-class LLM:
-    """A model loaded for offline generation. `model` is a local Hugging Face or orbax directory."""
+class _Tracker:
+    """Per-request output state kept by the engine: text, logprobs, stop strings."""
 
-    def __init__(self, model: str | Path, **overrides: Any):
+    def __init__(self, request: Request, tokenizer):
+        self.request = request
+        self.detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer,
+                                                                          request.prompt_ids)
+        self.text = ""
+        self.num_detokenized = 0
+        self.logprobs: list[dict[int, Logprob]] = []
+        n = len(request.prompt_ids)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = [None] * n
+
+
+class LLMEngine:
+    """Requests in, RequestOutputs out, one `step()` at a time."""
+
+    def __init__(self, model: str | Path, config: EngineConfig, progress: bool = False):
         self.model_path = Path(model)
         if not self.model_path.is_dir():
             raise ValueError(f"model {str(model)!r} is not a local model directory")
-        self.config = EngineConfig.from_overrides(**overrides)
+        self.config = config
         self.model_config = ModelConfig.from_hf_dir(self.model_path)
         has_tokenizer = any((self.model_path / f).is_file()
                             for f in ("tokenizer.json", "byte_tokenizer.json"))
         self.tokenizer = load_tokenizer(self.model_path) if has_tokenizer else None
-        self.runner = ModelRunner(str(self.model_path), self.model_config, self.config)
-        self.pool = PagePool(self.runner.num_pages)
-        self._rng = random.Random(self.config.seed)
-        self._eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None:
-            self._eos |= set(self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(self.model_path, self.model_config, config)
+        self.max_model_len = self.runner.max_model_len
+        max_batch = min(config.max_batch_size or config.max_num_seqs, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            num_pages=self.runner.num_pages, page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_chunk_tokens=self.runner.chunk_buckets[-1], batching=config.batching,
+            policy=config.policy, decode_steps=config.decode_steps,
+            window=BatchingWindow(config.window_ms, min(config.min_batch_size, max_batch),
+                                  max_batch))
+        log.info("KV cache: %d pages of %d tokens (%.1f MiB), at most %d tokens in flight",
+                 self.runner.num_pages - 1, config.page_size,
+                 self.runner.num_pages * self.runner.kv_bytes_per_page / 2**20,
+                 (self.runner.num_pages - 1) * config.page_size)
+        self.warmup_seconds = self.runner.warmup(progress=progress)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
+            self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._trackers: dict[str, _Tracker] = {}
+        self._inflight: tuple[SchedulerOutput, Inflight] | None = None
+        self.num_steps = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue a request; bad input is a ValueError naming the field."""
+        params = params or SamplingParams()
+        text, ids = self._prompt_ids(prompt)
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate "
+                             f"within max_model_len {limit}")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len {limit}")
+        if params.logprobs is not None and params.logprobs > self.config.max_top_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} exceeds max_top_logprobs "
+                             f"{self.config.max_top_logprobs}")
+        if params.prompt_logprobs is not None and (
+                params.prompt_logprobs > self.config.max_top_logprobs):
+            raise ValueError(f"prompt_logprobs {params.prompt_logprobs} exceeds "
+                             f"max_top_logprobs {self.config.max_top_logprobs}")
+        max_len = limit if params.max_tokens is None else len(ids) + params.max_tokens
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        request = Request(request_id, ids, params, time.monotonic() if arrival_time is None
+                          else arrival_time, seed, max_len, self.eos_token_ids, prompt=text)
+        self.scheduler.add_request(request)
+        self._trackers[request_id] = _Tracker(request, self.tokenizer)
+        return request
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+            raise ValueError("prompt must be a string or a dict with 'prompt_token_ids'")
+        ids = prompt["prompt_token_ids"]
+        vocab = self.model_config.vocab_size
+        if not isinstance(ids, list) or not ids or any(
+                not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be a non-empty list of ids in [0, {vocab})")
+        return prompt.get("prompt"), list(ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort in any state; pages are free at once. False if unknown or already finished."""
+        request = self.scheduler.abort(request_id)
+        self._trackers.pop(request_id, None)
+        return request is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Dispatch one iteration, then read the previous one; returns the requests it advanced."""
+        out = self.scheduler.schedule()
+        flight = (out, self.runner.dispatch(out)) if out.chunks else None
+        if flight is not None:
+            self.num_steps += 1
+        previous, self._inflight = self._inflight, flight
+        if previous is None:
+            if flight is None:
+                self._wait_for_window()
+            return []
+        prev_out, prev_flight = previous
+        return self._process(prev_out, self.runner.collect(prev_flight))
+
+    def _wait_for_window(self) -> None:
+        wake = self.scheduler.next_wakeup()
+        if wake is not None:
+            time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
+
+    def _process(self, out: SchedulerOutput, results: dict[str, Samples]) -> list[RequestOutput]:
+        sampled = {rid: s.tokens for rid, s in results.items()}
+        for rid, samples in results.items():
+            tracker = self._trackers.get(rid)
+            if tracker is not None and samples.prompt_logprobs is not None:
+                self._record_prompt_logprobs(tracker, samples)
+        touched = self.scheduler.update(out, sampled)
+        outputs = []
+        for request in touched:
+            tracker = self._trackers.get(request.request_id)
+            if tracker is None:
+                continue
+            self._record_logprobs(tracker, results[request.request_id])
+            self._detokenize(tracker)
+            outputs.append(self._output(tracker))
+            if request.status.finished:
+                del self._trackers[request.request_id]
+        return outputs
+
+    def _record_prompt_logprobs(self, tracker: _Tracker, samples: Samples) -> None:
+        request, num_top = tracker.request, tracker.request.params.prompt_logprobs
+        for j, lp in enumerate(samples.prompt_logprobs):
+            pos = samples.prompt_start + 1 + j
+            tracker.prompt_logprobs[pos] = _logprob_dict(lp, request.prompt_ids[pos], num_top)
+
+    def _record_logprobs(self, tracker: _Tracker, samples: Samples) -> None:
+        request = tracker.request
+        if samples.logprobs is None:
+            return
+        new = request.output_ids[len(tracker.logprobs):]
+        for token, lp in zip(new, samples.logprobs, strict=False):
+            tracker.logprobs.append(_logprob_dict(lp, token, request.params.logprobs))
+
+    def _detokenize(self, tracker: _Tracker) -> None:
+        """New text, and stop strings: the text ends before the stop string."""
+        request = tracker.request
+        if tracker.detok is None:
+            return
+        ids = request.output_ids
+        new_ids = ids[tracker.num_detokenized:]
+        tracker.num_detokenized = len(ids)
+        if request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None:
+            new_ids = new_ids[:-1]  # the EOS token is not text
+        before = len(tracker.text)
+        tracker.text += tracker.detok.push(new_ids)
+        if request.status.finished:
+            tracker.text += tracker.detok.finish()
+        stops = request.params.stop
+        if not stops:
+            return
+        longest = max(len(s) for s in stops)
+        search_from = max(0, before - longest + 1)
+        hits = [(i, s) for s in stops if (i := tracker.text.find(s, search_from)) >= 0]
+        if hits:
+            index, stop = min(hits)
+            tracker.text = tracker.text[:index]
+            if not request.status.finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, stop)
+            else:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+
+    def _output(self, tracker: _Tracker) -> RequestOutput:
+        request = tracker.request
+        finished = request.status.finished
+        text = tracker.text
+        if not finished and request.params.stop:
+            # hold back what could still become a stop string
+            text = text[:max(0, len(text) - max(len(s) for s in request.params.stop) + 1)]
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(request.output_ids),
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason,
+            logprobs=tracker.logprobs if request.params.logprobs is not None else None)
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt,
+            prompt_token_ids=request.prompt_ids, outputs=[completion], finished=finished,
+            prompt_logprobs=(tracker.prompt_logprobs
+                             if request.params.prompt_logprobs is not None else None),
+            metrics=request.metrics)
+
+    def stats(self) -> dict[str, Any]:
+        return self.scheduler.stats() | {
+            "num_steps": self.num_steps,
+            "num_compilations_after_warmup": self.runner.num_compilations_after_warmup,
+            "warmup_seconds": self.warmup_seconds,
+        }
+
+
+class LLM:
+    """A model loaded for offline generation, as vLLM's `LLM`."""
+
+    def __init__(self, model: str | Path, **overrides: Any):
+        self.engine = LLMEngine(model, EngineConfig.from_overrides(**overrides))
 
     def get_tokenizer(self):
-        return self.tokenizer
+        return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in input order."""
+        from tqdm import tqdm
+
+        if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        arrival = time.time()
-        seqs = [self._new_sequence(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
-        for start in range(0, len(seqs), self.config.max_num_seqs):
-            self._run_batch(seqs[start:start + self.config.max_num_seqs])
-        return [self._output(s, arrival) for s in seqs]
-
-    def _new_sequence(self, index: int, prompt: PromptType, params: SamplingParams) -> _Sequence:
-        text = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as token ids")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt_token_ids'")
-            ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
-        else:
-            ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        if not ids or any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids must be a non-empty list of ids in [0, {vocab})")
-        limit = self.runner.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit}")
-        max_len = limit if params.max_tokens is None else min(limit, len(ids) + params.max_tokens)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        return _Sequence(index, text, ids, params, seed, [], max_len)
-
-    def _run_batch(self, batch: list[_Sequence]) -> None:
-        for seq in batch:
-            pages = self.pool.allocate(-(-seq.max_len // self.runner.page_size))
-            if pages is None:
-                raise ValueError(f"not enough KV pages for a batch of {len(batch)}: lower "
-                                 "max_num_seqs or max_tokens, or raise num_pages")
-            seq.pages = pages
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} "
+                             "prompts")
+        ids = []
         try:
-            while any(s.finish_reason is None for s in batch):
-                self._step([s for s in batch if s.finish_reason is None])
-        finally:
-            for seq in batch:
-                self.pool.free(seq.pages)
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(None, prompt, p).request_id)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
 
-    def _step(self, running: list[_Sequence]) -> None:
-        """Prefill chunks under the token budget, else one decode step for everyone."""
-        prefilling = [s for s in running if s.num_computed < len(s.prompt_ids)]
-        if prefilling:
-            budget, chosen = self.config.max_num_batched_tokens, []
-            chunk_cap = self.config.prefill_chunk_sizes[-1]
-            for seq in prefilling:
-                n = min(len(seq.prompt_ids) - seq.num_computed, chunk_cap, budget)
-                if n <= 0:
-                    break
-                chosen.append((seq, n))
-                budget -= n
-        else:
-            chosen = [(s, 1) for s in running]
-        rows = [self._row(seq, n) for seq, n in chosen]
-        for (seq, n), result in zip(chosen, self.runner.execute(rows), strict=True):
-            self._advance(seq, n, result)
-
-    def _row(self, seq: _Sequence, n: int) -> Row:
-        ids = seq.all_ids
-        start = seq.num_computed
-        targets = None
-        if seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids):
-            targets = ids[start + 1:start + n + 1]
-        p = seq.params
-        return Row(ids[start:start + n], start, seq.pages, p.temperature, p.top_k, p.top_p,
-                   seq.seed, targets)
-
-    def _advance(self, seq: _Sequence, n: int, result: RowResult) -> None:
-        p = seq.params
-        if result.prompt_logprobs is not None:
-            if seq.num_computed == 0:
-                seq.prompt_logprobs.append(None)  # the first prompt token has no logprob
-            for lp, target in zip(result.prompt_logprobs, seq.prompt_ids[seq.num_computed + 1:],
-                                  strict=False):
-                seq.prompt_logprobs.append(_logprob_dict(lp, target, p.prompt_logprobs))
-        seq.num_computed += n
-        if seq.num_computed < len(seq.prompt_ids):
-            return  # mid-prompt: the sampled token is not used
-        token = result.token
-        seq.output_ids.append(token)
-        if p.logprobs is not None:
-            seq.logprobs.append(_logprob_dict(result.logprobs, token, p.logprobs))
-        if token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif token in self._eos and not p.ignore_eos:
-            seq.finish_reason = "stop"
-        elif len(seq.all_ids) >= seq.max_len:
-            seq.finish_reason = "length"
-
-    def _output(self, seq: _Sequence, arrival: float) -> RequestOutput:
-        ids = seq.output_ids
-        if seq.finish_reason == "stop" and seq.stop_reason is None and ids and ids[-1] in self._eos:
-            text_ids = ids[:-1]
-        else:
-            text_ids = ids
-        text = ""
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
-            text = detok.push(text_ids) + detok.finish()
-        completion = CompletionOutput(0, text, ids, seq.finish_reason, seq.stop_reason,
-                                      seq.logprobs if seq.params.logprobs is not None else None)
-        return RequestOutput(
-            request_id=str(seq.index), prompt=seq.prompt, prompt_token_ids=seq.prompt_ids,
-            outputs=[completion], finished=True,
-            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
-            metrics=RequestMetrics(arrival_time=arrival, finished_time=time.time()),
-        )
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "kv_pages_total": self.pool.num_usable,
-            "kv_pages_free": self.pool.num_free,
-            "num_compilations_after_warmup": self.runner.num_compilations,
-        }
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()

@@ -1,5 +1,6 @@
 """What a user asks for and what they get back: SamplingParams, RequestOutput (a leaf module)."""
 
+import enum
 from dataclasses import dataclass, field
 
 
@@ -87,3 +88,86 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, nothing computed (or preempted: everything to recompute)
+    RUNNING = "running"  # holds a slot and pages
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED}
+# The allowed transitions, in one place. RUNNING -> WAITING is a preemption.
+_TRANSITIONS = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, *_FINISHED},
+    RequestStatus.RUNNING: {RequestStatus.WAITING, *_FINISHED},
+}
+
+
+class Request:
+    """A request's host state. Tokens are counted as vLLM V1 does: computed vs total.
+
+    `num_computed_tokens` counts tokens whose K/V a dispatched step writes; `num_pending` counts
+    tokens sampled by dispatched steps that the host has not read yet (they feed the next step on
+    the device). A decoding request has total - computed == 1: its newest token is the next input.
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 arrival_time: float, seed: int, max_len: int, eos_token_ids: frozenset[int],
+                 prompt: str | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.seed = seed
+        self.max_len = max_len  # prompt + output tokens at most
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids
+        )
+        self.output_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_pending = 0
+        self.pages: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that exist or will once pending ones are read: prompt + output + pending."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_to_compute(self) -> int:
+        """1 for a decoding request; more while (re)computing the prompt or after a preemption."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Output tokens it may still produce."""
+        return self.max_len - self.num_tokens
+
+    def set_status(self, new: RequestStatus) -> None:
+        if new not in _TRANSITIONS.get(self.status, ()):
+            raise ValueError(f"request {self.request_id}: {self.status.value} -> {new.value} "
+                             "is not an allowed transition")
+        self.status = new

@@ -1,42 +1,55 @@
-"""The only place that touches both worlds: host rows in, padded device arrays, packed results out.
+"""The only place that touches both worlds: a SchedulerOutput in, padded device arrays, tokens out.
 
-A step is a list of rows, one per sequence: C tokens starting at a position, with the sequence's
-pages. Rows are padded to a bucket (B rows x C tokens) so every shape is compiled once:
+An iteration dispatches at most two jitted calls: the decode rows (one token each, `decode_steps`
+steps in one dispatch) and the prompt chunks. Rows are padded to buckets so every shape is
+compiled once, at start-up:
 
-    rows:    [seq 7: 5 tokens @ 0] [seq 2: 1 token @ 40] [seq 9: 3 tokens @ 16]
-    bucket:  B = 4 rows (power of two), C = smallest prefill chunk size >= 5 (or 1 if all decode)
+    decode:  B = smallest row bucket >= rows (powers of two up to max_num_seqs), C = 1
+    prefill: B as above, C = smallest prefill_chunk_sizes entry >= the longest chunk
+
+`dispatch` returns at once (the device runs on, the packed results start copying to the host);
+`collect` waits for them. The engine dispatches iteration t+1 before collecting iteration t.
 """
 
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import monitoring
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_compilations = 0
 
 
-@dataclass(frozen=True)
-class Row:
-    """One sequence's share of a step."""
+def _count_compiles(event: str, duration: float, **_) -> None:
+    global _compilations
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compilations += 1
 
-    token_ids: list[int]
-    start: int  # position of token_ids[0]
-    page_ids: list[int]  # the sequence's pages, covering start + len(token_ids) tokens
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    seed: int = 0
-    prompt_targets: list[int] | None = None  # next prompt tokens, for prompt logprobs
+
+monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache (every compile cached), so restarts are fast."""
+    cache = path or os.environ.get("JAXSERVE_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxserve" / "xla")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @dataclass(frozen=True)
@@ -47,22 +60,32 @@ class TokenLogprobs:
     top_logprobs: np.ndarray  # [K] float32
 
 
-@dataclass(frozen=True)
-class RowResult:
-    token: int
-    logprobs: TokenLogprobs
-    prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt target
-
-
 def _unpack(packed: np.ndarray) -> TokenLogprobs:
     """[2 + 2K] int32 (logprob bits, rank, top ids, top bits) -> TokenLogprobs."""
     k = (packed.shape[-1] - 2) // 2
-    return TokenLogprobs(
-        logprob=float(packed[0:1].view(np.float32)[0]),
-        rank=int(packed[1]),
-        top_ids=packed[2:2 + k],
-        top_logprobs=packed[2 + k:].view(np.float32),
-    )
+    return TokenLogprobs(float(packed[0:1].view(np.float32)[0]), int(packed[1]),
+                         packed[2:2 + k], packed[2 + k:].view(np.float32))
+
+
+@dataclass
+class Samples:
+    """What one request got from one iteration."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # when the request asked for logprobs
+    prompt_start: int = 0  # prompt_logprobs[j] is for the prompt token at prompt_start + 1 + j
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class Inflight:
+    """One dispatched iteration whose results have not been read yet."""
+
+    decode_chunks: list[ScheduledChunk] = field(default_factory=list)
+    decode_packed: jax.Array | None = None  # [steps, B, W]
+    prefill_chunks: list[ScheduledChunk] = field(default_factory=list)
+    prefill_packed: jax.Array | None = None  # [B, W]
+    prompt_packed: jax.Array | None = None  # [B, C, W - 1]
 
 
 def _bucket(n: int, sizes: tuple[int, ...], what: str) -> int:
@@ -75,13 +98,15 @@ def _bucket(n: int, sizes: tuple[int, ...], what: str) -> int:
 class ModelRunner:
     """Owns the weights, the KV pages and the jitted step functions."""
 
-    def __init__(self, model_path: str | None, model_config: ModelConfig, config: EngineConfig):
+    def __init__(self, model_path: str | Path | None, model_config: ModelConfig,
+                 config: EngineConfig):
         self.model_config = model_config
         self.config = config
         self.max_model_len = config.resolve_max_model_len(model_config)
-        self.dtype = _DTYPES[model_config.dtype if config.dtype == "auto" else config.dtype]
+        self.dtype = DTYPES[model_config.dtype if config.dtype == "auto" else config.dtype]
         self.backend = jax.default_backend()
         self.attention_impl = resolve_attention_impl(config.attention_impl, self.backend)
+        enable_compilation_cache(config.compilation_cache_dir)
         self.graphdef, self.state = load_state(model_path, model_config, self.dtype,
                                                config.load_format, config.seed)
         self.page_size = config.page_size
@@ -90,59 +115,126 @@ class ModelRunner:
         m = model_config
         self.kv = KVCache.zeros(m.num_layers, self.num_pages, self.page_size, m.num_kv_heads,
                                 m.head_dim, self.dtype)
-        self.fns = make_step_fns(self.graphdef, self.attention_impl, config.max_top_logprobs)
         self.row_buckets = tuple(2**i for i in range(math.ceil(math.log2(config.max_num_seqs)) + 1))
-        self.chunk_buckets = (1, *config.prefill_chunk_sizes)
-        self.num_compilations = 0
-        self._seen_shapes: set[tuple] = set()
+        self.chunk_buckets = tuple(c for c in config.prefill_chunk_sizes if c <= self.max_model_len)
+        self.carry_size = self.row_buckets[-1]
+        self.fns = make_step_fns(self.graphdef, self.attention_impl, config.max_top_logprobs,
+                                 self.carry_size)
+        self._zeros = jnp.zeros((self.carry_size,), jnp.int32)
+        self._carries = (self._zeros, self._zeros)
+        self._carry_rows: dict[str, int] = {}  # request id -> index into the two carries
+        self._compiles_at_warmup = _compilations
 
-    def _pages_that_fit(self) -> int:
-        m = self.model_config
-        per_page = KVCache.bytes_per_page(m.num_layers, self.page_size, m.num_kv_heads,
-                                          m.head_dim, self.dtype)
-        stats = jax.devices()[0].memory_stats() if self.backend == "gpu" else None
-        if stats:
-            free = stats["bytes_limit"] - stats["bytes_in_use"]
-        else:
-            free = self.config.kv_cache_bytes_cpu
-        pages = int(free * self.config.kv_cache_memory_fraction) // per_page
-        if pages < 2:
-            raise ValueError(f"no room for the KV cache: {free} bytes free, {per_page} per page")
-        return pages
+    @property
+    def num_compilations_after_warmup(self) -> int:
+        return _compilations - self._compiles_at_warmup
 
     @property
     def weight_bytes(self) -> int:
         return state_bytes(self.state)
 
-    def execute(self, rows: list[Row]) -> list[RowResult]:
-        """Run one step over `rows` and return each row's sampled token (synchronously)."""
-        if not rows:
-            return []
-        b = _bucket(len(rows), self.row_buckets, "rows")
-        c = _bucket(max(len(r.token_ids) for r in rows), self.chunk_buckets, "chunk length")
-        with_prompt = any(r.prompt_targets is not None for r in rows)
-        tokens, md, sm, targets = self._arrays(rows, b, c, with_prompt)
-        shape_key = (b, c, with_prompt)
-        if shape_key not in self._seen_shapes:
-            self._seen_shapes.add(shape_key)
-            self.num_compilations += 1
-        if with_prompt:
-            packed, prompt, self.kv = self.fns.step_with_prompt_logprobs(
-                self.state, self.kv, tokens, md, sm, targets)
-            packed, prompt = jax.device_get((packed, prompt))
-        else:
-            packed, self.kv = self.fns.step(self.state, self.kv, tokens, md, sm)
-            packed, prompt = jax.device_get(packed), None
-        results = []
-        for i, row in enumerate(rows):
-            prompt_lps = None
-            if row.prompt_targets is not None:
-                prompt_lps = [_unpack(prompt[i, j]) for j in range(len(row.prompt_targets))]
-            results.append(RowResult(int(packed[i, 0]), _unpack(packed[i, 1:]), prompt_lps))
+    @property
+    def kv_bytes_per_page(self) -> int:
+        m = self.model_config
+        return KVCache.bytes_per_page(m.num_layers, self.page_size, m.num_kv_heads, m.head_dim,
+                                      self.dtype)
+
+    def _pages_that_fit(self) -> int:
+        stats = jax.devices()[0].memory_stats() if self.backend == "gpu" else None
+        free = stats["bytes_limit"] - stats["bytes_in_use"] if stats else (
+            self.config.kv_cache_bytes_cpu)
+        pages = int(free * self.config.kv_cache_memory_fraction) // self.kv_bytes_per_page
+        if pages < 2:
+            raise ValueError(f"no room for the KV cache: {free} bytes free, "
+                             f"{self.kv_bytes_per_page} per page")
+        return pages
+
+    # -- one iteration -----------------------------------------------------------------------
+
+    def dispatch(self, out: SchedulerOutput) -> Inflight:
+        """Start the iteration's device work and return without waiting for it."""
+        flight = Inflight(decode_chunks=[c for c in out.chunks if c.num_tokens == 1],
+                          prefill_chunks=[c for c in out.chunks if c.num_tokens > 1])
+        carries, carry_rows = [self._zeros, self._zeros], {}
+        if flight.decode_chunks:
+            flight.decode_packed, carries[0] = self._dispatch_decode(flight.decode_chunks,
+                                                                     out.decode_steps)
+            carry_rows |= {c.request.request_id: i for i, c in enumerate(flight.decode_chunks)}
+        if flight.prefill_chunks:
+            flight.prefill_packed, flight.prompt_packed, carries[1] = self._dispatch_prefill(
+                flight.prefill_chunks)
+            carry_rows |= {c.request.request_id: self.carry_size + i
+                           for i, c in enumerate(flight.prefill_chunks) if c.num_samples}
+        self._carries, self._carry_rows = tuple(carries), carry_rows
+        for array in (flight.decode_packed, flight.prefill_packed, flight.prompt_packed):
+            if array is not None:
+                array.copy_to_host_async()
+        return flight
+
+    def collect(self, flight: Inflight) -> dict[str, Samples]:
+        """Wait for an iteration's results: the tokens each request sampled."""
+        results: dict[str, Samples] = {}
+        if flight.decode_packed is not None:
+            packed = np.asarray(flight.decode_packed)  # [steps, B, W]
+            for i, chunk in enumerate(flight.decode_chunks):
+                results[chunk.request.request_id] = self._samples(chunk, packed[:, i])
+        if flight.prefill_packed is not None:
+            packed = np.asarray(flight.prefill_packed)  # [B, W]
+            prompt = None if flight.prompt_packed is None else np.asarray(flight.prompt_packed)
+            for i, chunk in enumerate(flight.prefill_chunks):
+                samples = self._samples(chunk, packed[i:i + 1])
+                if prompt is not None and chunk.request.params.prompt_logprobs is not None:
+                    n = min(chunk.num_tokens, len(chunk.request.prompt_ids) - 1 - chunk.start)
+                    samples.prompt_start = chunk.start
+                    samples.prompt_logprobs = [_unpack(prompt[i, j]) for j in range(max(n, 0))]
+                results[chunk.request.request_id] = samples
         return results
 
-    def _arrays(self, rows: list[Row], b: int, c: int, with_prompt: bool):
+    @staticmethod
+    def _samples(chunk: ScheduledChunk, packed: np.ndarray) -> Samples:  # packed [steps, W]
+        rows = packed[:chunk.num_samples]
+        logprobs = None
+        if chunk.request.params.logprobs is not None:
+            logprobs = [_unpack(row[1:]) for row in rows]
+        return Samples(tokens=rows[:, 0].tolist(), logprobs=logprobs)
+
+    def _dispatch_decode(self, chunks: list[ScheduledChunk], steps: int):
+        b = _bucket(len(chunks), self.row_buckets, "decode rows")
+        host = np.zeros((b,), np.int32)
+        src = np.full((b,), -1, np.int32)
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            if chunk.start < len(request.prompt_ids) + len(request.output_ids):
+                host[i] = request.all_ids[chunk.start]
+            else:  # sampled by the previous iteration, still on the device
+                src[i] = self._carry_rows[request.request_id]
+        md, sm = self._metadata(chunks, b, 1)
+        packed, carry, self.kv = self.fns.decode(self.state, self.kv, host, src, *self._carries,
+                                                 md, sm, steps=steps)
+        return packed, carry
+
+    def _dispatch_prefill(self, chunks: list[ScheduledChunk]):
+        b = _bucket(len(chunks), self.row_buckets, "prefill rows")
+        c = _bucket(max(ch.num_tokens for ch in chunks), self.chunk_buckets, "chunk length")
         tokens = np.zeros((b, c), np.int32)
+        targets = np.zeros((b, c), np.int32)
+        with_prompt = False
+        for i, chunk in enumerate(chunks):
+            ids = chunk.request.all_ids
+            tokens[i, :chunk.num_tokens] = ids[chunk.start:chunk.start + chunk.num_tokens]
+            if chunk.request.params.prompt_logprobs is not None:
+                with_prompt = True
+                nxt = ids[chunk.start + 1:chunk.start + chunk.num_tokens + 1]
+                targets[i, :len(nxt)] = nxt
+        md, sm = self._metadata(chunks, b, c)
+        if with_prompt:
+            packed, prompt, carry, self.kv = self.fns.prefill_with_prompt_logprobs(
+                self.state, self.kv, tokens, md, sm, targets)
+            return packed, prompt, carry
+        packed, carry, self.kv = self.fns.prefill(self.state, self.kv, tokens, md, sm)
+        return packed, None, carry
+
+    def _metadata(self, chunks: list[ScheduledChunk], b: int, c: int):
         positions = np.zeros((b, c), np.int32)
         query_lens = np.zeros((b,), np.int32)
         page_table = np.zeros((b, self.pages_per_seq), np.int32)
@@ -150,40 +242,67 @@ class ModelRunner:
         top_k = np.full((b,), self.model_config.vocab_size, np.int32)
         top_p = np.ones((b,), np.float32)
         seeds = np.zeros((b,), np.uint32)
-        targets = np.zeros((b, c), np.int32)
-        for i, row in enumerate(rows):
-            n = len(row.token_ids)
-            if row.start + n > self.max_model_len:
-                raise ValueError(f"row reaches position {row.start + n}, beyond max_model_len "
-                                 f"{self.max_model_len}")
-            if len(row.page_ids) * self.page_size < row.start + n:
-                raise ValueError(f"row's {len(row.page_ids)} pages hold fewer than the "
-                                 f"{row.start + n} tokens it reaches")
-            tokens[i, :n] = row.token_ids
-            positions[i] = row.start + np.arange(c)
-            query_lens[i] = n
-            page_table[i, :len(row.page_ids)] = row.page_ids
-            temperature[i] = row.temperature
-            if row.top_k is not None:
-                top_k[i] = row.top_k
-            top_p[i] = row.top_p
-            seeds[i] = row.seed % 2**32
-            if row.prompt_targets is not None:
-                targets[i, :len(row.prompt_targets)] = row.prompt_targets
+        for i, chunk in enumerate(chunks):
+            request, p = chunk.request, chunk.request.params
+            positions[i] = chunk.start + np.arange(c)
+            query_lens[i] = chunk.num_tokens
+            page_table[i, :len(request.pages)] = request.pages
+            temperature[i] = p.temperature
+            top_k[i] = p.top_k or self.model_config.vocab_size
+            top_p[i] = p.top_p
+            seeds[i] = request.seed % 2**32
         seq_lens = positions[:, 0] + query_lens
         md = AttentionMetadata(positions=positions, query_lens=query_lens, seq_lens=seq_lens,
                                page_table=page_table)
         sm = SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds,
                               positions=seq_lens)
-        return tokens, md, sm, targets if with_prompt else None
+        return md, sm
 
-    def warmup(self) -> float:
-        """Compile every (rows, chunk) bucket once; returns the seconds it took."""
+    # -- start-up ----------------------------------------------------------------------------
+
+    def warmup(self, progress: bool = False) -> float:
+        """Compile every bucket the engine can use; returns the seconds it took."""
+        from tqdm import tqdm
+
         start = time.perf_counter()
-        for b in self.row_buckets:
-            for c in self.chunk_buckets:
-                if b * c > max(self.config.max_num_batched_tokens, b) or c > self.max_model_len:
-                    continue
-                self.execute([Row(token_ids=[0] * c, start=0, page_ids=[0])] * b)
-        self.num_compilations = 0
+        shapes = [("decode", b, 1, k) for b in self.row_buckets
+                  for k in sorted({1, self.config.decode_steps})]
+        shapes += [(kind, b, c, 1) for kind in ("prefill", "prompt")
+                   for b, c in self._prefill_buckets()]
+        for kind, b, c, steps in tqdm(shapes, desc="compiling", disable=not progress):
+            self._warm(kind, b, c, steps)
+        jax.block_until_ready(self.kv)
+        self._compiles_at_warmup = _compilations
         return time.perf_counter() - start
+
+    def _prefill_buckets(self) -> list[tuple[int, int]]:
+        """The (rows, chunk) buckets a budget-bound prefill can land in: the longest chunk is
+        past the previous chunk bucket, the other rows past the previous row bucket, and every
+        prompt chunk is at least 2 tokens (a 1-token row is a decode row)."""
+        budget = self.config.max_num_batched_tokens
+        out = []
+        for ci, c in enumerate(self.chunk_buckets):
+            longest = max(2, self.chunk_buckets[ci - 1] + 1 if ci else 2)
+            for bi, b in enumerate(self.row_buckets):
+                rows = self.row_buckets[bi - 1] + 1 if bi else 1
+                if longest + 2 * (rows - 1) <= budget:
+                    out.append((b, c))
+        return out
+
+    def _warm(self, kind: str, b: int, c: int, steps: int) -> None:
+        md = AttentionMetadata(positions=np.zeros((b, c), np.int32), query_lens=np.zeros((b,), np.int32),
+                               seq_lens=np.zeros((b,), np.int32),
+                               page_table=np.zeros((b, self.pages_per_seq), np.int32))
+        sm = SamplingMetadata(np.zeros((b,), np.float32), np.ones((b,), np.int32),
+                              np.ones((b,), np.float32), np.zeros((b,), np.uint32),
+                              np.zeros((b,), np.int32))
+        tokens = np.zeros((b, c), np.int32)
+        if kind == "decode":
+            src = np.full((b,), -1, np.int32)
+            _, _, self.kv = self.fns.decode(self.state, self.kv, tokens[:, 0], src, self._zeros,
+                                            self._zeros, md, sm, steps=steps)
+        elif kind == "prefill":
+            _, _, self.kv = self.fns.prefill(self.state, self.kv, tokens, md, sm)
+        else:
+            *_, self.kv = self.fns.prefill_with_prompt_logprobs(self.state, self.kv, tokens, md,
+                                                                sm, tokens)

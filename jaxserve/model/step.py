@@ -1,11 +1,19 @@
 """The device step as pure functions of (weights state, KV pages, step arrays).
 
-`make_step_fns` closes over the static parts (graph, attention impl, top-logprob count) and
-returns jitted functions with the KV cache donated: callers rebind the returned cache.
+`make_step_fns` closes over the static parts (graph, attention impl, top-logprob count, carry
+size) and returns jitted functions with the KV cache donated: callers rebind the returned cache.
+
+Every function also returns `next_tokens [M]`, the last token each row sampled (padded to the
+largest row bucket M). The next decode step takes the previous iteration's two carries and
+gathers its input tokens from them on the device, so the host never waits for a token before
+dispatching the step that consumes it:
+
+    carries = [decode carry | prefill carry]   [2M]
+    tokens[b] = carries[src[b]] if src[b] >= 0 else host_tokens[b]
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -17,35 +25,58 @@ from jaxserve.model.sampler import SamplingMetadata, sample, token_logprobs
 
 @dataclass(frozen=True)
 class StepFns:
-    # (state, kv, tokens [B, C], md, sm) -> (packed [B, W], kv)
-    step: Callable
-    # (state, kv, tokens [B, C], md, sm, targets [B, C]) -> (packed [B, W], prompt [B, C, W-1], kv)
-    step_with_prompt_logprobs: Callable
+    # (state, kv, tokens [B, C], md, sm) -> (packed [B, W], next_tokens [M], kv)
+    prefill: Callable
+    # (state, kv, tokens [B, C], md, sm, targets [B, C]) -> (packed, prompt [B, C, W-1], next, kv)
+    prefill_with_prompt_logprobs: Callable
+    # (state, kv, host_tokens [B], src [B], carry0 [M], carry1 [M], md, sm, steps)
+    #   -> (packed [steps, B, W], next_tokens [M], kv)
+    decode: Callable
 
 
-def make_step_fns(graphdef: nnx.GraphDef, attention_impl: str, num_top: int) -> StepFns:
-    def forward(state, kv: KVCache, tokens, md: AttentionMetadata):
+def make_step_fns(graphdef: nnx.GraphDef, attention_impl: str, num_top: int,
+                  carry_size: int) -> StepFns:
+    def pad(tokens):  # [B] -> [M]
+        return jnp.zeros((carry_size,), jnp.int32).at[:tokens.shape[0]].set(tokens)
+
+    def chunk_forward(state, kv: KVCache, tokens, md: AttentionMetadata, sm: SamplingMetadata):
         model = nnx.merge(graphdef, state)
         hidden, kv = model(tokens, kv, md, attention_impl)
-        return model, hidden, kv
-
-    def last_token_sample(model, hidden, md: AttentionMetadata, sm: SamplingMetadata):
         last = jnp.maximum(md.query_lens - 1, 0)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
-        return sample(model.logits(h), sm, num_top)
+        packed = sample(model.logits(h), sm, num_top)
+        return model, hidden, packed, kv
 
-    def step(state, kv, tokens, md, sm):
-        model, hidden, kv = forward(state, kv, tokens, md)
-        return last_token_sample(model, hidden, md, sm), kv
+    def prefill(state, kv, tokens, md, sm):
+        _, _, packed, kv = chunk_forward(state, kv, tokens, md, sm)
+        return packed, pad(packed[:, 0]), kv
 
-    def step_with_prompt_logprobs(state, kv, tokens, md, sm, targets):
-        model, hidden, kv = forward(state, kv, tokens, md)
+    def prefill_with_prompt_logprobs(state, kv, tokens, md, sm, targets):
+        model, hidden, packed, kv = chunk_forward(state, kv, tokens, md, sm)
         b, c = tokens.shape
         logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1).reshape(b * c, -1)
         prompt = token_logprobs(logprobs, targets.reshape(-1), num_top).reshape(b, c, -1)
-        return last_token_sample(model, hidden, md, sm), prompt, kv
+        return packed, prompt, pad(packed[:, 0]), kv
+
+    def decode(state, kv, host_tokens, src, carry0, carry1, md, sm, steps):
+        carries = jnp.concatenate([carry0, carry1])
+        tokens = jnp.where(src >= 0, carries[jnp.maximum(src, 0)], host_tokens)
+        model = nnx.merge(graphdef, state)
+
+        def one_step(carry, _):
+            tokens, kv, md, sm = carry
+            hidden, kv = model(tokens[:, None], kv, md, attention_impl)
+            packed = sample(model.logits(hidden[:, 0]), sm, num_top)
+            md = replace(md, positions=md.positions + 1, seq_lens=md.seq_lens + md.query_lens)
+            sm = replace(sm, positions=sm.positions + 1)
+            return (packed[:, 0], kv, md, sm), packed
+
+        (last, kv, _, _), packed = jax.lax.scan(one_step, (tokens, kv, md, sm), None,
+                                                length=steps)
+        return packed, pad(last), kv
 
     return StepFns(
-        step=jax.jit(step, donate_argnums=(1,)),
-        step_with_prompt_logprobs=jax.jit(step_with_prompt_logprobs, donate_argnums=(1,)),
+        prefill=jax.jit(prefill, donate_argnums=(1,)),
+        prefill_with_prompt_logprobs=jax.jit(prefill_with_prompt_logprobs, donate_argnums=(1,)),
+        decode=jax.jit(decode, donate_argnums=(1,), static_argnames=("steps",)),
     )

@@ -1,0 +1,244 @@
+"""The host scheduler: which requests run each iteration and how many tokens each (vLLM V1's rule).
+
+There is no prefill or decode phase: a request has computed tokens and total tokens, and every
+iteration hands out tokens under `max_num_batched_tokens`: running decodes first, then running
+prompt chunks, then waiting requests in policy order, each prompt chunked to what the budget
+leaves. The batching mode only changes admission:
+
+    continuous  join free slots every iteration (the window may gate it: the two-layer strategy)
+    dynamic     a batch forms in the window (up to max_batch_size) and runs to completion
+    static      a batch of up to max_batch_size runs to completion; nothing joins until it ends
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from jaxserve.core.kv_manager import KVCacheManager
+from jaxserve.core.page_pool import PagePool
+from jaxserve.core.policies import Policy, make_policy
+from jaxserve.core.window import BatchingWindow
+from jaxserve.request import Request, RequestStatus
+
+BATCHING_MODES = ("static", "dynamic", "continuous")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's row in a step: `num_tokens` fed from position `start`."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    num_samples: int  # tokens the row samples: 0 mid-prompt, else 1 (or decode_steps)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    decode_steps: int = 1  # decode rows run this many steps in one dispatch
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_chunk_tokens: int,
+                 batching: str = "continuous", policy: str | Policy = "fcfs",
+                 window: BatchingWindow | None = None, decode_steps: int = 1,
+                 clock: Callable[[], float] = time.monotonic):
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {batching!r}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({max_num_seqs}) so every running request can decode")
+        self.kv = KVCacheManager(PagePool(num_pages), page_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_chunk_tokens = max_chunk_tokens
+        self.batching = batching
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.window = window or BatchingWindow(max_batch_size=max_num_seqs)
+        self.decode_steps = decode_steps
+        self.clock = clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.num_preemptions = 0
+        self._batch: set[str] = set()  # static/dynamic: the batch running to completion
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort in any state; its pages are free at once. None if unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request: Request, status: RequestStatus,
+               stop_reason: int | str | None = None) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.kv.free(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.set_status(status)
+        request.stop_reason = stop_reason
+        request.metrics.finished_time = self.clock()
+        self.requests.pop(request.request_id, None)
+        self._batch.discard(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one iteration ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        admissible = self._admissible(now)
+        running = self.policy.order(self.running, now)
+        # a request whose pending tokens reach max_len only waits for update() to finish it
+        decoding = [r for r in running if r.num_to_compute == 1 and r.remaining_tokens > 0]
+        chunking = [r for r in running if r.num_to_compute > 1]
+        will_admit = bool(admissible) and len(running) < self.max_num_seqs
+        # several decode steps per dispatch only when nobody waits to join and every row can
+        # take them all (so K is 1 or decode_steps: two compiled shapes, no overshoot)
+        if (self.decode_steps > 1 and decoding and not chunking and not will_admit
+                and all(r.remaining_tokens >= self.decode_steps for r in decoding)):
+            out.decode_steps = self.decode_steps
+        queue = decoding + chunking  # decodes first: they must never be starved by chunks
+        while queue and budget > 0:
+            request = queue.pop(0)
+            n = self._chunk(request, budget)
+            if n == 0:
+                continue
+            positions = out.decode_steps if n == 1 else n
+            while self.kv.allocate(request, positions) is None:
+                victim = self.policy.victim([request, *queue], now)
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+                queue.remove(victim)
+            if request.status == RequestStatus.RUNNING:
+                budget -= n
+                self._commit(request, n, out)
+        for request in admissible:
+            if len(self.running) >= self.max_num_seqs or budget <= 0:
+                break
+            n = self._chunk(request, budget)
+            if n == 0:
+                break
+            if self.kv.allocate(request, n if n > 1 else out.decode_steps) is None:
+                break  # new requests never preempt running ones
+            self.waiting.remove(request)
+            request.set_status(RequestStatus.RUNNING)
+            self.running.append(request)
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            budget -= n
+            self._commit(request, n, out)
+        return out
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        """Tokens to feed this iteration: 1 to decode, else a prompt chunk of at least 2 (a
+        1-token row is a decode row to the runner), or 0 when the budget leaves too little."""
+        if request.num_to_compute == 1:
+            return 1
+        n = min(request.num_to_compute, budget, self.max_chunk_tokens)
+        return n if n >= 2 else 0
+
+    def _commit(self, request: Request, n: int, out: SchedulerOutput) -> None:
+        start = request.num_computed_tokens
+        if n == 1:  # decode row: feeds one token, runs decode_steps steps
+            samples = out.decode_steps
+            request.num_computed_tokens += samples
+        else:
+            request.num_computed_tokens += n
+            samples = 1 if request.num_computed_tokens == request.num_tokens else 0
+        request.num_pending += samples
+        out.chunks.append(ScheduledChunk(request, start, n, samples))
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Recompute later: free the pages, back to the waiting queue (its policy key is kept)."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.set_status(RequestStatus.WAITING)
+        request.metrics.num_preemptions += 1
+        self.waiting.append(request)
+        self.num_preemptions += 1
+        out.preempted.append(request)
+
+    def _admissible(self, now: float) -> list[Request]:
+        """Waiting requests that may join now, in policy order."""
+        # a request whose sampled tokens are still on the device cannot be recomputed yet
+        ready = [r for r in self.policy.order(self.waiting, now) if r.num_pending == 0]
+        if not ready:
+            return []
+        oldest = min(r.arrival_time for r in self.waiting)
+        if self.batching == "continuous":
+            is_open = self.window.is_open(len(self.waiting), oldest, now, idle=not self.running)
+            return ready if is_open else []
+        if self._batch:
+            return [r for r in ready if r.request_id in self._batch]
+        if self.batching == "dynamic" and not self.window.is_open(len(self.waiting), oldest, now,
+                                                                  idle=True):
+            return []
+        batch = ready[:self.window.max_batch_size]
+        self._batch = {r.request_id for r in batch}
+        return batch
+
+    def next_wakeup(self) -> float | None:
+        """When admission may open for requests that wait on the window (None: not waiting)."""
+        if not self.waiting or self.running:
+            return None
+        return self.window.opens_at(min(r.arrival_time for r in self.waiting))
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append the tokens a step sampled and apply token stops; returns the requests touched.
+
+        Tokens past a stop (from multi-step decode) are discarded; so are the tokens of requests
+        that finished or were aborted while their step was in flight.
+        """
+        touched = []
+        for chunk in out.chunks:
+            request = chunk.request
+            request.num_pending -= chunk.num_samples
+            if request.status.finished or not chunk.num_samples:
+                continue
+            for token in sampled[request.request_id]:
+                request.output_ids.append(token)
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = self.clock()
+                if token in request.stop_ids:
+                    reason = token if token in request.params.stop_token_ids else None
+                    self.finish(request, RequestStatus.FINISHED_STOPPED, reason)
+                    break
+                if len(request.prompt_ids) + len(request.output_ids) >= request.max_len:
+                    self.finish(request, RequestStatus.FINISHED_LENGTH)
+                    break
+            touched.append(request)
+        return touched
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "kv_pages_total": self.kv.pool.num_usable,
+            "kv_pages_free": self.kv.pool.num_free,
+            "kv_cache_usage": self.kv.usage,
+            "kv_fragmentation": self.kv.fragmentation(self.running),
+            "num_preemptions": self.num_preemptions,
+        }
