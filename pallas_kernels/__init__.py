@@ -8,6 +8,13 @@ and references, is per layer:
 Page 0 is the null page: empty slots and padding tokens point at it and their outputs are ignored.
 """
 
+from pallas_kernels.decode import decode_attention
+from pallas_kernels.prefill import prefill_attention
 from pallas_kernels.reference import decode_attention_ref, prefill_attention_ref
 
-__all__ = ["decode_attention_ref", "prefill_attention_ref"]
+__all__ = [
+    "decode_attention",
+    "decode_attention_ref",
+    "prefill_attention",
+    "prefill_attention_ref",
+]

@@ -1,0 +1,265 @@
+"""Pallas paged-attention kernels against their jnp reference twins.
+
+On a CPU the kernels run in interpret mode; on a GPU the same tests run the compiled Triton
+kernels. Every case draws fresh random inputs from its own seed, with page tables that scatter
+each sequence over random non-contiguous pages.
+
+Unwritten outputs: the Pallas interpreter fills every output with NaN before the kernel runs
+(`test_interpreter_poisons_unwritten_outputs` holds it to that), so the finiteness checks below
+catch any output element, or any split's partial result, that a kernel forgets to write.
+Table entries past a sequence's pages point at NaN-filled pages that the kernels must never read.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from pallas_kernels import (
+    decode_attention,
+    decode_attention_ref,
+    prefill_attention,
+    prefill_attention_ref,
+)
+
+INTERPRET = jax.default_backend() != "gpu"
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def _paged_kv(rng, seq_lens, case):
+    """Random pools and page tables for ``case`` (its page_size, pages_per_seq, kv_heads, ...).
+
+    Returns (k_pages, v_pages) for the kernels, (k_ref, v_ref) for the reference, and the page
+    table. Used entries name random distinct pages; entries past a sequence's pages name
+    "stale" pages that are NaN in the kernels' pools and zero in the reference's.
+    """
+    batch, pages_per_seq, page_size = len(seq_lens), case.pages_per_seq, case.page_size
+    num_live, num_stale = batch * pages_per_seq, 3
+    num_pages = 1 + num_live + 5 + num_stale  # null page, live pages, spare, stale
+    shape = (num_pages, page_size, case.kv_heads, case.head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    live = rng.permutation(np.arange(1, num_pages - num_stale))[:num_live]
+    stale = rng.integers(num_pages - num_stale, num_pages, size=(batch, pages_per_seq))
+    used = -(-np.asarray(seq_lens) // page_size)  # pages holding tokens
+    in_use = np.arange(pages_per_seq)[None, :] < used[:, None]
+    table = np.where(in_use, live.reshape(batch, pages_per_seq), stale)
+    k_ref, v_ref = k.copy(), v.copy()
+    k_ref[-num_stale:] = v_ref[-num_stale:] = 0.0
+    k[-num_stale:] = v[-num_stale:] = np.nan
+    kernel_kv, ref_kv = (
+        tuple(jnp.asarray(x, case.dtype) for x in kv) for kv in [(k, v), (k_ref, v_ref)]
+    )
+    return kernel_kv, ref_kv, jnp.asarray(table, jnp.int32)
+
+
+def _assert_close(out, ref, rows, dtype):
+    """out, ref: [B, ..., D]; rows: [B, ...] bool, the rows the contract defines."""
+    out = np.asarray(out.astype(F32), np.float64)
+    ref = np.asarray(ref.astype(F32), np.float64)
+    assert np.isfinite(out).all(), "kernel output has NaN/inf (an element left unwritten?)"
+    if dtype == F32:
+        np.testing.assert_allclose(out[rows], ref[rows], rtol=1e-5, atol=1e-5)
+    else:
+        scale = np.abs(ref[rows]).max()
+        np.testing.assert_allclose(out[rows], ref[rows], rtol=2e-2, atol=2e-2 * scale)
+
+
+def _reference(fn, *args):
+    with jax.default_matmul_precision("float32"):  # no TF32 in the reference on a GPU
+        return fn(*args)
+
+
+class DecodeCase(NamedTuple):
+    seed: int
+    seq_lens: list[int]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_seq: int
+    dtype: type = F32
+    tuning: dict | None = None  # keyword tuning args for the kernel
+
+
+DECODE_CASES = {
+    "one-slot-mha-mid-page": DecodeCase(0, [13], 2, 2, 16, 8, 4),
+    "gqa2-boundary-len1-empty": DecodeCase(
+        1, [16, 1, 0, 7], 4, 2, 32, 4, 6, tuning={"pages_per_block": 4, "num_splits": 2}
+    ),
+    "gqa4-8slots-splits": DecodeCase(
+        2,
+        [256, 1, 100, 0, 64, 17, 255, 48],
+        8,
+        2,
+        64,
+        16,
+        16,
+        tuning={"pages_per_block": 2, "num_splits": 3},
+    ),
+    "gqa4-bf16-auto-splits": DecodeCase(3, [200, 0, 31, 32, 1], 16, 4, 64, 16, 16, BF16),
+    "gqa2-bf16-page32": DecodeCase(4, [64, 33, 0], 4, 2, 32, 32, 4, BF16, {"num_splits": 1}),
+    "head-dim-8-page-4": DecodeCase(5, [9, 12, 3], 4, 2, 8, 4, 8, tuning={"pages_per_block": 2}),
+    "all-empty": DecodeCase(6, [0, 0], 4, 1, 16, 8, 2, tuning={"num_splits": 2}),
+}
+
+
+@pytest.mark.parametrize("name", DECODE_CASES, ids=str)
+def test_decode_matches_reference(name):
+    case = DECODE_CASES[name]
+    rng = np.random.default_rng(case.seed)
+    (k, v), (k_ref, v_ref), table = _paged_kv(rng, case.seq_lens, case)
+    q = jnp.asarray(
+        rng.standard_normal((len(case.seq_lens), case.heads, case.head_dim)), case.dtype
+    )
+    lens = jnp.asarray(case.seq_lens, jnp.int32)
+    scale = case.head_dim**-0.5
+
+    out = decode_attention(q, k, v, table, lens, scale, interpret=INTERPRET, **(case.tuning or {}))
+    ref = _reference(decode_attention_ref, q, k_ref, v_ref, table, lens, scale)
+
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_close(out, ref, np.asarray(case.seq_lens) > 0, case.dtype)
+
+
+class PrefillCase(NamedTuple):
+    seed: int
+    starts: list[int]  # position of each sequence's first chunk query
+    chunk_lens: list[int]  # real queries; the rest of the chunk is padding
+    chunk: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_seq: int
+    dtype: type = F32
+    tuning: dict | None = None  # keyword tuning args for the kernel
+
+
+PREFILL_CASES = {
+    "one-seq-mha-from-0": PrefillCase(10, [0], [8], 8, 2, 2, 16, 8, 2),
+    "gqa2-mid-sequence-padded": PrefillCase(
+        11, [0, 37, 100], [16, 9, 5], 16, 4, 2, 32, 4, 32, tuning={"block_q": 4}
+    ),
+    "gqa4-bf16-empty-seq": PrefillCase(12, [0, 40, 0, 128], [8, 8, 0, 3], 8, 8, 2, 64, 16, 9, BF16),
+    "gqa3-bf16-page-boundaries": PrefillCase(13, [64, 0], [32, 32], 32, 6, 2, 32, 32, 3, BF16),
+    "head-dim-8-length-1": PrefillCase(14, [0, 5], [1, 4], 4, 4, 1, 8, 4, 3, tuning={"block_q": 8}),
+    "gqa4-many-key-blocks": PrefillCase(
+        15, [0, 120, 200], [16, 16, 16], 16, 8, 2, 16, 8, 32, tuning={"block_q": 2}
+    ),
+}
+
+
+@pytest.mark.parametrize("name", PREFILL_CASES, ids=str)
+def test_prefill_matches_reference(name):
+    case = PREFILL_CASES[name]
+    rng = np.random.default_rng(case.seed)
+    starts = np.asarray(case.starts)
+    seq_lens = starts + np.asarray(case.chunk_lens)
+    (k, v), (k_ref, v_ref), table = _paged_kv(rng, seq_lens, case)
+    q_shape = (len(starts), case.chunk, case.heads, case.head_dim)
+    q = jnp.asarray(rng.standard_normal(q_shape), case.dtype)
+    positions = jnp.asarray(starts[:, None] + np.arange(case.chunk)[None, :], jnp.int32)
+    lens = jnp.asarray(seq_lens, jnp.int32)
+    scale = case.head_dim**-0.5
+
+    out = prefill_attention(
+        q, k, v, table, positions, lens, scale, interpret=INTERPRET, **(case.tuning or {})
+    )
+    ref = _reference(prefill_attention_ref, q, k_ref, v_ref, table, positions, lens, scale)
+
+    assert out.shape == q.shape and out.dtype == q.dtype
+    rows = np.broadcast_to((seq_lens > 0)[:, None], positions.shape)  # every query sees key 0
+    _assert_close(out, ref, rows, case.dtype)
+
+
+def test_interpreter_poisons_unwritten_outputs():
+    """The premise of the finiteness checks: an output the kernel never writes comes out NaN."""
+
+    def write_first_block_only(x_ref, o_ref):
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            o_ref[...] = x_ref[...]
+
+    out = pl.pallas_call(
+        write_first_block_only,
+        grid=(2,),
+        in_specs=[pl.BlockSpec((8,), lambda i: (i,))],
+        out_specs=pl.BlockSpec((8,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct((16,), F32),
+        interpret=True,
+    )(jnp.ones(16, F32))
+    assert np.isfinite(out[:8]).all() and np.isnan(out[8:]).all()
+
+
+def _decode_args(**override):
+    args = {
+        "q": jnp.zeros((2, 8, 16), F32),
+        "k_pages": jnp.zeros((5, 4, 4, 16), F32),
+        "v_pages": jnp.zeros((5, 4, 4, 16), F32),
+        "page_table": jnp.zeros((2, 3), jnp.int32),
+        "seq_lens": jnp.zeros((2,), jnp.int32),
+        "scale": 0.25,
+    }
+    return args | override
+
+
+DECODE_ERRORS = {
+    "q rank": ({"q": jnp.zeros((2, 8), F32)}, r"q has shape \(2, 8\)"),
+    "heads": ({"q": jnp.zeros((2, 6, 16), F32)}, "q has 6 heads, not a multiple of k_pages' 4 kv"),
+    "head_dim": ({"q": jnp.zeros((2, 8, 32), F32)}, "q has head_dim 32, k_pages has 16"),
+    "q dtype": ({"q": jnp.zeros((2, 8, 16), jnp.float16)}, "q has dtype float16"),
+    "kv dtype": (
+        {"k_pages": jnp.zeros((5, 4, 4, 16), BF16), "v_pages": jnp.zeros((5, 4, 4, 16), BF16)},
+        "k_pages/v_pages have dtypes bfloat16/bfloat16, not q's float32",
+    ),
+    "v shape": ({"v_pages": jnp.zeros((6, 4, 4, 16), F32)}, r"v_pages has shape \(6, 4, 4, 16\)"),
+    "page_size": (
+        {"k_pages": jnp.zeros((5, 6, 4, 16), F32), "v_pages": jnp.zeros((5, 6, 4, 16), F32)},
+        "page_size 6 is not a power of two",
+    ),
+    "table rows": ({"page_table": jnp.zeros((3, 3), jnp.int32)}, r"page_table has shape \(3, 3\)"),
+    "table dtype": ({"page_table": jnp.zeros((2, 3), F32)}, "page_table has dtype float32"),
+    "seq_lens": ({"seq_lens": jnp.zeros((3,), jnp.int32)}, r"seq_lens is int32\[3\]"),
+}
+
+
+@pytest.mark.parametrize("case", DECODE_ERRORS, ids=str)
+def test_decode_rejects_bad_inputs(case):
+    override, message = DECODE_ERRORS[case]
+    with pytest.raises(ValueError, match=message):
+        decode_attention(**_decode_args(**override), interpret=True)
+
+
+def test_decode_rejects_bad_tuning():
+    with pytest.raises(ValueError, match="pages_per_block is 3, expected a power of two"):
+        decode_attention(**_decode_args(), pages_per_block=3, interpret=True)
+    with pytest.raises(ValueError, match="num_splits is 0"):
+        decode_attention(**_decode_args(), num_splits=0, interpret=True)
+
+
+def test_prefill_rejects_bad_inputs():
+    q = jnp.zeros((2, 4, 8, 16), F32)
+    pages = jnp.zeros((5, 4, 4, 16), F32)
+    table = jnp.zeros((2, 3), jnp.int32)
+    positions = jnp.zeros((2, 4), jnp.int32)
+    lens = jnp.zeros((2,), jnp.int32)
+
+    def call(**override):
+        args = dict(q=q, k_pages=pages, v_pages=pages, page_table=table, positions=positions)
+        args |= dict(seq_lens=lens, scale=0.25, interpret=True) | override
+        return prefill_attention(**args)
+
+    with pytest.raises(ValueError, match=r"q has shape \(2, 8, 16\)"):
+        call(q=jnp.zeros((2, 8, 16), F32))
+    with pytest.raises(ValueError, match="q has 10 heads, not a multiple of k_pages' 4 kv heads"):
+        call(q=jnp.zeros((2, 4, 10, 16), F32))
+    with pytest.raises(ValueError, match=r"positions is int32\[2, 5\], expected int32\[2, 4\]"):
+        call(positions=jnp.zeros((2, 5), jnp.int32))
+    with pytest.raises(ValueError, match=r"seq_lens is float32\[2\]"):
+        call(seq_lens=jnp.zeros((2,), F32))
+    with pytest.raises(ValueError, match="block_q is 6, expected a power of two"):
+        call(block_q=6)
