@@ -61,3 +61,13 @@ def test_greedy_ids_independent_of_batching(workload, alone, overrides):
         assert stats["num_preemptions"] > 0
     assert stats["num_compilations_after_warmup"] == 0
     _all_pages_free(llm)
+
+
+def test_pallas_kernels_in_the_engine_match_the_reference(workload, alone):
+    """attention_impl="pallas" runs the kernels (interpret mode on CPU) inside the jitted steps."""
+    prompts, params = workload
+    llm = LLM(MODEL, **(BASE | dict(attention_impl="pallas", max_num_seqs=4,
+                                    prefill_chunk_sizes=(64,))))
+    outs = llm.generate(prompts[:6], params[:6])
+    assert [o.outputs[0].token_ids for o in outs] == alone[:6]
+    _all_pages_free(llm)
