@@ -55,6 +55,10 @@ class Scheduler:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
                              f"max_num_seqs ({max_num_seqs}) so every running request can decode")
+        if min(max_num_batched_tokens, max_chunk_tokens) < 2:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and "
+                             f"max_chunk_tokens ({max_chunk_tokens}) must be at least 2: a prompt "
+                             "chunk feeds 2 or more tokens, or a prompt could never start")
         self.kv = KVCacheManager(PagePool(num_pages), page_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -134,6 +138,10 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 budget -= n
                 self._commit(request, n, out)
+        if out.preempted:
+            # pages ran short: the preempted go back first, nobody new takes their pages (and a
+            # newcomer never joins a multi-step iteration, whose K it was not counted in)
+            return out
         for request in admissible:
             if len(self.running) >= self.max_num_seqs or budget <= 0:
                 break

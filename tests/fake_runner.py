@@ -1,0 +1,283 @@
+"""A fake model runner whose tokens can be worked out by hand, and a driver shaped like LLMEngine.
+
+The fake "model" samples, after position p of a request, the token
+
+    token_after(prompt, p) = (sum(prompt) + p) % 97 + 3        (always in [3, 99])
+
+so a request's output depends only on its prompt, never on batching, chunking, preemption or
+overlap. The runner consumes a SchedulerOutput as the real runner does (decode rows are chunks of
+one token and run `decode_steps` steps; others are prompt chunks that sample once at their end)
+and checks the scheduler's invariants on every step. Its "device" keeps, like the real one, only
+the tokens the previous dispatch sampled (the carry), so a decode row whose input token is not on
+the host must find it there.
+"""
+
+from dataclasses import dataclass, field
+
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.request import Request, RequestStatus, SamplingParams
+
+
+def token_after(prompt_ids: list[int], position: int) -> int:
+    """The token the fake model samples after `position` of a request with this prompt."""
+    return (sum(prompt_ids) + position) % 97 + 3
+
+
+def expected_token(request: Request, position: int) -> int:
+    """The token that stands at `position` of the request's sequence."""
+    if position < len(request.prompt_ids):
+        return request.prompt_ids[position]
+    return token_after(request.prompt_ids, position - 1)
+
+
+def expected_output(prompt_ids: list[int], max_tokens: int,
+                    stop_ids: frozenset[int] = frozenset()) -> list[int]:
+    """What a request alone would produce: max_tokens tokens, or up to and including a stop."""
+    out = []
+    for i in range(max_tokens):
+        out.append(token_after(prompt_ids, len(prompt_ids) - 1 + i))
+        if out[-1] in stop_ids:
+            break
+    return out
+
+
+def make_request(request_id: str, prompt: int | list[int], max_tokens: int = 4, *,
+                 arrival: float = 0.0, priority: int = 0, eos: frozenset[int] = frozenset(),
+                 **params) -> Request:
+    """A request; `prompt` is a list of ids or a length (ids derived from the id, all >= 3)."""
+    if isinstance(prompt, int):
+        salt = sum(map(ord, request_id))
+        prompt = [(salt + 7 * i) % 50 + 3 for i in range(prompt)]
+    sp = SamplingParams(max_tokens=max_tokens, priority=priority, **params)
+    return Request(request_id, prompt, sp, arrival_time=arrival, seed=0,
+                   max_len=len(prompt) + max_tokens, eos_token_ids=eos)
+
+
+class FakeClock:
+    """A clock the test moves by hand (seconds)."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def advance_ms(self, ms: float) -> None:
+        self.now += ms / 1000.0
+
+
+@dataclass(frozen=True)
+class Row:
+    request_id: str
+    start: int
+    num_tokens: int
+    num_samples: int
+
+
+@dataclass
+class StepLog:
+    """What one iteration scheduled, and the scheduler's state right after schedule()."""
+
+    rows: list[Row]
+    decode_steps: int
+    preempted: list[str]
+    running: list[str]
+    waiting: list[str]
+    num_free_pages: int
+    time: float
+
+    @property
+    def ids(self) -> list[str]:
+        return [r.request_id for r in self.rows]
+
+    def row(self, request_id: str) -> Row | None:
+        return next((r for r in self.rows if r.request_id == request_id), None)
+
+
+class FakeRunner:
+    """Runs a SchedulerOutput on the fake model, checking invariants as it goes."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.carry: dict[str, tuple[int, int]] = {}  # request id -> (position, token) on "device"
+        self.tables: dict[int, tuple[int, list[int]]] = {}  # id(request) -> (preemptions, pages)
+        self.num_dispatches = 0
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Check the step, then return the tokens each sampling row samples."""
+        self.check(out)
+        sampled: dict[str, list[int]] = {}
+        carry = {}
+        for chunk in out.chunks:
+            if not chunk.num_samples:
+                continue
+            request = chunk.request
+            last = chunk.start + chunk.num_tokens - 1  # the position the first sample follows
+            tokens = [token_after(request.prompt_ids, last + j) for j in range(chunk.num_samples)]
+            sampled[request.request_id] = tokens
+            carry[request.request_id] = (last + chunk.num_samples, tokens[-1])
+        self.carry = carry  # the device holds only the latest dispatch's samples
+        self.num_dispatches += 1
+        return sampled
+
+    def check(self, out: SchedulerOutput) -> None:
+        s = self.scheduler
+        ids = [c.request.request_id for c in out.chunks]
+        assert len(ids) == len(set(ids)), f"a request has two rows: {ids}"
+        assert len(out.chunks) <= s.max_num_seqs, f"{len(out.chunks)} rows > max_num_seqs"
+        assert out.num_batched_tokens <= s.max_num_batched_tokens, (
+            f"{out.num_batched_tokens} tokens > budget {s.max_num_batched_tokens}")
+        assert 1 <= out.decode_steps <= max(1, s.decode_steps)
+        self.check_pages()
+        page_size = s.kv.page_size
+        for chunk in out.chunks:
+            request, start, n = chunk.request, chunk.start, chunk.num_tokens
+            rid = request.request_id
+            assert request.status == RequestStatus.RUNNING, f"{rid} scheduled while {request.status}"
+            assert n >= 1 and start >= 0
+            if n > 1:
+                assert n <= s.max_chunk_tokens, f"{rid}: chunk {n} > max_chunk_tokens"
+            decode_row = n == 1
+            positions = out.decode_steps if decode_row else n
+            needed = -(-(start + positions) // page_size)
+            assert needed <= len(request.pages), (
+                f"{rid}: positions [{start}, {start + positions}) need {needed} pages, "
+                f"holds {len(request.pages)}")
+            # at scheduling time the request held num_tokens - num_samples tokens
+            tokens_before = request.num_tokens - chunk.num_samples
+            if chunk.num_samples:
+                assert start + n == tokens_before, (
+                    f"{rid}: a sampling row must end at the last token ({start}+{n} != "
+                    f"{tokens_before})")
+                if decode_row:
+                    assert chunk.num_samples == out.decode_steps
+                else:
+                    assert chunk.num_samples == 1
+            else:
+                assert start + n < tokens_before, f"{rid}: a silent chunk reaches the end"
+            assert start + n + max(0, chunk.num_samples - 1) <= request.max_len, (
+                f"{rid}: runs past max_len {request.max_len}")
+            self.check_inputs(out, chunk.request, start, n)
+
+    def check_inputs(self, out: SchedulerOutput, request: Request, start: int, n: int) -> None:
+        """Every input token is on the host or, for a decode row, carried on the device."""
+        rid = request.request_id
+        host = len(request.prompt_ids) + len(request.output_ids)
+        for q in range(start, start + n):
+            if q < host:
+                assert request.all_ids[q] == expected_token(request, q), (
+                    f"{rid}: host token at {q} is {request.all_ids[q]}, "
+                    f"expected {expected_token(request, q)}")
+                continue
+            assert n == 1, f"{rid}: prompt chunk input at {q} is not on the host"
+            assert rid in self.carry, f"{rid}: input at {q} is neither on the host nor carried"
+            position, token = self.carry[rid]
+            assert position == q, f"{rid}: carried token is at {position}, row starts at {q}"
+            assert token == expected_token(request, q)
+
+    def check_pages(self) -> None:
+        """Running requests hold disjoint pages; with the free pages they make up the pool."""
+        s = self.scheduler
+        pool = s.kv.pool
+        held: list[int] = [p for r in s.running for p in r.pages]
+        assert 0 not in held, "the null page was handed out"
+        assert len(held) == len(set(held)), "a page is held by two running requests"
+        assert all(not r.pages for r in s.waiting), "a waiting request holds pages"
+        free = list(pool._free)
+        assert len(free) == len(set(free)), "a page is free twice"
+        assert not set(free) & set(held), "a page is both free and held"
+        assert sorted(free + held) == list(range(1, pool.num_pages)), "a page leaked"
+        assert len(s.running) <= s.max_num_seqs
+        tables = {}
+        for r in s.running:  # page tables are append-only until a preemption empties them
+            preemptions, pages = self.tables.get(id(r), (r.metrics.num_preemptions, []))
+            if preemptions == r.metrics.num_preemptions:
+                assert r.pages[:len(pages)] == pages, f"{r.request_id}: page table rewritten"
+            tables[id(r)] = (r.metrics.num_preemptions, list(r.pages))
+        self.tables = tables
+
+
+@dataclass
+class Driver:
+    """Drives schedule -> dispatch -> update as LLMEngine.step does, with one step in flight."""
+
+    scheduler: Scheduler
+    overlap: bool = True
+    clock: FakeClock | None = None  # default: the scheduler's clock when it is a FakeClock
+    step_ms: float = 1.0  # how far the clock moves per iteration
+    advance: bool = True  # False: the test moves the clock itself
+    runner: FakeRunner = field(init=False)
+    log: list[StepLog] = field(default_factory=list)
+    finished: dict[str, Request] = field(default_factory=dict)
+    inflight: tuple[SchedulerOutput, dict[str, list[int]]] | None = None
+
+    def __post_init__(self):
+        self.runner = FakeRunner(self.scheduler)
+        if self.clock is None and isinstance(self.scheduler.clock, FakeClock):
+            self.clock = self.scheduler.clock
+
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.inflight is not None
+
+    def step(self) -> StepLog:
+        s = self.scheduler
+        out = s.schedule()
+        entry = StepLog(
+            rows=[Row(c.request.request_id, c.start, c.num_tokens, c.num_samples)
+                  for c in out.chunks],
+            decode_steps=out.decode_steps, preempted=[r.request_id for r in out.preempted],
+            running=[r.request_id for r in s.running], waiting=[r.request_id for r in s.waiting],
+            num_free_pages=s.kv.pool.num_free, time=s.clock())
+        self.log.append(entry)
+        flight = (out, self.runner.execute(out)) if out.chunks else None
+        if self.overlap:
+            previous, self.inflight = self.inflight, flight
+        else:
+            previous = flight
+        if previous is not None:
+            for request in s.update(*previous):
+                if request.status.finished:
+                    self.finished[request.request_id] = request
+        self.runner.check_pages()
+        if self.clock is not None and self.advance:
+            wake = s.next_wakeup()
+            if not out.chunks and previous is None and wake is not None:
+                self.clock.now = max(self.clock.now, wake)  # the engine sleeps until the window
+            else:
+                self.clock.advance_ms(self.step_ms)
+        return entry
+
+    def drain(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.busy():
+                return
+            self.step()
+        raise AssertionError(f"not finished after {max_steps} steps: "
+                             f"{sorted(self.scheduler.requests)}")
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, list[int]]
+    finish_reasons: dict[str, str]
+    stop_reasons: dict[str, int | str | None]
+    log: list[StepLog]
+
+
+def run(scheduler: Scheduler, requests: list[Request], overlap: bool = True,
+        clock: FakeClock | None = None, max_steps: int = 10_000) -> RunResult:
+    """Add every request, drive until all finish; outputs per request and the per-step log."""
+    for request in requests:
+        scheduler.add_request(request)
+    driver = Driver(scheduler, overlap=overlap, clock=clock)
+    driver.drain(max_steps)
+    pool = scheduler.kv.pool
+    assert pool.num_free == pool.num_usable, "pages still held after every request finished"
+    return RunResult(
+        outputs={r.request_id: list(r.output_ids) for r in requests},
+        finish_reasons={r.request_id: r.status.value for r in requests},
+        stop_reasons={r.request_id: r.stop_reason for r in requests},
+        log=driver.log)
