@@ -38,6 +38,16 @@ def _logprob_dict(lp: TokenLogprobs, token: int, num_top: int) -> dict[int, Logp
     return out
 
 
+def make_scheduler(config: EngineConfig, num_pages: int, max_chunk_tokens: int) -> Scheduler:
+    """The scheduler an engine config describes (benchmarks swap it to compare modes)."""
+    max_batch = min(config.max_batch_size or config.max_num_seqs, config.max_num_seqs)
+    return Scheduler(
+        num_pages=num_pages, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_chunk_tokens=max_chunk_tokens,
+        batching=config.batching, policy=config.policy, decode_steps=config.decode_steps,
+        window=BatchingWindow(config.window_ms, min(config.min_batch_size, max_batch), max_batch))
+
+
 class _Tracker:
     """Per-request output state kept by the engine: text, logprobs, stop strings."""
 
@@ -66,15 +76,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path) if has_tokenizer else None
         self.runner = ModelRunner(self.model_path, self.model_config, config)
         self.max_model_len = self.runner.max_model_len
-        max_batch = min(config.max_batch_size or config.max_num_seqs, config.max_num_seqs)
-        self.scheduler = Scheduler(
-            num_pages=self.runner.num_pages, page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_chunk_tokens=self.runner.chunk_buckets[-1], batching=config.batching,
-            policy=config.policy, decode_steps=config.decode_steps,
-            window=BatchingWindow(config.window_ms, min(config.min_batch_size, max_batch),
-                                  max_batch))
+        self.scheduler = make_scheduler(config, self.runner.num_pages,
+                                        self.runner.chunk_buckets[-1])
         log.info("KV cache: %d pages of %d tokens (%.1f MiB), at most %d tokens in flight",
                  self.runner.num_pages - 1, config.page_size,
                  self.runner.num_pages * self.runner.kv_bytes_per_page / 2**20,
@@ -106,6 +109,8 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.config.max_top_logprobs:
             raise ValueError(f"logprobs {params.logprobs} exceeds max_top_logprobs "
                              f"{self.config.max_top_logprobs}")
+        if params.prompt_logprobs is not None and not self.config.enable_prompt_logprobs:
+            raise ValueError("prompt_logprobs: this engine runs with enable_prompt_logprobs=False")
         if params.prompt_logprobs is not None and (
                 params.prompt_logprobs > self.config.max_top_logprobs):
             raise ValueError(f"prompt_logprobs {params.prompt_logprobs} exceeds "

@@ -267,8 +267,8 @@ class ModelRunner:
         start = time.perf_counter()
         shapes = [("decode", b, 1, k) for b in self.row_buckets
                   for k in sorted({1, self.config.decode_steps})]
-        shapes += [(kind, b, c, 1) for kind in ("prefill", "prompt")
-                   for b, c in self._prefill_buckets()]
+        kinds = ("prefill", "prompt") if self.config.enable_prompt_logprobs else ("prefill",)
+        shapes += [(kind, b, c, 1) for kind in kinds for b, c in self._prefill_buckets()]
         for kind, b, c, steps in tqdm(shapes, desc="compiling", disable=not progress):
             self._warm(kind, b, c, steps)
         jax.block_until_ready(self.kv)

@@ -41,20 +41,23 @@ class AttentionMetadata:
     seq_lens: jax.Array  # [B] int32   tokens in the pages after this step (positions[:, 0] + query_lens)
     page_table: jax.Array  # [B, pages_per_seq] int32
 
-    def write_index(self, page_size: int) -> jax.Array:  # [B * C] int32
-        """Flat index (page * page_size + offset) each token's K/V goes to; padding -> null page."""
+    def write_index(self, page_size: int) -> tuple[jax.Array, jax.Array]:  # 2 x [B * C] int32
+        """(page, offset) each token's K/V goes to; padding tokens go to the null page."""
         page = jnp.take_along_axis(
             self.page_table, self.positions // page_size, axis=1, mode="clip"
         )
-        index = page * page_size + self.positions % page_size
         chunk = self.positions.shape[1]
         real = jnp.arange(chunk, dtype=jnp.int32)[None, :] < self.query_lens[:, None]
-        return jnp.where(real, index, 0).reshape(-1)
+        page = jnp.where(real, page, 0).reshape(-1)
+        return page, (self.positions % page_size).reshape(-1)
 
 
-def write_kv(pages: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
-    """Scatter new K or V [B, C, kv_heads, head_dim] into the pages at flat token `index`."""
-    num_pages, page_size, kv_heads, head_dim = pages.shape
-    flat = pages.reshape(num_pages * page_size, kv_heads, head_dim)
-    flat = flat.at[index].set(new.reshape(-1, kv_heads, head_dim).astype(pages.dtype))
-    return flat.reshape(pages.shape)
+def write_kv(pages: jax.Array, new: jax.Array, index: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Scatter new K or V [B, C, kv_heads, head_dim] into the pages at (page, offset).
+
+    Indexing the 4-D pool directly (not a flattened view) lets XLA write in place; a reshape
+    around the scatter made it copy the whole pool every step.
+    """
+    _, _, kv_heads, head_dim = pages.shape
+    page, offset = index
+    return pages.at[page, offset].set(new.reshape(-1, kv_heads, head_dim).astype(pages.dtype))

@@ -1,0 +1,127 @@
+"""Continuous vs static batching on one workload, in one process; and batch-1 decode vs roofline.
+
+    python bench/batching.py --model bench/models/llama-20m --load-format dummy
+
+Workload (as the engine issue sets it): N requests, prompts uniform in [32, 256] tokens, output
+lengths lognormal with median 48 capped at 256, greedy, ignore_eos, all submitted at once, both
+modes capped at the same number of concurrent sequences. Warm-up (compilation) is excluded.
+"""
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.engine import make_scheduler
+
+
+def workload(n: int, vocab: int, seed: int):
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(32, 257, size=n)
+    output_lens = np.minimum(np.round(rng.lognormal(np.log(48), 0.8, size=n)), 256).astype(int)
+    prompts = [{"prompt_token_ids": rng.integers(3, vocab, size=int(p)).tolist()}
+               for p in prompt_lens]
+    params = [SamplingParams(max_tokens=max(1, int(o)), temperature=0.0, ignore_eos=True)
+              for o in output_lens]
+    return prompts, params
+
+
+def copy_bandwidth_gbs() -> float:
+    """Measured host memory copy bandwidth, bytes read + written per second."""
+    src = np.ones(64 * 2**20 // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.nbytes / min(times) / 1e9
+
+
+def run_mode(llm: LLM, config: EngineConfig, prompts, params) -> dict:
+    engine = llm.engine
+    engine.scheduler = make_scheduler(config, engine.runner.num_pages,
+                                      engine.runner.chunk_buckets[-1])
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    return {"batching": config.batching, "elapsed_s": elapsed, "num_requests": len(outs),
+            "output_tokens_per_s": out_tokens / elapsed,
+            "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
+            "requests_per_s": len(outs) / elapsed,
+            "compilations_after_warmup": engine.stats()["num_compilations_after_warmup"],
+            "token_ids": [o.outputs[0].token_ids for o in outs]}
+
+
+def batch1(llm: LLM, vocab: int, tokens: int = 128) -> float:
+    prompt = {"prompt_token_ids": list(range(3, 35))}
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    start = time.perf_counter()
+    llm.generate(prompt, params)
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="bench/models/llama-20m")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--num-prompts", type=int, default=192)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--prefill-chunk-sizes", default="64,256")
+    parser.add_argument("--decode-steps", type=int, default=1)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    overrides = dict(
+        load_format=args.load_format, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+        prefill_chunk_sizes=tuple(int(c) for c in args.prefill_chunk_sizes.split(",")),
+        decode_steps=args.decode_steps, num_pages=args.num_pages, enable_prompt_logprobs=False,
+        max_batch_size=args.max_num_seqs)
+    start = time.perf_counter()
+    llm = LLM(args.model, **overrides)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    print(f"model {args.model}: {engine.model_config.num_params / 1e6:.1f}M parameters, "
+          f"{engine.runner.weight_bytes / 2**20:.0f} MiB weights, backend "
+          f"{engine.runner.backend}, attention {engine.runner.attention_impl}; "
+          f"load + warm-up {time.perf_counter() - start:.1f} s")
+    prompts, params = workload(args.num_prompts, vocab, args.seed)
+    rows = [run_mode(llm, EngineConfig.from_overrides(**overrides, batching=mode), prompts, params)
+            for mode in ("static", "continuous")]
+    same = rows[0].pop("token_ids") == rows[1].pop("token_ids")
+    tps1 = batch1(llm, vocab)
+    weight_bytes = engine.runner.weight_bytes
+    roof = None
+    if engine.runner.backend == "cpu":
+        roof = copy_bandwidth_gbs() * 1e9 / weight_bytes
+    print(f"\n{args.num_prompts} requests, max {args.max_num_seqs} concurrent sequences")
+    print(f"{'batching':<12}{'elapsed s':>10}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}")
+    for r in rows:
+        print(f"{r['batching']:<12}{r['elapsed_s']:>10.2f}{r['requests_per_s']:>9.2f}"
+              f"{r['output_tokens_per_s']:>11.1f}{r['total_tokens_per_s']:>13.1f}")
+    ratio = rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
+    print(f"continuous / static throughput: {ratio:.2f}x; greedy ids identical: {same}")
+    line = f"batch-1 decode: {tps1:.1f} tok/s"
+    if roof is not None:
+        line += f"; roofline (weights {weight_bytes / 1e6:.0f} MB / copy bandwidth) " \
+                f"{roof:.1f} tok/s = {100 * tps1 / roof:.0f}%"
+    print(line)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"modes": rows, "ratio": ratio, "identical": same,
+                       "batch1_tokens_per_s": tps1, "roofline_tokens_per_s": roof}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
