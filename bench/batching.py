@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-pages", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
@@ -87,6 +88,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
         prefill_chunk_sizes=tuple(int(c) for c in args.prefill_chunk_sizes.split(",")),
         decode_steps=args.decode_steps, num_pages=args.num_pages, enable_prompt_logprobs=False,
+        max_model_len=args.max_model_len,
         max_batch_size=args.max_num_seqs)
     start = time.perf_counter()
     llm = LLM(args.model, **overrides)
