@@ -28,6 +28,7 @@ from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 log = logging.getLogger("jaxserve")
 PromptType = str | dict[str, Any]
+DEMO = "demo"
 
 
 def _logprob_dict(lp: TokenLogprobs, token: int, num_top: int) -> dict[int, Logprob]:
@@ -36,6 +37,19 @@ def _logprob_dict(lp: TokenLogprobs, token: int, num_top: int) -> dict[int, Logp
                                             lp.top_logprobs[:num_top].tolist(), strict=True), 1):
         out.setdefault(tid, Logprob(value, rank))
     return out
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """A local model directory; None or "demo" is the built-in demo model."""
+    if model is None or str(model) == DEMO:
+        from jaxserve.demo import demo_model_dir
+
+        return demo_model_dir()
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"model {str(model)!r} is not a local model directory (nothing is "
+                         f"downloaded; pass a Hugging Face directory or {DEMO!r})")
+    return path
 
 
 def make_scheduler(config: EngineConfig, num_pages: int, max_chunk_tokens: int) -> Scheduler:
@@ -65,10 +79,8 @@ class _Tracker:
 class LLMEngine:
     """Requests in, RequestOutputs out, one `step()` at a time."""
 
-    def __init__(self, model: str | Path, config: EngineConfig, progress: bool = False):
-        self.model_path = Path(model)
-        if not self.model_path.is_dir():
-            raise ValueError(f"model {str(model)!r} is not a local model directory")
+    def __init__(self, model: str | Path | None, config: EngineConfig, progress: bool = False):
+        self.model_path = resolve_model(model)
         self.config = config
         self.model_config = ModelConfig.from_hf_dir(self.model_path)
         has_tokenizer = any((self.model_path / f).is_file()
@@ -259,7 +271,7 @@ class LLMEngine:
 class LLM:
     """A model loaded for offline generation, as vLLM's `LLM`."""
 
-    def __init__(self, model: str | Path, **overrides: Any):
+    def __init__(self, model: str | Path | None = DEMO, **overrides: Any):
         self.engine = LLMEngine(model, EngineConfig.from_overrides(**overrides))
 
     def get_tokenizer(self):
