@@ -118,8 +118,9 @@ class ModelRunner:
         self.row_buckets = tuple(2**i for i in range(math.ceil(math.log2(config.max_num_seqs)) + 1))
         self.chunk_buckets = tuple(c for c in config.prefill_chunk_sizes if c <= self.max_model_len)
         self.carry_size = self.row_buckets[-1]
-        self.fns = make_step_fns(self.graphdef, self.attention_impl, config.max_top_logprobs,
-                                 self.carry_size)
+        self.weights = jax.tree.leaves(self.state)  # what the jitted steps take
+        self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state),
+                                 self.attention_impl, config.max_top_logprobs, self.carry_size)
         self._zeros = jnp.zeros((self.carry_size,), jnp.int32)
         self._carries = (self._zeros, self._zeros)
         self._carry_rows: dict[str, int] = {}  # request id -> index into the two carries
@@ -209,7 +210,7 @@ class ModelRunner:
             else:  # sampled by the previous iteration, still on the device
                 src[i] = self._carry_rows[request.request_id]
         md, sm = self._metadata(chunks, b, 1)
-        packed, carry, self.kv = self.fns.decode(self.state, self.kv, host, src, *self._carries,
+        packed, carry, self.kv = self.fns.decode(self.weights, self.kv, host, src, *self._carries,
                                                  md, sm, steps=steps)
         return packed, carry
 
@@ -229,9 +230,9 @@ class ModelRunner:
         md, sm = self._metadata(chunks, b, c)
         if with_prompt:
             packed, prompt, carry, self.kv = self.fns.prefill_with_prompt_logprobs(
-                self.state, self.kv, tokens, md, sm, targets)
+                self.weights, self.kv, tokens, md, sm, targets)
             return packed, prompt, carry
-        packed, carry, self.kv = self.fns.prefill(self.state, self.kv, tokens, md, sm)
+        packed, carry, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md, sm)
         return packed, None, carry
 
     def _metadata(self, chunks: list[ScheduledChunk], b: int, c: int):
@@ -299,10 +300,10 @@ class ModelRunner:
         tokens = np.zeros((b, c), np.int32)
         if kind == "decode":
             src = np.full((b,), -1, np.int32)
-            _, _, self.kv = self.fns.decode(self.state, self.kv, tokens[:, 0], src, self._zeros,
+            _, _, self.kv = self.fns.decode(self.weights, self.kv, tokens[:, 0], src, self._zeros,
                                             self._zeros, md, sm, steps=steps)
         elif kind == "prefill":
-            _, _, self.kv = self.fns.prefill(self.state, self.kv, tokens, md, sm)
+            _, _, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md, sm)
         else:
-            *_, self.kv = self.fns.prefill_with_prompt_logprobs(self.state, self.kv, tokens, md,
+            *_, self.kv = self.fns.prefill_with_prompt_logprobs(self.weights, self.kv, tokens, md,
                                                                 sm, tokens)

@@ -1,4 +1,4 @@
-"""The device step as pure functions of (weights state, KV pages, step arrays).
+"""The device step as pure functions of (weights, KV pages, step arrays).
 
 `make_step_fns` closes over the static parts (graph, attention impl, top-logprob count, carry
 size) and returns jitted functions with the KV cache donated: callers rebind the returned cache.
@@ -25,43 +25,45 @@ from jaxserve.model.sampler import SamplingMetadata, sample, token_logprobs
 
 @dataclass(frozen=True)
 class StepFns:
-    # (state, kv, tokens [B, C], md, sm) -> (packed [B, W], next_tokens [M], kv)
+    # (weights, kv, tokens [B, C], md, sm) -> (packed [B, W], next_tokens [M], kv)
     prefill: Callable
-    # (state, kv, tokens [B, C], md, sm, targets [B, C]) -> (packed, prompt [B, C, W-1], next, kv)
+    # (weights, kv, tokens [B, C], md, sm, targets [B, C]) -> (packed, prompt [B, C, W-1], next, kv)
     prefill_with_prompt_logprobs: Callable
-    # (state, kv, host_tokens [B], src [B], carry0 [M], carry1 [M], md, sm, steps)
+    # (weights, kv, host_tokens [B], src [B], carry0 [M], carry1 [M], md, sm, steps)
     #   -> (packed [steps, B, W], next_tokens [M], kv)
     decode: Callable
 
 
-def make_step_fns(graphdef: nnx.GraphDef, attention_impl: str, num_top: int,
+def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, num_top: int,
                   carry_size: int) -> StepFns:
+    """`state_treedef` rebuilds the weights state from the flat list of arrays the functions
+    take: flattening NNX variables on every call would cost the host a millisecond per step."""
     def pad(tokens):  # [B] -> [M]
         return jnp.zeros((carry_size,), jnp.int32).at[:tokens.shape[0]].set(tokens)
 
-    def chunk_forward(state, kv: KVCache, tokens, md: AttentionMetadata, sm: SamplingMetadata):
-        model = nnx.merge(graphdef, state)
+    def chunk_forward(weights, kv: KVCache, tokens, md: AttentionMetadata, sm: SamplingMetadata):
+        model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
         hidden, kv = model(tokens, kv, md, attention_impl)
         last = jnp.maximum(md.query_lens - 1, 0)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
         packed = sample(model.logits(h), sm, num_top)
         return model, hidden, packed, kv
 
-    def prefill(state, kv, tokens, md, sm):
-        _, _, packed, kv = chunk_forward(state, kv, tokens, md, sm)
+    def prefill(weights, kv, tokens, md, sm):
+        _, _, packed, kv = chunk_forward(weights, kv, tokens, md, sm)
         return packed, pad(packed[:, 0]), kv
 
-    def prefill_with_prompt_logprobs(state, kv, tokens, md, sm, targets):
-        model, hidden, packed, kv = chunk_forward(state, kv, tokens, md, sm)
+    def prefill_with_prompt_logprobs(weights, kv, tokens, md, sm, targets):
+        model, hidden, packed, kv = chunk_forward(weights, kv, tokens, md, sm)
         b, c = tokens.shape
         logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1).reshape(b * c, -1)
         prompt = token_logprobs(logprobs, targets.reshape(-1), num_top).reshape(b, c, -1)
         return packed, prompt, pad(packed[:, 0]), kv
 
-    def decode(state, kv, host_tokens, src, carry0, carry1, md, sm, steps):
+    def decode(weights, kv, host_tokens, src, carry0, carry1, md, sm, steps):
         carries = jnp.concatenate([carry0, carry1])
         tokens = jnp.where(src >= 0, carries[jnp.maximum(src, 0)], host_tokens)
-        model = nnx.merge(graphdef, state)
+        model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
 
         def one_step(carry, _):
             tokens, kv, md, sm = carry
