@@ -3,7 +3,7 @@
 import jax
 
 from jaxserve.model.kv_cache import AttentionMetadata
-from pallas_kernels import decode_attention_ref, prefill_attention_ref
+from pallas_kernels.blocked import decode_attention_blocked, prefill_attention_blocked
 
 ATTENTION_IMPLS = ("auto", "pallas", "reference")
 
@@ -26,12 +26,12 @@ def paged_attention(
     impl: str,  # "pallas" | "reference" (already resolved)
 ) -> jax.Array:  # [B, C, num_heads, head_dim]
     decode = q.shape[1] == 1
-    if impl == "reference":
+    if impl == "reference":  # pure XLA; walks only the pages the longest sequence uses
         if decode:
-            return decode_attention_ref(q[:, 0], k_pages, v_pages, md.page_table, md.seq_lens,
-                                        scale)[:, None]
-        return prefill_attention_ref(q, k_pages, v_pages, md.page_table, md.positions,
-                                     md.seq_lens, scale)
+            return decode_attention_blocked(q[:, 0], k_pages, v_pages, md.page_table,
+                                            md.seq_lens, scale)[:, None]
+        return prefill_attention_blocked(q, k_pages, v_pages, md.page_table, md.positions,
+                                         md.seq_lens, scale=scale)
     from pallas_kernels import decode_attention, prefill_attention
 
     interpret = jax.default_backend() != "gpu"

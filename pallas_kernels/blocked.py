@@ -1,0 +1,81 @@
+"""Paged attention in plain XLA that reads only the pages in use: the CPU path.
+
+`reference.py` gathers every page a row's table can hold, which keeps it obviously correct but
+makes a step cost max_model_len whatever the sequences' lengths. These functions walk the page
+table a block of pages at a time with an online softmax (as the kernels do), stopping after the
+longest sequence in the batch, so a step costs what its longest sequence needs:
+
+    page_table[b] = [p0 p1 p2 p3 | p4 p5 p6 p7 | ...]     blocks of `pages_per_block` pages
+    loop i = 0 .. ceil(max(seq_lens) / block_tokens) - 1  (data-dependent trip count, no recompile)
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "pages_per_block"))
+def prefill_attention_blocked(
+    q: jax.Array,  # [B, C, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    page_table: jax.Array,  # [B, pages_per_seq] int32
+    positions: jax.Array,  # [B, C] int32
+    seq_lens: jax.Array,  # [B] int32
+    scale: float,
+    pages_per_block: int = 8,
+) -> jax.Array:  # [B, C, num_heads, head_dim]
+    """Same contract as `reference.prefill_attention_ref`; rows with no valid key give zeros."""
+    batch, chunk, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    ppb = min(pages_per_block, page_table.shape[1])
+    num_blocks = -(-page_table.shape[1] // ppb)
+    table = jnp.pad(page_table, ((0, 0), (0, num_blocks * ppb - page_table.shape[1])))
+    block_tokens = ppb * page_size
+    qg = q.reshape(batch, chunk, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+
+    def body(i, carry):
+        m, denom, acc = carry  # [B, KV, G, C], [B, KV, G, C], [B, KV, G, C, D]
+        pages = jax.lax.dynamic_slice_in_dim(table, i * ppb, ppb, axis=1)  # [B, ppb]
+        k = k_pages[pages].reshape(batch, block_tokens, num_kv_heads, head_dim)
+        v = v_pages[pages].reshape(batch, block_tokens, num_kv_heads, head_dim)
+        s = jnp.einsum("bckgd,bjkd->bkgcj", qg, k, preferred_element_type=jnp.float32)
+        key_pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
+        valid = (key_pos[None, None, :] <= positions[:, :, None]) & (
+            key_pos[None, None, :] < seq_lens[:, None, None])  # [B, C, j]
+        s = jnp.where(valid[:, None, None], s, _MASKED)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(valid[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        denom = denom * alpha + p.sum(-1)
+        pv = jnp.einsum("bkgcj,bjkd->bkgcd", p.astype(v.dtype), v,
+                        preferred_element_type=jnp.float32)
+        return m_new, denom, acc * alpha[..., None] + pv
+
+    shape = (batch, num_kv_heads, group, chunk)
+    init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32))
+    steps = (jnp.max(seq_lens) + block_tokens - 1) // block_tokens
+    _, denom, acc = jax.lax.fori_loop(0, steps, body, init)
+    out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [B, KV, G, C, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
+
+
+def decode_attention_blocked(
+    q: jax.Array,  # [S, num_heads, head_dim]
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,  # [S, pages_per_seq] int32
+    seq_lens: jax.Array,  # [S] int32
+    scale: float,
+    pages_per_block: int = 8,
+) -> jax.Array:  # [S, num_heads, head_dim]
+    """Same contract as `reference.decode_attention_ref`; empty slots give zeros."""
+    out = prefill_attention_blocked(q[:, None], k_pages, v_pages, page_table,
+                                    (seq_lens - 1)[:, None], seq_lens, scale=scale,
+                                    pages_per_block=pages_per_block)
+    return out[:, 0]
