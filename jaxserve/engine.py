@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
-from jaxserve.core.window import BatchingWindow
+from jaxserve.core.scheduler import SchedulerOutput, make_scheduler
 from jaxserve.request import (
     CompletionOutput,
     Logprob,
@@ -50,16 +49,6 @@ def resolve_model(model: str | Path | None) -> Path:
         raise ValueError(f"model {str(model)!r} is not a local model directory (nothing is "
                          f"downloaded; pass a Hugging Face directory or {DEMO!r})")
     return path
-
-
-def make_scheduler(config: EngineConfig, num_pages: int, max_chunk_tokens: int) -> Scheduler:
-    """The scheduler an engine config describes (benchmarks swap it to compare modes)."""
-    max_batch = min(config.max_batch_size or config.max_num_seqs, config.max_num_seqs)
-    return Scheduler(
-        num_pages=num_pages, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_chunk_tokens=max_chunk_tokens,
-        batching=config.batching, policy=config.policy, decode_steps=config.decode_steps,
-        window=BatchingWindow(config.window_ms, min(config.min_batch_size, max_batch), max_batch))
 
 
 class _Tracker:
@@ -118,6 +107,9 @@ class LLMEngine:
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len {limit}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: this model has no tokenizer, so stop strings cannot match; "
+                             "use stop_token_ids")
         if params.logprobs is not None and params.logprobs > self.config.max_top_logprobs:
             raise ValueError(f"logprobs {params.logprobs} exceeds max_top_logprobs "
                              f"{self.config.max_top_logprobs}")
@@ -238,8 +230,10 @@ class LLMEngine:
             tracker.text = tracker.text[:index]
             if not request.status.finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, stop)
-            else:
-                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            else:  # the tokens that finished it also completed a stop string
+                if request.status != RequestStatus.FINISHED_STOPPED:
+                    request.set_status(RequestStatus.FINISHED_STOPPED)
+                request.stop_reason = stop
 
     def _output(self, tracker: _Tracker) -> RequestOutput:
         request = tracker.request

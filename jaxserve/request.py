@@ -18,7 +18,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per generated token; 0: the sampled one only
     prompt_logprobs: int | None = None  # 0: the logprob of each prompt token
-    priority: int = 0
+    priority: int = 0  # lower first; the priority policy treats <= 0 as realtime, > 0 as batch
+    slo_ms: float | None = None  # time-to-first-token target; the edf policy's deadline
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -35,6 +36,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"top_k must be a positive integer, -1 or None, got {self.top_k!r}")
+        if self.slo_ms is not None and not (isinstance(self.slo_ms, int | float) and self.slo_ms > 0):
+            raise ValueError(f"slo_ms must be a positive number or None, got {self.slo_ms!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -77,6 +80,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    last_preempted_time: float | None = None  # when it last went back to the waiting queue
 
 
 @dataclass
@@ -108,6 +112,8 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
 _TRANSITIONS = {
     RequestStatus.WAITING: {RequestStatus.RUNNING, *_FINISHED},
     RequestStatus.RUNNING: {RequestStatus.WAITING, *_FINISHED},
+    # the last tokens of a request stopped by length can complete a stop string in its text
+    RequestStatus.FINISHED_LENGTH: {RequestStatus.FINISHED_STOPPED},
 }
 
 

@@ -54,3 +54,48 @@ def test_prompt_logprobs_agree_with_generation_logprobs(stories):
         assert lp[token].rank == 1 == gen[token].rank  # greedy: the top token
         np.testing.assert_allclose(lp[token].logprob, gen[token].logprob, atol=1e-4)
         assert len(lp) == 3 and len(gen) == 2
+
+
+def test_stop_strings_and_stop_tokens(stories):
+    llm, cases = stories
+    case = cases[0]
+    full = case["text"][len(case["prompt"]):]  # ", there was a little girl named Lily. ..."
+    out = llm.generate(case["prompt"], SamplingParams(max_tokens=60, temperature=0.0,
+                                                      stop=["Lily", "zzz"]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == "Lily"
+    assert out.text == full[:full.index("Lily")]
+    stop_id = case["generated_ids"][5]
+    out = llm.generate(case["prompt"], SamplingParams(max_tokens=60, temperature=0.0,
+                                                      stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == case["generated_ids"][:6]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_bad_requests_are_value_errors_naming_the_field(stories):
+    llm, _ = stories
+    limit = llm.engine.max_model_len
+    with pytest.raises(ValueError, match=rf"prompt \(3 tokens\) \+ max_tokens \({limit}\) exceeds"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=limit))
+    with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list of ids"):
+        llm.generate({"prompt_token_ids": [1, 99999]})
+    with pytest.raises(ValueError, match="logprobs 50 exceeds max_top_logprobs 20"):
+        llm.generate("hi", SamplingParams(logprobs=50))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(top_p=0.0)
+    # nothing was left behind by the rejected requests
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+
+
+def test_abort_frees_everything_at_once(stories):
+    llm, cases = stories
+    engine = llm.engine
+    ids = [engine.add_request(None, c["prompt"], _params(c)).request_id for c in cases]
+    for _ in range(6):
+        engine.step()
+    assert engine.abort(ids[1]) and not engine.abort(ids[1])
+    engine.abort(ids[3])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id not in (ids[1], ids[3])
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
