@@ -112,6 +112,11 @@ class ModelRunner:
         self.page_size = config.page_size
         self.pages_per_seq = config.pages_per_seq(self.max_model_len)
         self.num_pages = config.num_pages or self._pages_that_fit()
+        if self.num_pages - 1 < self.pages_per_seq:
+            raise ValueError(
+                f"num_pages {self.num_pages} holds fewer than the {self.pages_per_seq} pages one "
+                f"sequence of max_model_len {self.max_model_len} needs (page 0 is the null page): "
+                "raise num_pages or lower max_model_len")
         m = model_config
         self.kv = KVCache.zeros(m.num_layers, self.num_pages, self.page_size, m.num_kv_heads,
                                 m.head_dim, self.dtype)

@@ -141,3 +141,11 @@ def test_convert_to_orbax_and_dummy_weights(tmp_path):
     np.testing.assert_array_equal(a, b)
     dummy = full_logits(*load_state(None, cfg, jnp.float32, load_format="dummy"), cfg, ids)
     assert np.isfinite(dummy).all() and not np.allclose(dummy, b)
+
+
+def test_a_pool_too_small_for_one_sequence_is_refused():
+    from jaxserve import LLM
+
+    with pytest.raises(ValueError, match=r"num_pages 10 holds fewer than the 64 pages one "
+                       r"sequence of max_model_len 256 needs"):
+        LLM(HF_FIXTURES / "llama", page_size=4, num_pages=10)
