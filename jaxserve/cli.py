@@ -1,8 +1,19 @@
-"""The `jaxserve` command: convert, generate (serve, bench, simulate and plan arrive with them)."""
+"""The `jaxserve` command: serve, generate, convert (bench, simulate and plan arrive with them).
+
+Engine options are flags generated from `EngineConfig`'s fields (`max_num_seqs` is
+`--max-num-seqs`), and `serve`'s server options from `ServerConfig`'s; a `--config` YAML file
+sets the same keys, and a flag wins over the file.
+"""
 
 import argparse
+import dataclasses
 import sys
+import types
+import typing
 from pathlib import Path
+from typing import Any
+
+from jaxserve.config import EngineConfig
 
 
 def _convert(args) -> int:
@@ -22,39 +33,136 @@ def _convert(args) -> int:
 
 
 def _generate(args) -> int:
-    from jaxserve import LLM, SamplingParams
+    from jaxserve.engine import LLMEngine
+    from jaxserve.request import SamplingParams
 
-    llm = LLM(args.model, **dict(kv.split("=", 1) for kv in args.set or []))
+    prompts = (args.prompt or []) + args.prompts
+    if not prompts:
+        raise ValueError("no prompt: pass --prompt TEXT")
+    engine_options, _ = _options(args)
+    engine = LLMEngine(args.model, EngineConfig.from_overrides(**engine_options),
+                       progress=sys.stderr.isatty())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed)
-    for out in llm.generate(args.prompt, params):
-        print(out.prompt + out.outputs[0].text)
+                            stop=tuple(args.stop or ()))
+    for prompt in prompts:
+        engine.add_request(None, prompt, params)
+        sys.stdout.write(prompt)
+        printed = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+        sys.stdout.write("\n")
     return 0
 
 
+def _serve(args) -> int:
+    import logging
+
+    from jaxserve.engine import DEMO, LLMEngine
+    from jaxserve.server import ServerConfig, serve
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    engine_options, server_options = _options(args)
+    server_config = ServerConfig(**server_options)
+    engine_config = EngineConfig.from_overrides(**engine_options)
+    model = args.model or DEMO
+    print(f"jaxserve: loading {model} (weights, then a compile for every step shape)", flush=True)
+    engine = LLMEngine(model, engine_config, progress=True)
+    serve(engine, server_config, model_name=str(model))
+    return 0
+
+
+def _options(args) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(engine options, server options): the --config file's keys, then the flags given."""
+    from jaxserve.server import ServerConfig
+
+    options: dict[str, Any] = {}
+    if getattr(args, "config", None) is not None:
+        import yaml
+
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {args.config} must hold a mapping of option keys")
+        options |= data
+    server = {f.name for f in dataclasses.fields(ServerConfig)}
+    names = server | {f.name for f in dataclasses.fields(EngineConfig)}
+    options |= {name: getattr(args, name) for name in names if hasattr(args, name)}
+    return ({k: v for k, v in options.items() if k not in server},
+            {k: v for k, v in options.items() if k in server})
+
+
+def _add_option_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """A --flag per dataclass field, typed from its annotation; unset flags leave no attribute."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        parts = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+        base = next(p for p in parts if p is not type(None))
+        nullable = type(None) in parts
+        spec: dict[str, Any]
+        if base is bool:
+            spec = {"action": argparse.BooleanOptionalAction}
+        elif typing.get_origin(base) is tuple:
+            spec = {"type": typing.get_args(base)[0], "nargs": "+"}
+        else:
+            spec = {"type": _nullable(base) if nullable else base}
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
+                           default=argparse.SUPPRESS, help=f"default: {f.default}", **spec)
+
+
+def _nullable(base: type):
+    def parse(text: str):
+        return None if text.lower() in ("none", "null") else base(text)
+
+    parse.__name__ = base.__name__
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
+    from jaxserve.server import ServerConfig
+
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM serving on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
+    serve.add_argument("model", nargs="?", help="a local model directory, or demo (default)")
+    serve.add_argument("--config", type=Path, help="YAML file of engine and server options")
+    _add_option_flags(serve, ServerConfig, "server options")
+    _add_option_flags(serve, EngineConfig, "engine options")
+    serve.set_defaults(func=_serve)
+
+    generate = sub.add_parser("generate", help="stream a completion to stdout, offline")
+    generate.add_argument("model", nargs="?", help="a local model directory, or demo (default)")
+    generate.add_argument("prompts", nargs="*", metavar="PROMPT", help="same as --prompt")
+    generate.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    generate.add_argument("--config", type=Path, help="YAML file of engine options")
+    _add_option_flags(generate, EngineConfig, "engine options")
+    generate.set_defaults(func=_generate)
+
     convert = sub.add_parser("convert", help="write an orbax checkpoint from a Hugging Face dir")
     convert.add_argument("hf_dir", type=Path)
     convert.add_argument("out_dir", type=Path)
     convert.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                             "float16"])
     convert.set_defaults(func=_convert)
-    generate = sub.add_parser("generate", help="generate text for prompts, offline")
-    generate.add_argument("model")
-    generate.add_argument("prompt", nargs="+")
-    generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--set", action="append", help="engine override KEY=VALUE")
-    generate.set_defaults(func=_generate)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"jaxserve: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before serving started (serve itself stops gracefully)
+        return 130
 
 
 if __name__ == "__main__":

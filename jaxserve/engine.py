@@ -246,11 +246,11 @@ class LLMEngine:
             index=0, text=text, token_ids=list(request.output_ids),
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
-            logprobs=tracker.logprobs if request.params.logprobs is not None else None)
+            logprobs=list(tracker.logprobs) if request.params.logprobs is not None else None)
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_ids, outputs=[completion], finished=finished,
-            prompt_logprobs=(tracker.prompt_logprobs
+            prompt_logprobs=(list(tracker.prompt_logprobs)
                              if request.params.prompt_logprobs is not None else None),
             metrics=request.metrics)
 

@@ -11,8 +11,11 @@ compiled once, at start-up:
 `collect` waits for them. The engine dispatches iteration t+1 before collecting iteration t.
 """
 
+import contextlib
+import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,14 +33,17 @@ from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
 
+log = logging.getLogger("jaxserve")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_compilations = 0
+_dispatching = threading.local()  # .runner: the ModelRunner whose step this thread is running
 
 
 def _count_compiles(event: str, duration: float, **_) -> None:
-    global _compilations
-    if event == "/jax/core/compile/backend_compile_duration":
-        _compilations += 1
+    """Counts XLA compiles against the runner dispatching on this thread (compiles happen
+    synchronously inside the jitted call), so other engines and stray ops are not counted."""
+    runner = getattr(_dispatching, "runner", None)
+    if runner is not None and event == "/jax/core/compile/backend_compile_duration":
+        runner.num_compilations += 1
 
 
 monitoring.register_event_duration_secs_listener(_count_compiles)
@@ -107,8 +113,11 @@ class ModelRunner:
         self.backend = jax.default_backend()
         self.attention_impl = resolve_attention_impl(config.attention_impl, self.backend)
         enable_compilation_cache(config.compilation_cache_dir)
+        start = time.perf_counter()
         self.graphdef, self.state = load_state(model_path, model_config, self.dtype,
                                                config.load_format, config.seed)
+        log.info("weights: %.1f MiB (%s) in %.1f s", state_bytes(self.state) / 2**20,
+                 jnp.dtype(self.dtype).name, time.perf_counter() - start)
         self.page_size = config.page_size
         self.pages_per_seq = config.pages_per_seq(self.max_model_len)
         self.num_pages = config.num_pages or self._pages_that_fit()
@@ -129,11 +138,20 @@ class ModelRunner:
         self._zeros = jnp.zeros((self.carry_size,), jnp.int32)
         self._carries = (self._zeros, self._zeros)
         self._carry_rows: dict[str, int] = {}  # request id -> index into the two carries
-        self._compiles_at_warmup = _compilations
+        self.num_compilations = 0  # XLA compiles while this runner dispatched
+        self._compiles_at_warmup = 0
 
     @property
     def num_compilations_after_warmup(self) -> int:
-        return _compilations - self._compiles_at_warmup
+        return self.num_compilations - self._compiles_at_warmup
+
+    @contextlib.contextmanager
+    def _counting(self):
+        _dispatching.runner = self
+        try:
+            yield
+        finally:
+            _dispatching.runner = None
 
     @property
     def weight_bytes(self) -> int:
@@ -159,6 +177,10 @@ class ModelRunner:
 
     def dispatch(self, out: SchedulerOutput) -> Inflight:
         """Start the iteration's device work and return without waiting for it."""
+        with self._counting():
+            return self._dispatch(out)
+
+    def _dispatch(self, out: SchedulerOutput) -> Inflight:
         flight = Inflight(decode_chunks=[c for c in out.chunks if c.num_tokens == 1],
                           prefill_chunks=[c for c in out.chunks if c.num_tokens > 1])
         carries, carry_rows = [self._zeros, self._zeros], {}
@@ -275,10 +297,11 @@ class ModelRunner:
                   for k in sorted({1, self.config.decode_steps})]
         kinds = ("prefill", "prompt") if self.config.enable_prompt_logprobs else ("prefill",)
         shapes += [(kind, b, c, 1) for kind in kinds for b, c in self._prefill_buckets()]
-        for kind, b, c, steps in tqdm(shapes, desc="compiling", disable=not progress):
-            self._warm(kind, b, c, steps)
+        with self._counting():
+            for kind, b, c, steps in tqdm(shapes, desc="compiling", disable=not progress):
+                self._warm(kind, b, c, steps)
         jax.block_until_ready(self.kv)
-        self._compiles_at_warmup = _compilations
+        self._compiles_at_warmup = self.num_compilations
         return time.perf_counter() - start
 
     def _prefill_buckets(self) -> list[tuple[int, int]]:

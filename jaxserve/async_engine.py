@@ -1,0 +1,346 @@
+"""The engine on a background thread, for asyncio callers (the HTTP server).
+
+`LLMEngine` is not thread-safe, so only the engine thread touches it. Callers send commands
+through a queue that the thread applies between steps, and outputs come back through each
+request's stream, handed to the caller's event loop with `call_soon_threadsafe` (one call per
+step). The event loop never waits on the device: it awaits futures the thread resolves.
+
+    event loop                                  engine thread
+    await add_request()  --add-->   [commands]  --> LLMEngine.add_request (between two steps)
+              ack  <------------------------------- accepted | ValueError | QueueFullError
+    async for out in stream  <--------------------- step() outputs, one hand-off per step
+    abort()              --abort--> [commands]  --> LLMEngine.abort: pages free before the next step
+
+The thread sleeps on a condition while there is no work. If a step raises, the engine is dead:
+every open stream gets `EngineDeadError`, and so does every later request.
+"""
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.engine import LLMEngine, PromptType
+from jaxserve.request import RequestOutput, SamplingParams
+
+log = logging.getLogger("jaxserve")
+
+_IDLE_POLL_S = 0.005  # work exists but nothing could be dispatched: look again this soon
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread died; no request can run any more."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down and accepts no requests."""
+
+
+class QueueFullError(RuntimeError):
+    """`max_waiting_requests` requests already wait; try again after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past `request_timeout_s` and was aborted."""
+
+
+class RequestStream:
+    """One request's outputs, as an async iterator of cumulative `RequestOutput`s.
+
+    Outputs are cumulative, so a reader that falls behind gets the newest one (the ones between
+    are skipped, nothing is lost). Iteration ends after the finished output, raises the error
+    that ended the request, or ends at once after `abort()`.
+    """
+
+    def __init__(self, request_id: str, owner: "AsyncEngine", loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False  # a finished output was yielded
+        self.inter_token_latencies: list[float] = []  # seconds between tokens, as they arrived
+        self._owner = owner
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
+        self._done = False
+        self._num_tokens = 0
+        self._last_token_time: float | None = None
+
+    def _push(self, item: RequestOutput | BaseException, now: float) -> None:
+        """On the event loop: an output (stamped by the engine thread) or an error."""
+        if isinstance(item, RequestOutput):
+            new = len(item.outputs[0].token_ids) - self._num_tokens
+            if new > 0:
+                if self._last_token_time is not None:  # a multi-step output spreads its gap
+                    self.inter_token_latencies += [(now - self._last_token_time) / new] * new
+                self._last_token_time, self._num_tokens = now, self._num_tokens + new
+        self._items.append(item)
+        self._ready.set()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while not self._items and not self._done:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._done:
+            raise StopAsyncIteration
+        items = list(self._items)
+        self._items.clear()
+        for item in items:
+            if isinstance(item, BaseException):
+                self._done = True
+                raise item
+        output = items[-1]
+        if output.finished:
+            self._done = self.finished = True
+        return output
+
+    def abort(self) -> None:
+        """Abort the request unless it finished; iteration ends. Safe to call twice."""
+        if not self._done:
+            self._done = True
+            self._ready.set()
+            self._owner.abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams | None
+    arrival_time: float
+    stream: RequestStream
+    ack: asyncio.Future
+
+
+class AsyncEngine:
+    """An `LLMEngine` stepped by a background thread.
+
+    `max_waiting_requests`: at most this many requests wait for a slot; one more raises
+    `QueueFullError` (None: unbounded). `request_timeout_s`: a request still unfinished this long
+    after its arrival is aborted and its stream raises `RequestTimeoutError` (None: no limit).
+    Both are plain attributes, read when a request is added.
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
+                 request_timeout_s: float | None = None):
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.request_timeout_s = request_timeout_s
+        self._cond = threading.Condition()
+        self._commands: list[_Add | str] = []  # guarded by _cond; a str is an abort
+        self._stop_at: float | None = None  # guarded by _cond: shutting down, deadline
+        self._error: BaseException | None = None  # guarded by _cond: the engine died of it
+        # engine-thread state
+        self._streams: dict[str, RequestStream] = {}
+        self._deadlines: dict[str, float] = {}
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side (any thread; add_request on an event loop) ----------------------------
+
+    @property
+    def is_running(self) -> bool:
+        """False once the engine died or shut down."""
+        return self._error is None and self._stop_at is None and self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the engine, if it died."""
+        return self._error
+
+    def stats(self) -> dict[str, Any]:
+        """`LLMEngine.stats()` as of the end of the latest engine iteration."""
+        return dict(self._stats)
+
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams | None = None,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request and return its stream once the engine accepted it.
+
+        Raises ValueError (bad input, naming the field), QueueFullError, EngineDeadError or
+        EngineStoppedError, and nothing is left queued. Cancelled while waiting: aborted.
+        """
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self, loop)
+        ack = loop.create_future()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._send(_Add(request_id, prompt, params, arrival, stream, ack))
+        try:
+            await ack
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ones are ignored); thread-safe, returns at once."""
+        with self._cond:
+            if self._error is None:
+                self._commands.append(request_id)
+                self._cond.notify()
+
+    async def shutdown(self, grace_s: float = 0.0) -> None:
+        """Accept nothing new, let running requests finish for up to `grace_s`, abort the rest
+        (their streams raise EngineStoppedError) and stop the thread."""
+        with self._cond:
+            if self._stop_at is None:
+                self._stop_at = time.monotonic() + grace_s
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join)
+
+    def _send(self, command: _Add) -> None:
+        with self._cond:
+            if self._error is not None:
+                raise EngineDeadError(f"the engine is dead: {self._error!r}")
+            if self._stop_at is not None:
+                raise EngineStoppedError("the engine is shutting down")
+            self._commands.append(command)
+            self._cond.notify()
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except BaseException as error:  # the engine is unusable: fail everyone, loudly
+            log.exception("engine thread died")
+            self._die(error)
+
+    def _iterate(self) -> bool:
+        """Apply commands, expire timeouts, run one step; False when shut down."""
+        engine = self.engine
+        with self._cond:
+            while not (self._commands or engine.has_unfinished_requests()
+                       or self._stop_at is not None):
+                self._cond.wait()
+            commands, self._commands = self._commands, []
+            stop_at = self._stop_at
+        for command in commands:
+            self._apply(command)
+        now = time.monotonic()
+        self._expire(now)
+        if stop_at is not None and (now >= stop_at or not engine.has_unfinished_requests()):
+            self._abort_all(EngineStoppedError("the engine shut down before the request finished"))
+            self._stats = engine.stats()
+            return False
+        if engine.has_unfinished_requests():
+            steps_before = engine.num_steps
+            self._publish(engine.step())
+            if engine.num_steps == steps_before and engine.has_unfinished_requests():
+                with self._cond:  # nothing could be dispatched (pages, window): don't spin
+                    if not self._commands:
+                        self._cond.wait(_IDLE_POLL_S)
+        self._stats = engine.stats()
+        return True
+
+    def _apply(self, command: _Add | str) -> None:
+        if isinstance(command, str):
+            self.engine.abort(command)
+            self._streams.pop(command, None)
+            self._deadlines.pop(command, None)
+            return
+        limit = self.max_waiting_requests
+        if limit is not None and len(self.engine.scheduler.waiting) >= limit:
+            self._reply(command, QueueFullError(
+                f"the waiting queue is full ({limit} requests wait); retry later"))
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    command.arrival_time)
+        except Exception as error:  # bad input (ValueError), or a bug: this request's alone
+            self._reply(command, error)
+            return
+        self._streams[command.request_id] = command.stream
+        if self.request_timeout_s is not None:
+            self._deadlines[command.request_id] = command.arrival_time + self.request_timeout_s
+        self._reply(command, None)
+
+    def _expire(self, now: float) -> None:
+        for request_id, deadline in list(self._deadlines.items()):
+            if now >= deadline:
+                self.engine.abort(request_id)
+                del self._deadlines[request_id]
+                stream = self._streams.pop(request_id)
+                _hand_over(stream.loop, [(stream, RequestTimeoutError(
+                    f"request exceeded request_timeout_s ({self.request_timeout_s} s) and was "
+                    "aborted"))], now)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+                self._deadlines.pop(output.request_id, None)
+            by_loop[stream.loop].append((stream, output))
+        for loop, items in by_loop.items():
+            _hand_over(loop, items, now)
+
+    def _abort_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+        while self.engine.has_unfinished_requests():  # collect the step still in flight
+            self.engine.step()
+        self._fail_streams(error)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for stream in self._streams.values():
+            by_loop[stream.loop].append((stream, error))
+        self._streams.clear()
+        self._deadlines.clear()
+        for loop, items in by_loop.items():
+            _hand_over(loop, items, now)
+
+    def _die(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            commands, self._commands = self._commands, []
+        dead = EngineDeadError(f"the engine is dead: {error!r}")
+        for command in commands:
+            if isinstance(command, _Add):
+                self._reply(command, dead)
+        self._fail_streams(dead)
+
+    @staticmethod
+    def _reply(command: _Add, error: BaseException | None) -> None:
+        def resolve():
+            if not command.ack.done():  # the caller may have been cancelled meanwhile
+                if error is None:
+                    command.ack.set_result(None)
+                else:
+                    command.ack.set_exception(error)
+
+        _call_soon(command.stream.loop, resolve)
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, items: list, now: float) -> None:
+    def deliver():
+        for stream, item in items:
+            stream._push(item, now)
+
+    _call_soon(loop, deliver)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback) -> None:
+    with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
+        loop.call_soon_threadsafe(callback)

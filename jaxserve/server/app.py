@@ -1,0 +1,391 @@
+"""The OpenAI-compatible HTTP server, as vLLM's: routes, SSE streaming, API key, errors, serving.
+
+    POST /v1/completions, /v1/chat/completions    GET /v1/models, /health, /metrics
+
+A request is parsed and tokenized on the event loop, then handed to the `AsyncEngine`; the loop
+only ever awaits (it never waits on the device). A client that goes away, streaming or not,
+aborts its request: its pages are free before the engine's next step. Every error is an
+`APIError` in vLLM's envelope, and touches no other request.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from jaxserve.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStoppedError,
+    QueueFullError,
+    RequestStream,
+    RequestTimeoutError,
+)
+from jaxserve.engine import LLMEngine
+from jaxserve.request import RequestOutput
+from jaxserve.server import protocol
+from jaxserve.server.metrics import CONTENT_TYPE, Metrics
+from jaxserve.server.middleware import AccessLog, APIKey
+from jaxserve.server.protocol import APIError, GenerateRequest
+
+log = logging.getLogger("jaxserve.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server settings; the field names are config-file keys and `jaxserve serve` flags.
+
+    `max_waiting_requests` and `request_timeout_s` are enforced by the AsyncEngine, which
+    `serve` builds with them (they are not engine options: `LLM.generate` has no use for them).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no key; else /v1/* need "Authorization: Bearer KEY"
+    served_model_name: str | None = None  # None: the MODEL argument
+    max_waiting_requests: int | None = None  # more waiting requests get 429 (None: unbounded)
+    request_timeout_s: float | None = None  # unfinished this long after arrival: aborted, 504
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413
+    shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, in-flight requests get this long
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+
+def _api_error(error: Exception, req: GenerateRequest | None = None) -> APIError:
+    """An engine-side exception as the response it deserves."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, QueueFullError):
+        return APIError(429, str(error), headers={"Retry-After": str(error.retry_after_s)})
+    if isinstance(error, EngineDeadError | EngineStoppedError):
+        return APIError(503, str(error))
+    if isinstance(error, RequestTimeoutError):
+        return APIError(504, str(error))
+    if isinstance(error, ValueError):
+        return APIError(400, str(error), param=protocol.param_of(error, req.names if req else {}))
+    raise error
+
+
+_ENGINE_ERRORS = (QueueFullError, EngineDeadError, EngineStoppedError, RequestTimeoutError,
+                  ValueError)
+
+
+def _handler(fn):
+    """Route errors into the envelope: APIError as itself, anything unexpected as a 500."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except APIError as error:
+            return _error_response(request, error)
+        except Exception as error:
+            log.exception("error serving %s", request.url.path)
+            return _error_response(request, APIError(500, f"internal error: {error!r}"))
+
+    return endpoint
+
+
+def _error_response(request: Request, error: APIError) -> JSONResponse:
+    _info(request)["error"] = error.message
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _info(request: Request) -> dict[str, Any]:
+    """What the access log line says about this request besides method, path and status."""
+    return request.scope.setdefault("jaxserve", {})
+
+
+class _API:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str):
+        self.engine = engine
+        self.config = config
+        self.model_name = model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.metrics = Metrics(engine, model_name)
+        self.created = int(time.time())
+
+    # -- routes --------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        req = protocol.parse_completion(await self._read_json(request))
+        self._check_model(req.model)
+        prompts, texts = [], []
+        for p in req.prompts:
+            if isinstance(p, str):
+                prompts.append({"prompt_token_ids": self._encode(p, "prompt"), "prompt": p})
+                texts.append(p)
+            else:
+                prompts.append({"prompt_token_ids": p})
+                texts.append(self.tokenizer.decode(p) if self.tokenizer and req.echo else "")
+        return await self._generate(request, "completion", req, prompts, texts)
+
+    async def chat(self, request: Request) -> Response:
+        req = protocol.parse_chat(await self._read_json(request))
+        self._check_model(req.model)
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so no chat template; use "
+                           "/v1/completions with token ids", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(req.messages, req.add_generation_prompt)
+        except ValueError as error:
+            raise APIError(400, str(error), param="messages") from None
+        prompt = {"prompt_token_ids": self._encode(text, "messages"), "prompt": text}
+        return await self._generate(request, "chat", req, [prompt], [text])
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "jaxserve", "root": str(self.engine.engine.model_path),
+                "max_model_len": self.engine.engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.is_running:
+            return JSONResponse({"status": "ok"})
+        if self.engine.error is not None:
+            raise APIError(503, f"the engine is dead: {self.engine.error!r}")
+        raise APIError(503, "the server is shutting down")
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = declared.isdigit() and int(declared) > limit
+        body, size = bytearray(), 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            too_big = too_big or size > limit
+            if too_big and size > 16 * limit:
+                break
+            if not too_big:  # past the limit, read on (so the client gets our answer) but drop
+                body += chunk
+        if too_big:
+            raise APIError(413, f"the request body is over the limit of {limit} bytes "
+                           "(max_body_bytes)")
+        try:
+            data = json.loads(body)
+        except ValueError as error:
+            raise APIError(400, f"the request body is not valid JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return data
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                           f"`{self.model_name}`", param="model")
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send prompt token ids", param=param)
+        return self.tokenizer.encode(text)
+
+    async def _generate(self, request: Request, kind: str, req: GenerateRequest,
+                        prompts: list[dict], texts: list[str]) -> Response:
+        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        info = _info(request)
+        info["id"] = request_id
+        arrival = time.monotonic()
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt,
+                                                             req.params, arrival))
+        except BaseException as error:
+            for stream in streams:
+                stream.abort()
+            if isinstance(error, _ENGINE_ERRORS):
+                raise _api_error(error, req) from None
+            raise
+        fmt = protocol.Formatter(kind, request_id, int(time.time()), self.model_name,
+                                 self.tokenizer, req, texts)
+        if req.stream:
+            return StreamingResponse(self._sse(streams, fmt, info), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        last: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            done = await _until_disconnect(request, _follow(streams, last))
+        except _ENGINE_ERRORS as error:
+            raise _api_error(error, req) from None
+        finally:
+            for stream in streams:
+                stream.abort()
+            self._ended(streams, last, info)
+        if not done:
+            info["error"] = "client disconnected"
+            return Response(status_code=499)  # nginx's "client closed request": for the log only
+        return JSONResponse(fmt.response(last))
+
+    async def _sse(self, streams: list[RequestStream], fmt: protocol.Formatter,
+                   info: dict) -> AsyncIterator[str]:
+        last: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            try:
+                async with contextlib.aclosing(_merge(streams)) as updates:
+                    async for i, out in updates:
+                        last[i] = out
+                        chunk = fmt.chunk(i, out)
+                        if chunk is not None:
+                            yield _event(chunk)
+                if fmt.req.include_usage:
+                    yield _event(fmt.usage_chunk(last))
+            except _ENGINE_ERRORS as error:
+                api_error = _api_error(error, fmt.req)
+                info["error"] = api_error.message
+                yield _event(api_error.body())
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client went away: the task is cancelled at an await
+            for stream in streams:
+                stream.abort()
+            self._ended(streams, last, info)
+
+    def _ended(self, streams: list[RequestStream], last: list[RequestOutput | None],
+               info: dict) -> None:
+        for stream, out in zip(streams, last, strict=True):
+            self.metrics.observe(out, stream.inter_token_latencies, aborted=not stream.finished)
+        outs = [o for o in last if o is not None]
+        info["prompt_tokens"] = sum(len(o.prompt_token_ids) for o in outs)
+        info["completion_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
+        info["finish"] = ",".join(
+            o.outputs[0].finish_reason if s.finished and o else "abort"
+            for s, o in zip(streams, last, strict=True))
+        first = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs
+                 if o.metrics is not None and o.metrics.first_token_time is not None]
+        if first:
+            info["ttft"] = f"{max(first):.3f}s"
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from several streams as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as error:
+            queue.put_nowait((i, error))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _follow(streams: list[RequestStream], last: list[RequestOutput | None]) -> None:
+    async with contextlib.aclosing(_merge(streams)) as updates:
+        async for i, out in updates:
+            last[i] = out
+
+
+async def _until_disconnect(request: Request, work) -> bool:
+    """Run `work` unless the client disconnects first; True when it completed."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        task.result()  # an engine error raises here
+        return True
+    return False
+
+
+async def _http_error(request: Request, error: HTTPException) -> Response:
+    return _error_response(request, APIError(error.status_code, str(error.detail)))
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Starlette:
+    """The Starlette app over a running AsyncEngine; the app's shutdown stops the engine."""
+    api = _API(engine, config, model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await engine.shutdown()  # uvicorn already gave in-flight requests shutdown_grace_s
+
+    routes = [
+        Route("/v1/completions", _handler(api.completions), methods=["POST"]),
+        Route("/v1/chat/completions", _handler(api.chat), methods=["POST"]),
+        Route("/v1/models", _handler(api.models), methods=["GET"]),
+        Route("/health", _handler(api.health), methods=["GET"]),
+        Route("/metrics", _handler(api.prometheus), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: _http_error},
+                     middleware=[Middleware(AccessLog), Middleware(APIKey, key=config.api_key)])
+
+
+def serve(engine: LLMEngine, config: ServerConfig, model_name: str) -> None:
+    """Serve until SIGTERM or SIGINT: then stop accepting, give in-flight requests
+    `shutdown_grace_s`, abort the rest, stop the engine, and return."""
+    import uvicorn
+
+    async_engine = AsyncEngine(engine, max_waiting_requests=config.max_waiting_requests,
+                               request_timeout_s=config.request_timeout_s)
+    name = config.served_model_name or model_name
+    app = build_app(async_engine, config, name)
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.create_server((config.host, config.port), family=family)
+    host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
+    print(f"jaxserve: serving {name!r} at http://{host}:{sock.getsockname()[1]}/v1 "
+          "(Ctrl+C to stop)", flush=True)
+    uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                               timeout_graceful_shutdown=config.shutdown_grace_s)
+    # uvicorn handles SIGINT/SIGTERM while it runs, then re-raises the signal to the handler it
+    # found: these absorb it, so a graceful stop exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(uv_config).run(sockets=[sock])

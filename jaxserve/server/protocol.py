@@ -1,0 +1,349 @@
+"""The OpenAI API as jaxserve speaks it: request parsing (every error names its field), the error
+envelope, and the response bodies and stream chunks of /v1/completions and /v1/chat/completions.
+
+Fields are checked by hand rather than by a schema library so that each 400 says which field is
+wrong and why, in vLLM's envelope: {"error": {"message", "type", "param", "code"}}. Unknown
+fields are ignored (as vLLM does); known ones that jaxserve does not implement are a 400 unless
+they hold their no-op value.
+"""
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxserve.request import Logprob, RequestOutput, SamplingParams
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
+               500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
+
+
+class APIError(Exception):
+    """An error response: HTTP status, message, the offending request field, extra headers."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+# fields jaxserve does not implement, with the values that mean "off"
+_UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+                "logit_bias": ({},), "suffix": ("",), "best_of": (1,), "min_tokens": (0,),
+                "use_beam_search": (False,), "tools": ([],), "tool_choice": ("none", "auto"),
+                "response_format": ({"type": "text"},)}
+
+
+@dataclass
+class GenerateRequest:
+    """A parsed /v1/completions or /v1/chat/completions request."""
+
+    model: str | None
+    prompts: list[str | list[int]]  # completions: texts or token ids; chat: filled by the app
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat only
+    add_generation_prompt: bool = True  # chat only
+    names: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> request field
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _get(body: dict, name: str, check, what: str, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not check(value):
+        raise APIError(400, f"{name} must be {what}, got {_show(value)}", param=name)
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_completion(body: dict[str, Any]) -> GenerateRequest:
+    """A /v1/completions body -> GenerateRequest; APIError(400) naming the field otherwise."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise APIError(400, "prompt is required", param="prompt")
+    logprobs = _get(body, "logprobs", _is_int, "an integer")
+    req = _common(body, default_max_tokens=16, max_tokens_name="max_tokens", logprobs=logprobs)
+    req.prompts = _prompts(body["prompt"])
+    req.echo = _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
+    return req
+
+
+def parse_chat(body: dict[str, Any]) -> GenerateRequest:
+    """A /v1/chat/completions body -> GenerateRequest (the app renders `messages`)."""
+    if "messages" not in body:
+        raise APIError(400, "messages is required", param="messages")
+    wants = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+    top = _get(body, "top_logprobs", _is_int, "an integer")
+    if top is not None and not wants:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.get("echo"):
+        raise APIError(400, "echo is supported by /v1/completions only", param="echo")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    req = _common(body, default_max_tokens=None, max_tokens_name=name,
+                  logprobs=(top or 0) if wants else None)
+    req.names["logprobs"] = "top_logprobs"
+    req.messages = _messages(body["messages"])
+    req.add_generation_prompt = _get(body, "add_generation_prompt", lambda v: isinstance(v, bool),
+                                     "a boolean", True)
+    return req
+
+
+def _common(body: dict, default_max_tokens: int | None, max_tokens_name: str,
+            logprobs: int | None) -> GenerateRequest:
+    for name, off in _UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] not in off:
+            raise APIError(400, f"{name} is not supported by jaxserve (got {_show(body[name])})",
+                           param=name)
+    n = _get(body, "n", _is_int, "an integer", 1)
+    if n != 1:
+        raise APIError(400, f"n must be 1 (n > 1 is not supported yet; send {n} requests)"
+                       if n > 1 else f"n must be >= 1, got {n}", param="n")
+    stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    if options is not None and not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true",
+                       param="stream_options")
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise APIError(400, f"stream_options.include_usage must be a boolean, got "
+                       f"{_show(include_usage)}", param="stream_options")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise APIError(400, f"stop must be a string or a list of strings, got {_show(stop)}",
+                       param="stop")
+    names = {"max_tokens": max_tokens_name}
+    kwargs = dict(
+        max_tokens=_get(body, max_tokens_name, _is_int, "an integer", default_max_tokens),
+        temperature=_get(body, "temperature", _is_number, "a number", 1.0),
+        top_p=_get(body, "top_p", _is_number, "a number", 1.0),
+        top_k=_get(body, "top_k", _is_int, "an integer"),
+        seed=_get(body, "seed", _is_int, "an integer"),
+        stop=tuple(stop or ()),
+        stop_token_ids=tuple(_get(body, "stop_token_ids",
+                                  lambda v: isinstance(v, list) and all(map(_is_int, v)),
+                                  "a list of integers", [])),
+        ignore_eos=_get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
+        logprobs=logprobs,
+        priority=_get(body, "priority", _is_int, "an integer", 0),
+    )
+    if body.get("slo_ms") is not None:  # the edf policy's time-to-first-token target
+        kwargs["slo_ms"] = _get(body, "slo_ms", _is_number, "a number")
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as error:
+        raise APIError(400, str(error), param=param_of(error, names)) from None
+    return GenerateRequest(model=_get(body, "model", lambda v: isinstance(v, str), "a string"),
+                           prompts=[], params=params, stream=stream, include_usage=include_usage,
+                           names=names)
+
+
+def param_of(error: Exception, names: dict[str, str]) -> str | None:
+    """The request field a ValueError from SamplingParams or the engine is about: its first word
+    (they name the field first), translated to the name the client used."""
+    match = re.match(r"[a-z_]+", str(error))
+    word = match.group(0) if match else None
+    if word == "prompt" and "max_tokens" in str(error):  # prompt + max_tokens > max_model_len
+        word = "max_tokens"
+    if word == "prompt_token_ids":
+        word = "prompt"
+    return names.get(word, word) if word else None
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(_is_int(t) for t in value):
+            return [list(value)]
+        if all(isinstance(p, list) and p and all(map(_is_int, p)) for p in value):
+            return [list(p) for p in value]
+    raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a "
+                   f"list of token-id lists, none of them empty; got {_show(value)}",
+                   param="prompt")
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise APIError(400, f"messages must be a non-empty list, got {_show(value)}",
+                       param="messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a string 'role'",
+                           param="messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                               param="messages")
+            content = "".join(p["text"] for p in content)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                           param="messages")
+        out.append({**message, "content": content})
+    return out
+
+
+# -- responses -------------------------------------------------------------------------------------
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -inf
+
+
+@dataclass
+class _Sent:
+    """What a stream already sent of one choice."""
+
+    num_tokens: int = 0
+    text_len: int = 0
+    started: bool = False
+
+
+class Formatter:
+    """Builds the response bodies (or SSE chunks) of one request: `kind` "completion" or "chat".
+
+    `prompt_texts[i]` is choice i's prompt text, echoed when `echo`.
+    """
+
+    def __init__(self, kind: str, request_id: str, created: int, model: str, tokenizer,
+                 req: GenerateRequest, prompt_texts: list[str]):
+        self.kind, self.id, self.created, self.model = kind, request_id, created, model
+        self.tokenizer = tokenizer
+        self.req = req
+        self.prompt_texts = prompt_texts
+        self._sent = [_Sent() for _ in prompt_texts]
+
+    def _head(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """The non-streaming body, with usage."""
+        choices = []
+        for i, out in enumerate(outputs):
+            c = out.outputs[0]
+            lps = self._logprobs(out, 0, echo=self.req.echo)
+            if self.kind == "chat":
+                choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": lps, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+            else:
+                text = (self.prompt_texts[i] if self.req.echo else "") + c.text
+                choices.append({"index": i, "text": text, "logprobs": lps,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return self._head(obj) | {"choices": choices, "usage": usage(outputs)}
+
+    def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
+        """The SSE chunk carrying what `out` adds to choice `index` (None: nothing new)."""
+        sent, c = self._sent[index], out.outputs[0]
+        text = c.text[sent.text_len:]
+        new_tokens = len(c.token_ids) > sent.num_tokens
+        first = not sent.started
+        if not (text or new_tokens or out.finished or first):
+            return None
+        echo = first and self.req.echo and self.kind == "completion"
+        lps = self._logprobs(out, sent.num_tokens, echo=echo, text_offset=sent.text_len)
+        sent.num_tokens, sent.text_len, sent.started = len(c.token_ids), len(c.text), True
+        finish = c.finish_reason if out.finished else None
+        stop_reason = c.stop_reason if out.finished else None
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": index, "delta": delta if text or first else {}, "logprobs": lps,
+                      "finish_reason": finish, "stop_reason": stop_reason}
+        else:
+            choice = {"index": index, "text": (self.prompt_texts[index] if echo else "") + text,
+                      "logprobs": lps, "finish_reason": finish, "stop_reason": stop_reason}
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        body = self._head(obj) | {"choices": [choice]}
+        if self.req.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return self._head(obj) | {"choices": [], "usage": usage(outputs)}
+
+    # -- logprobs ----------------------------------------------------------------------------
+
+    def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, out: RequestOutput, start: int, echo: bool = False,
+                  text_offset: int = 0) -> dict[str, Any] | None:
+        c = out.outputs[0]
+        if c.logprobs is None:
+            return None
+        ids = c.token_ids[start:]
+        entries = c.logprobs[start:start + len(ids)]
+        if self.kind == "chat":
+            return {"content": [self._chat_entry(t, d) for t, d in zip(ids, entries, strict=False)]}
+        tokens, token_lps, tops, offsets = [], [], [], []
+        if echo:  # the prompt's tokens first: their logprobs when the engine computed them
+            prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            for t, d in zip(out.prompt_token_ids, prompt_lps, strict=False):
+                tokens.append(self._token(t))
+                token_lps.append(None if d is None else _finite(d[t].logprob))
+                tops.append(None if d is None else self._top_dict(d))
+                offsets.append(text_offset)
+                text_offset += len(tokens[-1])
+        for t, d in zip(ids, entries, strict=False):
+            tokens.append(self._token(t))
+            token_lps.append(_finite(d[t].logprob))
+            tops.append(self._top_dict(d))
+            offsets.append(text_offset)
+            text_offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _top_dict(self, d: dict[int, Logprob]) -> dict[str, float]:
+        return {self._token(t): _finite(lp.logprob) for t, lp in d.items()}
+
+    def _chat_entry(self, token_id: int, d: dict[int, Logprob]) -> dict[str, Any]:
+        num_top = self.req.params.logprobs or 0
+        top = sorted(((t, lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= num_top),
+                     key=lambda item: item[1].rank)
+        return self._chat_token(token_id, d[token_id]) | {
+            "top_logprobs": [self._chat_token(t, lp) for t, lp in top]}
+
+    def _chat_token(self, token_id: int, lp: Logprob) -> dict[str, Any]:
+        text = self._token(token_id)
+        return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode())}
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
