@@ -13,9 +13,9 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import GPU_GRID, copy_bandwidth_gb_s, paged_pools, time_us  # noqa: E402
+from kernels import GPU_GRID, copy_bandwidth_gb_s, paged_pools, time_us
 
-from pallas_kernels import decode_attention  # noqa: E402
+from pallas_kernels import decode_attention
 
 
 def main() -> None:

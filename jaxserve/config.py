@@ -187,7 +187,7 @@ _CHOICES = {
     "batching": ("static", "dynamic", "continuous"),
     "attention_impl": ("auto", "pallas", "reference"),
     "dtype": ("auto", *SUPPORTED_DTYPES),
-    "policy": ("fcfs", "priority"),
+    "policy": ("fcfs", "priority", "sjf", "mlfq", "edf"),
     "load_format": ("auto", "dummy"),
 }
 
@@ -210,6 +210,12 @@ class EngineConfig:
     batching: str = "continuous"
     policy: str = "fcfs"
     window_ms: float = 0.0
+    adaptive_window: bool = False  # window_ms follows arrivals, within [window_ms_min, window_ms_max]
+    window_ms_min: float = 0.0
+    window_ms_max: float = 50.0
+    slo_ms: float = 1000.0  # edf: the time-to-first-token target of requests that set none
+    sjf_predictor: str = "prompt"  # sjf: "oracle" | "prompt" | a learned predictor's JSON file
+    length_bucketing: bool = False  # new prompt chunks of one iteration share a prefill bucket
     min_batch_size: int = 1
     max_batch_size: int | None = None  # None: max_num_seqs
     decode_steps: int = 1
@@ -238,6 +244,11 @@ class EngineConfig:
             )
         if self.window_ms < 0:
             raise ValueError(f"window_ms must be >= 0, got {self.window_ms}")
+        if not 0 <= self.window_ms_min <= self.window_ms_max:
+            raise ValueError(f"need 0 <= window_ms_min ({self.window_ms_min}) <= window_ms_max "
+                             f"({self.window_ms_max})")
+        if not self.slo_ms > 0:
+            raise ValueError(f"slo_ms must be > 0, got {self.slo_ms}")
         if self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
         sizes = self.prefill_chunk_sizes
@@ -282,3 +293,7 @@ class EngineConfig:
 
     def pages_per_seq(self, max_model_len: int) -> int:
         return math.ceil(max_model_len / self.page_size)
+
+    def chunk_buckets(self, max_model_len: int) -> tuple[int, ...]:
+        """Prompt-chunk lengths a prefill step is padded to; the last is the longest chunk."""
+        return tuple(c for c in self.prefill_chunk_sizes if c <= max_model_len)

@@ -1,49 +1,206 @@
 """Queue orders. A policy ranks requests (lower key first) and so picks the preemption victim.
 
-New policies subclass `Policy`; the scheduler loop only calls `key` and `victim`.
+    fcfs      arrival order
+    priority  two-level QoS: realtime (priority <= 0) and batch (> 0) share admissions by weight
+              (3:1), lower priority value first within a class; realtime rows decode one step
+              per dispatch
+    sjf       shortest predicted output first, aged so long requests are not starved
+    mlfq      FastServe's skip-join multi-level feedback queue: the prompt picks the entry level,
+              tokens served demote, waiting promotes
+    edf       earliest deadline (arrival + the request's TTFT target) first
+
+New policies subclass `Policy`; the scheduler only calls `order`, `victim`, `on_admit` and
+`allows_multi_step`. Keys may depend on the time (aging). A policy whose keys rank waiting
+requests alike at every time sets `static_order`: the scheduler then keeps its waiting queue
+sorted as requests arrive, so a long queue is not sorted every iteration.
 """
 
+import math
+import weakref
 from abc import ABC, abstractmethod
+from bisect import bisect_left
 from typing import Any
 
-from jaxserve.request import Request
+from jaxserve.core.predictors import Predictor, PromptLengthPredictor
+from jaxserve.request import Request, RequestStatus
 
 
 class Policy(ABC):
     name: str
+    static_order: bool = False  # key(r, t) ranks waiting requests alike for every t
 
     @abstractmethod
     def key(self, request: Request, now: float) -> Any:
         """Sort key: requests with lower keys are served first."""
 
-    def order(self, requests: list[Request], now: float) -> list[Request]:
-        return sorted(requests, key=lambda r: self.key(r, now))
+    def order(self, requests: list[Request], now: float, limit: int | None = None,
+              presorted: bool = False) -> list[Request]:
+        """The first `limit` (default all) requests, first served first; `presorted`: the
+        list is already in key order."""
+        ranked = requests if presorted else sorted(requests, key=lambda r: self.key(r, now))
+        return ranked if limit is None else ranked[:limit]
 
     def victim(self, running: list[Request], now: float) -> Request:
         """The running request to preempt when pages run out: the one served last."""
         return max(running, key=lambda r: self.key(r, now))
 
+    def on_admit(self, request: Request, now: float) -> None:  # noqa: B027 (optional hook)
+        """A waiting request joined the running batch (stateful policies keep their books)."""
+
+    def allows_multi_step(self, request: Request) -> bool:
+        """Whether the request's decode row may run several steps in one dispatch."""
+        return True
+
 
 class FCFS(Policy):
     name = "fcfs"
+    static_order = True
 
     def key(self, request: Request, now: float) -> Any:
         return (request.arrival_time, request.request_id)
 
 
 class PriorityPolicy(Policy):
-    """Lower `priority` value first; arrival breaks ties."""
+    """Two classes share admissions by weight, as stride scheduling over requests: class c's
+    k-th queued request gets the tag  pass_c + k / weight_c, lowest first (ties: realtime):
+
+        realtime (3)   rt1 1/3   rt2 2/3   rt3 1     rt4 4/3 ...
+        batch    (1)                       b1  1     b2  2   ...
+
+    Admitting from c advances pass_c by 1 / weight_c, and lifts a class with nothing waiting to
+    pass_c, so an idle class banks no credit. Lower `priority` first within a class.
+    """
 
     name = "priority"
+    static_order = True
+
+    def __init__(self, weights: tuple[float, float] = (3.0, 1.0), realtime_max_priority: int = 0):
+        if min(weights) <= 0:
+            raise ValueError(f"priority weights must be positive, got {weights}")
+        self.weights = weights
+        self.realtime_max_priority = realtime_max_priority
+        self._pass = [0.0, 0.0]  # per class: realtime, batch
+        self._idle: set[int] = set()  # classes with nothing waiting at the last admission order
+
+    def qos_class(self, request: Request) -> int:
+        """0: realtime, 1: batch."""
+        return 0 if request.priority <= self.realtime_max_priority else 1
 
     def key(self, request: Request, now: float) -> Any:
-        return (request.priority, request.arrival_time, request.request_id)
+        return (self.qos_class(request), request.priority, request.arrival_time,
+                request.request_id)
+
+    def order(self, requests: list[Request], now: float, limit: int | None = None,
+              presorted: bool = False) -> list[Request]:
+        ranked = requests if presorted else sorted(requests, key=lambda r: self.key(r, now))
+        split = bisect_left(ranked, 1, key=self.qos_class)  # keys sort realtime first
+        classes = (ranked[:split], ranked[split:])
+        if ranked and ranked[0].status == RequestStatus.WAITING:  # the waiting queue (running
+            self._idle = {c for c in (0, 1) if not classes[c]}  # ones are ordered for budget)
+        out, taken = [], [0, 0]
+        limit = len(ranked) if limit is None else min(limit, len(ranked))
+        while len(out) < limit:  # merge by tag: pass_c + k / weight_c for c's k-th request
+            tags = [self._pass[c] + (taken[c] + 1) / self.weights[c]
+                    if taken[c] < len(classes[c]) else math.inf for c in (0, 1)]
+            c = 0 if tags[0] <= tags[1] else 1
+            out.append(classes[c][taken[c]])
+            taken[c] += 1
+        return out
+
+    def on_admit(self, request: Request, now: float) -> None:
+        c = self.qos_class(request)
+        self._pass[c] += 1.0 / self.weights[c]
+        for idle in self._idle:
+            self._pass[idle] = max(self._pass[idle], self._pass[c])
+
+    def allows_multi_step(self, request: Request) -> bool:
+        # a realtime row streams a token per dispatch: K steps would delay each token K-fold
+        return self.qos_class(request) == 1
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FCFS, PriorityPolicy)}
+class SJF(Policy):
+    """Shortest predicted remaining output first. Aging: a waiting request's predicted length
+    shrinks by `aging_tokens_per_s` per second waited, so a long one eventually goes first."""
+
+    name = "sjf"
+    static_order = True  # every waiting request ages at the same rate
+
+    def __init__(self, predictor: Predictor | None = None, aging_tokens_per_s: float = 50.0):
+        self.predictor = predictor or PromptLengthPredictor()
+        self.aging_tokens_per_s = aging_tokens_per_s
+        self._predicted: weakref.WeakKeyDictionary[Request, float] = weakref.WeakKeyDictionary()
+
+    def predicted(self, request: Request) -> float:
+        """Predicted total output tokens, computed once per request."""
+        value = self._predicted.get(request)
+        if value is None:
+            value = self._predicted[request] = float(self.predictor(request))
+        return value
+
+    def key(self, request: Request, now: float) -> Any:
+        remaining = max(0.0, self.predicted(request) - len(request.output_ids))
+        waited = now - request.arrival_time
+        return (remaining - self.aging_tokens_per_s * waited, request.arrival_time,
+                request.request_id)
 
 
-def make_policy(name: str) -> Policy:
+class MLFQ(Policy):
+    """Levels 0 (first) .. num_levels - 1; level i holds requests whose service s lies in
+    [q (2^i - 1), q (2^(i+1) - 1)), q = quantum_tokens, so quanta double per level. Service is
+    output tokens served plus the prompt counted at `prompt_token_cost` each: the prompt alone
+    decides the entry level (skip-join: a long prompt skips the top queues). A request waiting
+    `starvation_s` since arrival or its last preemption is promoted to level 0. FCFS within a
+    level."""
+
+    name = "mlfq"
+
+    def __init__(self, num_levels: int = 4, quantum_tokens: float = 16.0,
+                 prompt_token_cost: float = 0.25, starvation_s: float = 5.0):
+        self.num_levels = num_levels
+        self.quantum_tokens = quantum_tokens
+        self.prompt_token_cost = prompt_token_cost
+        self.starvation_s = starvation_s
+
+    def level(self, request: Request, now: float) -> int:
+        if request.status == RequestStatus.WAITING:
+            queued = request.metrics.last_preempted_time
+            queued = request.arrival_time if queued is None else queued
+            if now - queued >= self.starvation_s:
+                return 0
+        service = len(request.prompt_ids) * self.prompt_token_cost + len(request.output_ids)
+        return min(self.num_levels - 1, int(math.log2(1.0 + service / self.quantum_tokens)))
+
+    def key(self, request: Request, now: float) -> Any:
+        return (self.level(request, now), request.arrival_time, request.request_id)
+
+
+class EDF(Policy):
+    """Earliest deadline first; the deadline is arrival + the request's slo_ms (or the default)."""
+
+    name = "edf"
+    static_order = True
+
+    def __init__(self, default_slo_ms: float = 1000.0):
+        self.default_slo_ms = default_slo_ms
+
+    def deadline(self, request: Request) -> float:
+        slo = request.params.slo_ms or self.default_slo_ms
+        return request.arrival_time + slo / 1000.0
+
+    def key(self, request: Request, now: float) -> Any:
+        return (self.deadline(request), request.arrival_time, request.request_id)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FCFS, PriorityPolicy, SJF, MLFQ, EDF)}
+
+
+def make_policy(name: str, *, predictor: Predictor | None = None,
+                slo_ms: float = 1000.0) -> Policy:
+    """A policy by name; `predictor` is sjf's, `slo_ms` edf's default TTFT target."""
     if name not in POLICIES:
         raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
+    if name == "sjf":
+        return SJF(predictor)
+    if name == "edf":
+        return EDF(slo_ms)
     return POLICIES[name]()

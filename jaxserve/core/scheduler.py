@@ -8,16 +8,23 @@ leaves. The batching mode only changes admission:
     continuous  join free slots every iteration (the window may gate it: the two-layer strategy)
     dynamic     a batch forms in the window (up to max_batch_size) and runs to completion
     static      a batch of up to max_batch_size runs to completion; nothing joins until it ends
+
+With `length_buckets` (the runner's prefill chunk sizes), the prompt chunks that join in one
+iteration share a bucket, so the runner pads fewer rows to a longer chunk; the first waiting
+request in policy order always may join.
 """
 
+import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from jaxserve.config import EngineConfig
 from jaxserve.core.kv_manager import KVCacheManager
 from jaxserve.core.page_pool import PagePool
 from jaxserve.core.policies import Policy, make_policy
-from jaxserve.core.window import BatchingWindow
+from jaxserve.core.predictors import resolve_predictor
+from jaxserve.core.window import AdaptiveWindow, BatchingWindow
 from jaxserve.request import Request, RequestStatus
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
@@ -49,6 +56,7 @@ class Scheduler:
                  max_num_batched_tokens: int, max_chunk_tokens: int,
                  batching: str = "continuous", policy: str | Policy = "fcfs",
                  window: BatchingWindow | None = None, decode_steps: int = 1,
+                 length_buckets: tuple[int, ...] = (),
                  clock: Callable[[], float] = time.monotonic):
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {batching!r}")
@@ -67,6 +75,7 @@ class Scheduler:
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.window = window or BatchingWindow(max_batch_size=max_num_seqs)
         self.decode_steps = decode_steps
+        self.length_buckets = tuple(length_buckets)
         self.clock = clock
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -80,7 +89,14 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+        self.window.observe_arrival(request.arrival_time)
+
+    def _enqueue(self, request: Request) -> None:
+        if self.policy.static_order:  # kept in policy order: no sort per iteration
+            bisect.insort(self.waiting, request, key=lambda r: self.policy.key(r, 0.0))
+        else:
+            self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Abort in any state; its pages are free at once. None if unknown or finished."""
@@ -111,7 +127,8 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        admissible = self._admissible(now)
+        # nothing can join while every slot is taken: skip ordering the (maybe long) queue
+        admissible = self._admissible(now) if len(self.running) < self.max_num_seqs else []
         running = self.policy.order(self.running, now)
         # a request whose pending tokens reach max_len only waits for update() to finish it
         decoding = [r for r in running if r.num_to_compute == 1 and r.remaining_tokens > 0]
@@ -120,7 +137,8 @@ class Scheduler:
         # several decode steps per dispatch only when nobody waits to join and every row can
         # take them all (so K is 1 or decode_steps: two compiled shapes, no overshoot)
         if (self.decode_steps > 1 and decoding and not chunking and not will_admit
-                and all(r.remaining_tokens >= self.decode_steps for r in decoding)):
+                and all(r.remaining_tokens >= self.decode_steps
+                        and self.policy.allows_multi_step(r) for r in decoding)):
             out.decode_steps = self.decode_steps
         queue = decoding + chunking  # decodes first: they must never be starved by chunks
         while queue and budget > 0:
@@ -142,12 +160,19 @@ class Scheduler:
             # pages ran short: the preempted go back first, nobody new takes their pages (and a
             # newcomer never joins a multi-step iteration, whose K it was not counted in)
             return out
+        bucket = max((self._bucket(c.num_tokens) for c in out.chunks if c.num_tokens > 1),
+                     default=None)
         for request in admissible:
             if len(self.running) >= self.max_num_seqs or budget <= 0:
                 break
             n = self._chunk(request, budget)
             if n == 0:
                 break
+            if self.length_buckets and n > 1:
+                b = self._bucket(n)
+                if bucket is not None and b != bucket and request is not admissible[0]:
+                    continue  # joins in an iteration of its own bucket
+                bucket = b if bucket is None else max(bucket, b)
             if self.kv.allocate(request, n if n > 1 else out.decode_steps) is None:
                 break  # new requests never preempt running ones
             self.waiting.remove(request)
@@ -155,9 +180,13 @@ class Scheduler:
             self.running.append(request)
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+            self.policy.on_admit(request, now)
             budget -= n
             self._commit(request, n, out)
         return out
+
+    def _bucket(self, num_tokens: int) -> int:
+        return bisect.bisect_left(self.length_buckets, num_tokens) if self.length_buckets else 0
 
     def _chunk(self, request: Request, budget: int) -> int:
         """Tokens to feed this iteration: 1 to decode, else a prompt chunk of at least 2 (a
@@ -185,28 +214,36 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.set_status(RequestStatus.WAITING)
         request.metrics.num_preemptions += 1
-        self.waiting.append(request)
+        request.metrics.last_preempted_time = self.clock()
+        self._enqueue(request)
         self.num_preemptions += 1
         out.preempted.append(request)
 
     def _admissible(self, now: float) -> list[Request]:
-        """Waiting requests that may join now, in policy order."""
+        """Waiting requests that may join now, in policy order: the first few, enough for the
+        free slots, the requests whose tokens are still in flight, and length bucketing."""
+        if self._batch:  # static/dynamic: only the running batch's own (preempted) requests
+            mine = [r for r in self.waiting if r.request_id in self._batch]
+            return [r for r in self.policy.order(mine, now) if r.num_pending == 0]
+        limit = self.max_num_seqs - len(self.running) + 2 * self.max_num_seqs
+        ranked = self.policy.order(self.waiting, now, limit, presorted=self.policy.static_order)
         # a request whose sampled tokens are still on the device cannot be recomputed yet
-        ready = [r for r in self.policy.order(self.waiting, now) if r.num_pending == 0]
+        ready = [r for r in ranked if r.num_pending == 0]
         if not ready:
             return []
-        oldest = min(r.arrival_time for r in self.waiting)
         if self.batching == "continuous":
-            is_open = self.window.is_open(len(self.waiting), oldest, now, idle=not self.running)
-            return ready if is_open else []
-        if self._batch:
-            return [r for r in ready if r.request_id in self._batch]
-        if self.batching == "dynamic" and not self.window.is_open(len(self.waiting), oldest, now,
-                                                                  idle=True):
+            return ready if self._window_open(now, idle=not self.running) else []
+        if self.batching == "dynamic" and not self._window_open(now, idle=True):
             return []
         batch = ready[:self.window.max_batch_size]
         self._batch = {r.request_id for r in batch}
         return batch
+
+    def _window_open(self, now: float, idle: bool) -> bool:
+        n = len(self.waiting)
+        if n >= self.window.max_batch_size:  # open whatever the oldest: skip finding it
+            return True
+        return self.window.is_open(n, min(r.arrival_time for r in self.waiting), now, idle)
 
     def next_wakeup(self) -> float | None:
         """When admission may open for requests that wait on the window (None: not waiting)."""
@@ -250,3 +287,25 @@ class Scheduler:
             "kv_fragmentation": self.kv.fragmentation(self.running),
             "num_preemptions": self.num_preemptions,
         }
+
+
+def make_scheduler(config: EngineConfig, num_pages: int, max_chunk_tokens: int,
+                   clock: Callable[[], float] = time.monotonic) -> Scheduler:
+    """The scheduler an engine config describes (the engine's, the simulator's, benchmarks')."""
+    max_batch = min(config.max_batch_size or config.max_num_seqs, config.max_num_seqs)
+    min_batch = min(config.min_batch_size, max_batch)
+    if config.adaptive_window:
+        window = AdaptiveWindow(config.window_ms, min_batch, max_batch,
+                                window_ms_min=config.window_ms_min,
+                                window_ms_max=config.window_ms_max)
+    else:
+        window = BatchingWindow(config.window_ms, min_batch, max_batch)
+    policy = make_policy(config.policy, slo_ms=config.slo_ms,
+                         predictor=resolve_predictor(config.sjf_predictor)
+                         if config.policy == "sjf" else None)
+    return Scheduler(
+        num_pages=num_pages, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_chunk_tokens=max_chunk_tokens,
+        batching=config.batching, policy=policy, decode_steps=config.decode_steps,
+        window=window, clock=clock,
+        length_buckets=config.prefill_chunk_sizes if config.length_bucketing else ())

@@ -1,0 +1,287 @@
+"""Calibrate the simulator against the real engine on this device, and check it.
+
+    profile_runner   time the real runner over decode rows x prefill tokens x context, pipelined
+                     as the engine runs it (iteration t+1 dispatched before t is read)
+    calibrate        profile, fit the StepCostModel, save it (the simulator reuses it)
+    run_on_engine    play a workload on the real engine, offline, arrival times honoured
+    validate         the same workload on the engine and in the simulator: relative errors
+
+This module is the bridge (it imports the engine); `jaxserve.sim` stays host-only.
+"""
+
+import itertools
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.page_pool import PagePool
+from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.engine import LLMEngine
+from jaxserve.request import Request, SamplingParams
+from jaxserve.sim.cost_model import (
+    StepCostModel,
+    default_fit_path,
+    step_shape,
+)
+from jaxserve.sim.metrics import RequestRecord, compute_metrics
+from jaxserve.sim.simulator import Simulator
+from jaxserve.sim.workload import RequestSpec, synthetic
+
+VALIDATED = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_e2el_ms", "output_throughput")
+
+
+def _row(pool: PagePool, page_size: int, rid: str, start: int, num_tokens: int,
+         num_samples: int) -> ScheduledChunk:
+    """A running request positioned so that its row feeds [start, start + num_tokens)."""
+    length = start + num_tokens
+    request = Request(rid, [3] * length, SamplingParams(max_tokens=64, temperature=0.0),
+                      0.0, seed=0, max_len=length + 64, eos_token_ids=frozenset())
+    request.num_computed_tokens = start
+    request.pages = pool.allocate(-(-(start + max(num_tokens, num_samples)) // page_size)) or []
+    if not request.pages:
+        raise ValueError("the KV cache is too small to profile this shape")
+    return ScheduledChunk(request, start, num_tokens, num_samples)
+
+
+def _time(engine: LLMEngine, out: SchedulerOutput, budget_s: float = 0.1) -> float:
+    """Seconds per iteration with one iteration in flight, as the engine runs (about budget_s
+    of iterations, at least 2)."""
+    runner = engine.runner
+    start = time.perf_counter()
+    runner.collect(runner.dispatch(out))  # warm
+    reps = int(min(16, max(2, budget_s / (time.perf_counter() - start))))
+    start = time.perf_counter()
+    flight = runner.dispatch(out)
+    for _ in range(reps - 1):
+        nxt = runner.dispatch(out)
+        runner.collect(flight)
+        flight = nxt
+    runner.collect(flight)
+    return (time.perf_counter() - start) / reps
+
+
+def profile_shapes(engine: LLMEngine) -> list[tuple[int, int, int, int, int]]:
+    """(decode rows, decode context, decode steps, prefill rows, prefill chunk) to time; the
+    prefill rows start at context 0 or half the model length."""
+    config, runner = engine.config, engine.runner
+    max_len = runner.max_model_len
+    steps = sorted({1, config.decode_steps})
+    contexts = sorted({16, max_len // 4, max_len // 2, max_len - 2 * max(steps) - 1})
+    rows = sorted({min(b, config.max_num_seqs) for b in runner.row_buckets})
+    shapes = [(b, ctx, k, 0, 0) for b in rows for ctx in contexts for k in steps]
+    for b, c in runner._prefill_buckets():
+        for ctx in (0, max_len // 2):
+            if ctx + c <= max_len:
+                shapes.append((0, ctx, 1, min(b, config.max_num_seqs), c))
+    for b in (1, max(1, config.max_num_seqs // 2)):  # decode and prefill in one iteration
+        for c in runner.chunk_buckets[:2]:
+            if b < config.max_num_seqs:
+                shapes.append((b, max_len // 4, 1, 1, c))
+    return shapes
+
+
+def _output(engine: LLMEngine, shape: tuple[int, int, int, int, int]) -> SchedulerOutput:
+    num_decode, ctx, k, num_prefill, chunk = shape
+    page_size, budget = engine.config.page_size, engine.config.max_num_batched_tokens
+    pool = PagePool(engine.runner.num_pages)
+    out = SchedulerOutput(decode_steps=k)
+    for i in range(num_decode):
+        out.chunks.append(_row(pool, page_size, f"d{i}", ctx, 1, k))
+    left = budget - num_decode
+    for i in range(num_prefill):  # the first chunk is the longest; the rest share what is left
+        n = chunk if i == 0 else max(2, min(chunk, (left - chunk) // max(1, num_prefill - 1)))
+        start = ctx if num_decode == 0 else 0
+        out.chunks.append(_row(pool, page_size, f"p{i}", start, n, 1))
+    return out
+
+
+def profile_runner(engine: LLMEngine, passes: int = 3, progress: bool = False):
+    """[(StepShape, seconds)] over the profile shapes: the median of `passes` passes, each in
+    a fresh random order, so a burst of load on the machine hits one shape's sample at most."""
+    from tqdm import tqdm
+
+    runner = engine.runner
+    outs = [_output(engine, shape) for shape in profile_shapes(engine)]
+    times: list[list[float]] = [[] for _ in outs]
+    rng = np.random.default_rng(0)
+    with tqdm(total=passes * len(outs), desc="profiling", disable=not progress) as bar:
+        for _ in range(passes):
+            for i in rng.permutation(len(outs)):
+                times[i].append(_time(engine, outs[i]))
+                bar.update(1)
+    return [(step_shape(out, runner.row_buckets, runner.chunk_buckets), float(np.median(t)))
+            for out, t in zip(outs, times, strict=True)]
+
+
+def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
+              engine: LLMEngine | None = None, progress: bool = True) -> StepCostModel:
+    """Profile the runner on this device, fit the cost model, save it (default: the cache)."""
+    engine = engine or LLMEngine(model, config, progress=progress)
+    samples = profile_runner(engine, progress=progress)
+    device = jax.devices()[0]
+    runner = engine.runner
+    fit = StepCostModel.fit(samples, runner.row_buckets, runner.chunk_buckets, info={
+        "model": str(model), "model_path": str(engine.model_path), "backend": runner.backend,
+        "device": getattr(device, "device_kind", str(device)),
+        "num_pages": runner.num_pages, "max_model_len": runner.max_model_len,
+        "attention_impl": runner.attention_impl, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+    })
+    measure_engine(engine, fit)
+    fit.idle_wakeup = measure_wakeup(engine, fit)
+    fit.save(path or default_fit_path(model, config))
+    return fit
+
+
+def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
+                   min_steps: int = 20) -> None:
+    """Set the fit's engine factors from steps of the real engine: closed loops keeping 1, 2,
+    4 ... max_num_seqs requests in flight; the wall time of the step that reads an iteration's
+    tokens is that iteration's cost. Decode-only steps give a factor per padded row count (0:
+    all of them, for counts seen fewer than min_steps times); the steps with prompt chunks then
+    give the prefill factor. Ratios of sums: step times are heavy-tailed, and the simulator
+    must match their sum."""
+    steps: list[tuple[float, SchedulerOutput | None]] = []  # (wall, what the step dispatched)
+    step = engine.step
+
+    def timed_step():
+        start = time.perf_counter()
+        outputs = step()
+        flight = engine._inflight
+        steps.append((time.perf_counter() - start, None if flight is None else flight[0]))
+        return outputs
+
+    engine.step = timed_step
+    try:
+        for i, concurrency in enumerate(engine.runner.row_buckets):
+            concurrency = min(concurrency, engine.config.max_num_seqs)
+            specs = synthetic(2 * concurrency + 6, float("inf"), seed=seed + i, input_len=96,
+                              output_len=64, max_model_len=engine.max_model_len)
+            run_closed_loop(engine, specs, concurrency)
+    finally:
+        del engine.step
+    rows, d, p, wall = [], [], [], []
+    for (_, out), (t, _) in itertools.pairwise(steps):
+        if out is not None:
+            shape = step_shape(out, fit.row_buckets, fit.chunk_buckets)
+            rows.append(shape.decode_rows)
+            d.append(fit.parts(shape)[0])
+            p.append(fit.parts(shape)[1])
+            wall.append(t)
+    rows, d, p, wall = map(np.array, (rows, d, p, wall))
+    decode_only = (p == 0) & (d > 0)
+    factors = {0: float(wall[decode_only].sum() / d[decode_only].sum())}
+    for b in np.unique(rows[decode_only]):
+        pick = decode_only & (rows == b)
+        if pick.sum() >= min_steps:
+            factors[int(b)] = float(wall[pick].sum() / d[pick].sum())
+    fit.decode_factor = factors
+    rest = p > 0
+    decode_part = np.array([fit.decode_factor_for(int(b)) for b in rows[rest]]) * d[rest]
+    fit.prefill_factor = float(max(0.0, (wall[rest] - decode_part).sum()) / p[rest].sum())
+
+
+def measure_wakeup(engine: LLMEngine, fit: StepCostModel, num_requests: int = 16,
+                   idle_s: float = 0.05, seed: int = 3) -> float:
+    """Mean extra time to first token of a lone request arriving at an idle engine, over what
+    the fit (without wake-up) predicts."""
+    rng = np.random.default_rng(seed)
+    sim = Simulator(engine.config, fit, engine.runner.num_pages, engine.max_model_len)
+    excess = []
+    for _ in range(num_requests):
+        n = int(rng.integers(8, min(256, engine.max_model_len - 4)))
+        time.sleep(idle_s)
+        start = time.perf_counter()
+        engine.add_request(None, {"prompt_token_ids": rng.integers(
+            3, engine.model_config.vocab_size, size=n).tolist()},
+            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        first = None
+        while engine.has_unfinished_requests():
+            if engine.step() and first is None:
+                first = time.perf_counter() - start
+        excess.append(first - sim.run([RequestSpec(0.0, n, 4)]).records[0].ttft)
+    return float(max(0.0, np.mean(excess)))
+
+
+def run_closed_loop(engine: LLMEngine, specs: list[RequestSpec], concurrency: int,
+                    seed: int = 0) -> None:
+    """Keep `concurrency` requests in the engine until every spec has run (arrivals ignored)."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    pending = list(reversed(specs))
+    while pending or engine.has_unfinished_requests():
+        while pending and len(engine.scheduler.requests) < concurrency:
+            spec = pending.pop()
+            params = SamplingParams(max_tokens=spec.output_len, temperature=0.0,
+                                    ignore_eos=True)
+            engine.add_request(None, {"prompt_token_ids": rng.integers(
+                3, vocab, size=spec.prompt_len).tolist()}, params)
+        engine.step()
+
+
+def run_on_engine(engine: LLMEngine, specs: list[RequestSpec], seed: int = 0,
+                  ) -> tuple[list[RequestRecord], float]:
+    """Play the workload on the engine in real time; per-request records (seconds from the
+    start) and the duration up to the last token."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    specs = sorted(specs, key=lambda s: s.arrival)
+    prompts = [list(s.prompt_ids) if s.prompt_ids is not None
+               else rng.integers(3, vocab, size=s.prompt_len).tolist() for s in specs]
+    records = [RequestRecord(s.arrival, s.prompt_len, s.label, s.slo_ms) for s in specs]
+    seen = [0] * len(specs)
+    nxt, last = 0, 0.0
+    start = time.monotonic()
+    while nxt < len(specs) or engine.has_unfinished_requests():
+        now = time.monotonic()
+        while nxt < len(specs) and start + specs[nxt].arrival <= now:
+            spec = specs[nxt]
+            params = SamplingParams(max_tokens=spec.output_len, temperature=0.0,
+                                    ignore_eos=True, priority=spec.priority, slo_ms=spec.slo_ms)
+            engine.add_request(str(nxt), {"prompt_token_ids": prompts[nxt]}, params,
+                               arrival_time=start + spec.arrival)
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, start + specs[nxt].arrival - time.monotonic()))
+            continue
+        outputs = engine.step()
+        now = time.monotonic() - start
+        for output in outputs:
+            i = int(output.request_id)
+            n = len(output.outputs[0].token_ids)
+            records[i].deliver(now, n - seen[i])
+            seen[i] = n
+            last = now
+    return records, last
+
+
+def validate(model: str, config: EngineConfig,
+             workload: Callable[[int], list[RequestSpec]],
+             fit_path: str | Path | None = None, progress: bool = True,
+             recalibrate: bool = False, repeats: int = 1) -> dict:
+    """Run workload(max_model_len) on the engine and in the simulator; metrics of both and the
+    relative errors of VALIDATED. The saved fit is used unless there is none or `recalibrate`.
+    With repeats > 1 the engine runs the workload again: "noise" is how far its own later runs
+    land from the first (the floor under any simulator error on this machine)."""
+    engine = LLMEngine(model, config, progress=progress)
+    specs = workload(engine.max_model_len)
+    path = Path(fit_path or default_fit_path(model, config))
+    if path.is_file() and not recalibrate:
+        fit = StepCostModel.load(path)
+    else:
+        fit = calibrate(model, config, path, engine, progress)
+    run_on_engine(engine, specs[:min(len(specs), 8)])  # warm the host path; not measured
+    real, *again = [compute_metrics(*run_on_engine(engine, specs)) for _ in range(repeats)]
+    sim = Simulator(config, fit, fit.info["num_pages"], fit.info["max_model_len"]).run(specs)
+    simulated = sim.metrics()
+
+    def error(metrics: dict) -> dict:
+        return {k: abs(metrics[k] - real[k]) / abs(real[k]) for k in VALIDATED if real[k]}
+
+    report = {"real": real, "sim": simulated, "errors": error(simulated), "fit": fit.info}
+    if again:
+        report["noise"] = {k: max(error(m)[k] for m in again) for k in report["errors"]}
+    return report

@@ -1,0 +1,10 @@
+"""The scheduling simulator: the real Scheduler, KVCacheManager and policies on a virtual clock,
+timed by a step-cost model fitted to the real runner. Host-only: never imports jax."""
+
+from jaxserve.sim.cost_model import StepCostModel
+from jaxserve.sim.metrics import RequestRecord, compute_metrics
+from jaxserve.sim.simulator import SimResult, Simulator
+from jaxserve.sim.workload import Burst, RequestSpec, read_trace, synthetic, write_trace
+
+__all__ = ["Burst", "RequestRecord", "RequestSpec", "SimResult", "Simulator", "StepCostModel",
+           "compute_metrics", "read_trace", "synthetic", "write_trace"]

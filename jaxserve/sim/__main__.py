@@ -1,0 +1,5 @@
+import sys
+
+from jaxserve.sim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,203 @@
+"""`jaxserve simulate` (also `python -m jaxserve.sim`): simulate, calibrate, validate.
+
+    python -m jaxserve.sim --num-prompts 10000 --request-rate 20 --policy sjf
+    python -m jaxserve.sim --calibrate                         # profile this device, save the fit
+    python -m jaxserve.sim --validate --num-prompts 200 --output-json errors.json
+    python -m jaxserve.sim --calibrate --validate ...             # a fresh fit, then validate
+
+The model defaults to the demo model; a command that needs the fit and finds none saved
+calibrates first. --calibrate and --validate run the real engine (they import jax); simulating
+does not.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from jaxserve.config import EngineConfig
+from jaxserve.sim.cost_model import StepCostModel, default_fit_path
+from jaxserve.sim.metrics import format_table, parse_slos
+from jaxserve.sim.simulator import Simulator
+from jaxserve.sim.workload import Burst, RequestSpec, read_trace, synthetic, write_trace
+
+# engine fields offered as flags (the rest through --set KEY=VALUE)
+ENGINE_FLAGS = ("policy", "batching", "max_num_seqs", "max_num_batched_tokens", "decode_steps",
+                "window_ms", "adaptive_window", "window_ms_min", "window_ms_max",
+                "min_batch_size", "max_batch_size", "slo_ms", "sjf_predictor",
+                "length_bucketing", "num_pages", "max_model_len", "page_size",
+                "prefill_chunk_sizes")
+SUMMARY = ("completed", "request_throughput", "output_throughput", "request_goodput",
+           "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+           "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms",
+           "median_e2el_ms", "p99_e2el_ms", "num_preemptions")
+
+
+def _flag_type(field: dataclasses.Field):
+    default = field.default
+    if isinstance(default, bool):
+        return None  # a store_true flag
+    if field.name == "prefill_chunk_sizes":
+        return lambda v: tuple(int(x) for x in v.split(","))
+    if isinstance(default, float):
+        return float
+    if isinstance(default, int) or field.name in ("num_pages", "max_model_len", "max_batch_size"):
+        return int
+    return str
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="demo",
+                        help="model directory or 'demo' (default)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="profile the real runner on this device and save the fit")
+    parser.add_argument("--validate", action="store_true",
+                        help="run the workload on the real engine and in the simulator; compare")
+    parser.add_argument("--fit", type=Path, help="the fit file (default: the user cache)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="--validate: engine runs of the workload (> 1 also reports the "
+                             "engine's own run-to-run noise)")
+    w = parser.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=1000)
+    w.add_argument("--request-rate", type=float, default=10.0, help="requests/s (inf: all at 0)")
+    w.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps: 1 Poisson, < 1 burstier")
+    w.add_argument("--burst", action="append", default=[], metavar="START:DURATION[:FACTOR]",
+                   help="multiply the rate (default 3x) over a period; repeatable")
+    w.add_argument("--length-dist", choices=["lognormal", "uniform"], default="lognormal")
+    w.add_argument("--input-len", type=float, default=128, help="median prompt tokens")
+    w.add_argument("--output-len", type=float, default=64, help="median output tokens")
+    w.add_argument("--input-spread", type=float, default=0.8,
+                   help="lognormal sigma, or uniform relative half-width")
+    w.add_argument("--output-spread", type=float, default=0.8)
+    w.add_argument("--trace", type=Path, help="a JSONL trace instead of a generated workload")
+    w.add_argument("--save-trace", type=Path, help="write the workload as a JSONL trace")
+    w.add_argument("--seed", type=int, default=0)
+    e = parser.add_argument_group("engine (the names of EngineConfig)")
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    for name in ENGINE_FLAGS:
+        flag, kind = "--" + name.replace("_", "-"), _flag_type(fields[name])
+        if kind is None:
+            e.add_argument(flag, action="store_true", default=None)
+        else:
+            e.add_argument(flag, type=kind, default=None)
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other engine option")
+    o = parser.add_argument_group("output")
+    o.add_argument("--goodput", nargs="*", metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    o.add_argument("--output-json", type=Path)
+    o.add_argument("--plot-dir", type=Path)
+
+
+def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `simulate` on a CLI's subparsers (jaxserve/cli.py)."""
+    parser = subparsers.add_parser("simulate", help="the scheduling simulator",
+                                   description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def engine_config(args) -> EngineConfig:
+    overrides = {name: getattr(args, name) for name in ENGINE_FLAGS
+                 if getattr(args, name, None) is not None}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return EngineConfig.from_overrides(**overrides)
+
+
+def workload(args, max_model_len: int) -> list[RequestSpec]:
+    if args.trace is not None:
+        return read_trace(args.trace)
+    bursts = []
+    for item in args.burst:
+        parts = [float(x) for x in item.split(":")]
+        if len(parts) not in (2, 3):
+            raise ValueError(f"--burst takes START:DURATION[:FACTOR], got {item!r}")
+        bursts.append(Burst(*parts))
+    specs = synthetic(args.num_prompts, args.request_rate, seed=args.seed,
+                      burstiness=args.burstiness, bursts=tuple(bursts), dist=args.length_dist,
+                      input_len=args.input_len, output_len=args.output_len,
+                      input_spread=args.input_spread, output_spread=args.output_spread,
+                      max_model_len=max_model_len)
+    if args.save_trace is not None:
+        write_trace(args.save_trace, specs)
+    return specs
+
+
+def load_fit(model: str, config: EngineConfig, path: Path | None) -> StepCostModel:
+    """The saved fit; calibrates (the real engine, on this device) when there is none."""
+    path = path or default_fit_path(model, config)
+    if path.is_file():
+        return StepCostModel.load(path)
+    print(f"no step-cost fit at {path}: calibrating {model} on this device", file=sys.stderr)
+    from jaxserve.calibrate import calibrate  # the real engine: imports jax
+
+    return calibrate(model, config, path)
+
+
+def run(args) -> int:
+    config = engine_config(args)
+    if args.validate:
+        return _validate(args, config)
+    if args.calibrate:
+        from jaxserve.calibrate import calibrate
+
+        fit = calibrate(args.model, config, args.fit)
+        print(json.dumps(fit.info, indent=1))
+        return 0
+    fit = load_fit(args.model, config, args.fit)
+    specs = workload(args, fit.info["max_model_len"])
+    start = time.perf_counter()
+    num_pages = config.num_pages or fit.info["num_pages"]
+    result = Simulator(config, fit, num_pages, fit.info["max_model_len"]).run(specs)
+    elapsed = time.perf_counter() - start
+    metrics = result.metrics(parse_slos(args.goodput))
+    print(f"simulated {len(specs)} requests, {result.num_steps} steps, "
+          f"{result.duration:.1f} s of engine time in {elapsed:.1f} s")
+    print(format_table({config.policy: metrics}, [k for k in SUMMARY if k in metrics]))
+    if args.output_json:
+        args.output_json.write_text(json.dumps(metrics | {"sim_seconds": elapsed}, indent=1))
+    if args.plot_dir:
+        from jaxserve.sim.plots import plot_timeline
+
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        path = plot_timeline(result, args.plot_dir / "timeline.png",
+                             f"{config.policy}, {args.request_rate:g} req/s")
+        print(f"wrote {path}")
+    return 0 if result.kv_pages_free_at_end == result.kv_pages_total else 1
+
+
+def _validate(args, config: EngineConfig) -> int:
+    from jaxserve.calibrate import VALIDATED, validate
+
+    report = validate(args.model, config, lambda max_model_len: workload(args, max_model_len),
+                      args.fit, recalibrate=args.calibrate, repeats=args.repeats)
+    rows = {"engine": report["real"], "simulator": report["sim"],
+            "rel. error": report["errors"]}
+    if "noise" in report:
+        rows["engine noise"] = report["noise"]
+    print(format_table(rows, list(VALIDATED)))
+    if args.output_json:
+        args.output_json.write_text(json.dumps(report, indent=1))
+    return 0 if max(report["errors"].values()) <= 0.10 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxserve.sim",
+                                     description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"jaxserve simulate: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,212 @@
+"""The step-cost model: seconds per engine iteration, from the shapes the runner pads it to.
+
+An iteration dispatches a decode call over B_d rows (padded to a row bucket) for K steps, and a
+prefill call over B_p rows each padded to a chunk bucket C. Each compiled shape has its own cost,
+and attention walks the pages of the longest sequence in the call (L) for every row, so:
+
+    device = decode[B_d, K](L_d),  prefill[B_p, C](L_p) + (mixed if both calls run)
+    where each table entry is  a + b * L,  fitted by least squares per shape
+
+to timings of the real runner over decode rows x prefill tokens x context
+(`jaxserve.calibrate`), measured pipelined as the engine runs. A shape the profile missed takes
+the nearest profiled one, scaled by its padded rows (and chunk length). Inside the engine a step
+also pays for scheduling and outputs, and its calls meet other work (scattered pages, the host
+thread on the same cores), so the iteration is
+
+    cost = decode_factor[B_d] * decode + prefill_factor * prefill
+           (+ idle_wakeup for the first iteration after the engine sat idle)
+
+with the factors measured on steps timed in short closed-loop runs of the real engine: the ratio
+of their summed wall time to the summed profile (step times are heavy-tailed; their sum is what
+latencies add up). An engine waking from idle is slower (threads parked, caches cold): the
+wake-up term is the mean extra time to first token of lone requests. The fit is saved as JSON with its samples and what it was measured on.
+"""
+
+import hashlib
+import json
+import os
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.scheduler import SchedulerOutput
+
+# the engine settings a step's cost depends on; scheduling (policy, window...) and the number
+# of pages are the simulator's to vary
+COST_FIELDS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+               "page_size", "attention_impl", "decode_steps", "prefill_chunk_sizes",
+               "max_top_logprobs", "enable_prompt_logprobs")
+
+
+def default_fit_path(model: str, config: EngineConfig) -> Path:
+    """Where the fit for this model (its shape: config.json) and engine shape is saved: the user
+    cache directory."""
+    base = Path(os.environ.get("JAXSERVE_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxserve")
+    if model == "demo":
+        from jaxserve.demo import demo_model_dir
+
+        path = demo_model_dir()
+    else:
+        path = Path(model).resolve()
+    shape = (path / "config.json").read_text() if (path / "config.json").is_file() else ""
+    key = json.dumps([str(path), shape, os.environ.get("JAX_PLATFORMS", ""),
+                      [getattr(config, f) for f in COST_FIELDS]])
+    name = model if model == "demo" else path.name
+    return base / "sim" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+
+
+def _bucket(n: int, sizes: tuple[int, ...]) -> int:
+    return sizes[min(bisect_left(sizes, n), len(sizes) - 1)]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What an iteration's cost depends on: padded rows and chunk, steps, longest sequences."""
+
+    decode_rows: int = 0  # padded; 0: no decode call
+    decode_steps: int = 1
+    decode_len: int = 0
+    prefill_rows: int = 0  # padded; 0: no prefill call
+    chunk: int = 0  # padded chunk length
+    prefill_len: int = 0
+
+
+def step_shape(out: SchedulerOutput, row_buckets: tuple[int, ...],
+               chunk_buckets: tuple[int, ...]) -> StepShape:
+    k = out.decode_steps
+    num_decode = num_prefill = decode_len = prefill_len = longest = 0
+    for c in out.chunks:
+        if c.num_tokens == 1:
+            num_decode += 1
+            decode_len = max(decode_len, c.start + k)
+        else:
+            num_prefill += 1
+            longest = max(longest, c.num_tokens)
+            prefill_len = max(prefill_len, c.start + c.num_tokens)
+    return StepShape(_bucket(num_decode, row_buckets) if num_decode else 0, k, decode_len,
+                     _bucket(num_prefill, row_buckets) if num_prefill else 0,
+                     _bucket(longest, chunk_buckets) if num_prefill else 0, prefill_len)
+
+
+def _line(lengths: list[float], seconds: list[float]) -> tuple[float, float]:
+    """(a, b) of seconds = a + b * length, b >= 0; least squares on relative error."""
+    x, y = np.asarray(lengths, np.float64), np.asarray(seconds, np.float64)
+    if len(set(x.tolist())) < 2:
+        return float(y.mean()), 0.0
+    w = 1.0 / y
+    (a, b), *_ = np.linalg.lstsq(np.stack([w, w * x], axis=1), np.ones_like(y), rcond=None)
+    if b < 0:  # longer context never makes a step faster: noise, use the mean
+        return float(y.mean()), 0.0
+    return float(a), float(b)
+
+
+@dataclass
+class StepCostModel:
+    decode: dict[tuple[int, int], tuple[float, float]]  # (rows, steps) -> (a, b)
+    prefill: dict[tuple[int, int], tuple[float, float]]  # (rows, chunk) -> (a, b)
+    mixed: float  # extra seconds when an iteration runs both calls
+    row_buckets: tuple[int, ...]
+    chunk_buckets: tuple[int, ...]
+    info: dict = field(default_factory=dict)  # what and where it was measured; fit quality
+    samples: list[list[float]] = field(default_factory=list)  # [*StepShape fields, seconds]
+    decode_factor: dict[int, float] = field(default_factory=dict)  # padded rows -> factor;
+    prefill_factor: float = 1.0  # 0: rows measured too rarely; missing: 1 (as profiled)
+    idle_wakeup: float = 0.0  # seconds
+
+    def __post_init__(self):
+        self._cache: dict[StepShape, float] = {}
+
+    def cost(self, out: SchedulerOutput) -> float:
+        """Seconds the iteration takes."""
+        shape = step_shape(out, self.row_buckets, self.chunk_buckets)
+        d, p = self.parts(shape)
+        return self.decode_factor_for(shape.decode_rows) * d + self.prefill_factor * p
+
+    def decode_factor_for(self, rows: int) -> float:
+        factors = self.decode_factor
+        return factors.get(rows, factors.get(0, 1.0))
+
+    def shape_cost(self, shape: StepShape) -> float:
+        """Seconds of the runner's calls alone, as profiled."""
+        return sum(self.parts(shape))
+
+    def parts(self, shape: StepShape) -> tuple[float, float]:
+        """(decode, prefill) seconds of the runner's calls; prefill carries `mixed`."""
+        cached = self._cache.get(shape)
+        if cached is not None:
+            return cached
+        d = p = 0.0
+        if shape.decode_rows:
+            d = self._lookup(self.decode, shape.decode_rows, shape.decode_steps,
+                             shape.decode_len)
+        if shape.prefill_rows:
+            p = self._lookup(self.prefill, shape.prefill_rows, shape.chunk, shape.prefill_len)
+            if d:  # the calls may overlap (mixed < 0), never below the longer one
+                p = max(p + self.mixed, max(p, d) - d)
+        if len(self._cache) < 100_000:
+            self._cache[shape] = (d, p)
+        return d, p
+
+    @staticmethod
+    def _lookup(table: dict, rows: int, second: int, length: int) -> float:
+        if (rows, second) in table:
+            a, b = table[rows, second]
+            return a + b * length
+        # the nearest profiled shape, scaled by rows x second (decode steps or chunk length)
+        r, c = min(table, key=lambda k: (abs(np.log2(k[0] / rows)) + abs(np.log2(k[1] / second))))
+        a, b = table[r, c]
+        return (a + b * length) * (rows / r) * (second / c)
+
+    @classmethod
+    def fit(cls, samples: list[tuple[StepShape, float]], row_buckets: tuple[int, ...],
+            chunk_buckets: tuple[int, ...], info: dict | None = None) -> "StepCostModel":
+        """A line in L per profiled shape; `mixed` is the median excess of mixed iterations."""
+        groups: dict[tuple, tuple[list, list]] = {}
+        for shape, seconds in samples:
+            if shape.decode_rows and not shape.prefill_rows:
+                key, length = ("d", shape.decode_rows, shape.decode_steps), shape.decode_len
+            elif shape.prefill_rows and not shape.decode_rows:
+                key, length = ("p", shape.prefill_rows, shape.chunk), shape.prefill_len
+            else:
+                continue
+            groups.setdefault(key, ([], []))[0].append(length)
+            groups[key][1].append(seconds)
+        decode = {k[1:]: _line(*v) for k, v in groups.items() if k[0] == "d"}
+        prefill = {k[1:]: _line(*v) for k, v in groups.items() if k[0] == "p"}
+        model = cls(decode, prefill, 0.0, tuple(row_buckets), tuple(chunk_buckets),
+                    dict(info or {}), [[*vars(s).values(), t] for s, t in samples])
+        both = [(s, t) for s, t in samples if s.decode_rows and s.prefill_rows]
+        if both and decode and prefill:
+            model.mixed = float(np.median([t - model.shape_cost(s) for s, t in both]))
+            model._cache.clear()
+        predicted = np.array([model.shape_cost(s) for s, _ in samples])
+        seconds = np.array([t for _, t in samples])
+        rel = np.abs(predicted - seconds) / seconds
+        model.info |= {"num_samples": len(samples), "mean_rel_error": float(rel.mean()),
+                       "max_rel_error": float(rel.max())}
+        return model
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"decode": [[*k, *v] for k, v in self.decode.items()],
+                "prefill": [[*k, *v] for k, v in self.prefill.items()], "mixed": self.mixed,
+                "row_buckets": self.row_buckets, "chunk_buckets": self.chunk_buckets,
+                "decode_factor": self.decode_factor, "prefill_factor": self.prefill_factor,
+                "idle_wakeup": self.idle_wakeup,
+                "info": self.info, "samples": self.samples}
+        path.write_text(json.dumps(data, indent=None))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepCostModel":
+        data = json.loads(Path(path).read_text())
+        table = lambda rows: {(int(r[0]), int(r[1])): (r[2], r[3]) for r in rows}  # noqa: E731
+        return cls(table(data["decode"]), table(data["prefill"]), data["mixed"],
+                   tuple(data["row_buckets"]), tuple(data["chunk_buckets"]), data.get("info", {}),
+                   data.get("samples", []),
+                   {int(k): v for k, v in data.get("decode_factor", {}).items()},
+                   data.get("prefill_factor", 1.0), data.get("idle_wakeup", 0.0))

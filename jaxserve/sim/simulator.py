@@ -1,0 +1,155 @@
+"""A discrete-event simulator: the real Scheduler, KVCacheManager and policies on a virtual clock.
+
+It mirrors `LLMEngine.step` with its overlap: iteration t+1 is scheduled and dispatched before
+iteration t's tokens are read, and the "device" runs iterations back to back:
+
+    step:  arrivals <= now join | schedule() | dispatch: done = max(now, device_free) + cost
+           | read the previous iteration: now = max(now, its done) | update() at now
+
+The cost of an iteration comes from a fitted `StepCostModel` (plus its wake-up term for the first
+iteration after the engine sat idle). A request produces exactly its
+spec's output_len tokens (ignore_eos), so outputs need no model; sampled tokens are zeros.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.policies import Policy
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput, make_scheduler
+from jaxserve.request import Request, SamplingParams
+from jaxserve.sim.cost_model import StepCostModel
+from jaxserve.sim.metrics import RequestRecord, compute_metrics
+from jaxserve.sim.workload import RequestSpec
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Timeline:
+    """Per-iteration samples (at the time each iteration was scheduled)."""
+
+    time: list[float] = field(default_factory=list)
+    kv_usage: list[float] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    preemptions: list[int] = field(default_factory=list)  # cumulative
+    batched_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    duration: float  # virtual seconds from the start to the last token
+    timeline: Timeline
+    num_steps: int
+    num_preemptions: int
+    kv_pages_free_at_end: int
+    kv_pages_total: int
+
+    def metrics(self, slos_ms: dict[str, float] | None = None, label: str | None = None) -> dict:
+        """vllm bench serve metrics, over every request or one label's; plus preemptions."""
+        records = [r for r in self.records if label is None or r.label == label]
+        return compute_metrics(records, self.duration, slos_ms) | {
+            "num_preemptions": self.num_preemptions, "num_steps": self.num_steps}
+
+
+def synthetic_prompt(spec: RequestSpec) -> list[int]:
+    return list(spec.prompt_ids) if spec.prompt_ids is not None else [3] * spec.prompt_len
+
+
+class Simulator:
+    """Runs workloads through a scheduler built from an EngineConfig, as the engine builds it."""
+
+    def __init__(self, config: EngineConfig, cost: StepCostModel, num_pages: int,
+                 max_model_len: int, policy: Policy | None = None,
+                 on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None):
+        self.config = config
+        self.cost = cost
+        self.num_pages = num_pages
+        self.max_model_len = max_model_len
+        self.policy = policy  # overrides config.policy (e.g. an sjf with a custom predictor)
+        self.on_step = on_step
+
+    def make_scheduler(self, clock: VirtualClock) -> Scheduler:
+        chunk = self.config.chunk_buckets(self.max_model_len)[-1]
+        scheduler = make_scheduler(self.config, self.num_pages, chunk, clock=clock)
+        if self.policy is not None:
+            scheduler.policy = self.policy
+        return scheduler
+
+    def run(self, specs: list[RequestSpec]) -> SimResult:
+        clock = VirtualClock()
+        s = self.make_scheduler(clock)
+        specs = sorted(specs, key=lambda x: x.arrival)
+        records: dict[str, RequestRecord] = {}
+        seen: dict[str, int] = {}
+        timeline = Timeline()
+        device_free = 0.0
+        inflight: tuple[SchedulerOutput, float] | None = None
+        nxt, num_steps, last_token = 0, 0, 0.0
+        idle = True
+        while nxt < len(specs) or s.has_unfinished_requests() or inflight is not None:
+            while nxt < len(specs) and specs[nxt].arrival <= clock.now:
+                self._add(s, str(nxt), specs[nxt], records, seen)
+                nxt += 1
+            out = s.schedule()
+            flight = None
+            if out.chunks:
+                done = max(clock.now, device_free) + self.cost.cost(out)
+                if idle:
+                    done += self.cost.idle_wakeup
+                    idle = False
+                device_free = done
+                flight = (out, done)
+                num_steps += 1
+                timeline.time.append(clock.now)
+                timeline.kv_usage.append(s.kv.usage)
+                timeline.running.append(len(s.running))
+                timeline.waiting.append(len(s.waiting))
+                timeline.preemptions.append(s.num_preemptions)
+                timeline.batched_tokens.append(out.num_batched_tokens)
+                if self.on_step is not None:
+                    self.on_step(s, out)
+            previous, inflight = inflight, flight
+            if previous is None:
+                if flight is None:  # idle: sleep until an arrival or the window opens
+                    idle = True
+                    wake = [t for t in (s.next_wakeup(),
+                                        specs[nxt].arrival if nxt < len(specs) else None)
+                            if t is not None and t > clock.now]
+                    if not wake:
+                        if s.has_unfinished_requests():
+                            raise RuntimeError("the scheduler holds requests it never schedules")
+                        break
+                    clock.now = min(wake)
+                continue
+            prev_out, done = previous
+            clock.now = max(clock.now, done)
+            sampled = {c.request.request_id: [0] * c.num_samples for c in prev_out.chunks
+                       if c.num_samples}
+            for request in s.update(prev_out, sampled):
+                rid = request.request_id
+                n = len(request.output_ids)
+                records[rid].deliver(clock.now, n - seen[rid])
+                seen[rid] = n
+                last_token = clock.now
+        return SimResult(list(records.values()), last_token, timeline, num_steps,
+                         s.num_preemptions, s.kv.pool.num_free, s.kv.pool.num_usable)
+
+    def _add(self, s: Scheduler, rid: str, spec: RequestSpec,
+             records: dict[str, RequestRecord], seen: dict[str, int]) -> None:
+        params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True,
+                                priority=spec.priority, slo_ms=spec.slo_ms)
+        prompt = synthetic_prompt(spec)
+        max_len = min(self.max_model_len, len(prompt) + spec.output_len)
+        s.add_request(Request(rid, prompt, params, spec.arrival, seed=0, max_len=max_len,
+                              eos_token_ids=frozenset()))
+        records[rid] = RequestRecord(spec.arrival, spec.prompt_len, spec.label, spec.slo_ms)
+        seen[rid] = 0

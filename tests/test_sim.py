@@ -1,0 +1,243 @@
+"""The simulator: the real scheduler on a virtual clock, its cost model, workloads and metrics."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.policies import SJF
+from jaxserve.core.predictors import oracle
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.sim import RequestSpec, Simulator, StepCostModel, synthetic
+from jaxserve.sim.cli import main
+from jaxserve.sim.cost_model import StepShape, step_shape
+from jaxserve.sim.metrics import RequestRecord, compute_metrics, parse_slos
+from jaxserve.sim.workload import Burst, arrival_times, read_trace, write_trace
+
+ROWS, CHUNKS = (1, 2, 4, 8), (16, 64)
+
+
+def flat_cost(seconds: float = 0.01) -> StepCostModel:
+    """Every iteration takes `seconds`, whatever it runs."""
+    line = (seconds, 0.0)
+    return StepCostModel({(r, 1): line for r in ROWS}, {(r, c): line for r in ROWS for c in CHUNKS},
+                         -seconds, ROWS, CHUNKS)
+
+
+def config(**kw) -> EngineConfig:
+    return EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, page_size=4,
+                        prefill_chunk_sizes=CHUNKS, **kw)
+
+
+def test_one_request_timing_by_hand():
+    # iteration 1 prefills; iteration 2 (dispatched at once, overlapped) decodes token 2; the
+    # prefill's token is read when iteration 1 ends at 10 ms, and so on: one token per 10 ms
+    sim = Simulator(config(), flat_cost(0.01), num_pages=64, max_model_len=128)
+    result = sim.run([RequestSpec(0.5, prompt_len=10, output_len=3)])
+    (record,) = result.records
+    assert record.times == pytest.approx([0.51, 0.52, 0.53])
+    assert record.ttft == pytest.approx(0.01) and record.e2el == pytest.approx(0.03)
+    assert record.tpot == pytest.approx(0.01) and record.itls == pytest.approx([0.01, 0.01])
+    assert result.num_steps == 3 and result.duration == pytest.approx(0.53)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf", "mlfq", "edf"])
+def test_simulation_completes_every_request_and_frees_the_cache(policy):
+    specs = synthetic(300, 200.0, seed=1, input_len=20, output_len=12, max_model_len=128)
+    specs = [RequestSpec(s.arrival, s.prompt_len, s.output_len, priority=i % 2)
+             for i, s in enumerate(specs)]
+    sim = Simulator(config(policy=policy, decode_steps=2), flat_cost(0.002), num_pages=40,
+                    max_model_len=128)
+    result = sim.run(specs)
+    assert len(result.records) == 300
+    for spec, record in zip(specs, result.records, strict=True):
+        assert record.output_len == spec.output_len  # every token delivered, once
+        assert record.times == sorted(record.times) and record.times[0] >= spec.arrival
+    assert result.kv_pages_free_at_end == result.kv_pages_total
+    assert result.num_preemptions > 0  # 40 pages of 4 tokens: the pool runs short
+    m = result.metrics()
+    assert m["completed"] == 300
+    assert m["total_output_tokens"] == sum(s.output_len for s in specs)
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < m[f"median_{name}_ms"] <= m[f"p99_{name}_ms"]
+    assert m["mean_ttft_ms"] <= m["mean_e2el_ms"]
+    assert m["request_throughput"] == pytest.approx(300 / result.duration)
+    assert max(result.timeline.kv_usage) <= 1.0 and result.timeline.preemptions[-1] > 0
+
+
+def test_simulator_drives_the_real_scheduler_and_a_given_policy():
+    seen = []
+    policy = SJF(oracle, aging_tokens_per_s=0.0)
+    sim = Simulator(config(), flat_cost(), 64, 128, policy=policy,
+                    on_step=lambda s, out: seen.append((s, out)))
+    sim.run([RequestSpec(0.0, 5, 9), RequestSpec(0.0, 5, 2)])
+    scheduler = seen[0][0]
+    assert type(scheduler) is Scheduler and scheduler.policy is policy
+    assert all(s is scheduler for s, _ in seen)
+
+
+def test_sjf_beats_fcfs_on_mean_ttft_in_simulation():
+    specs = synthetic(400, 400.0, seed=2, input_len=16, output_len=24, output_spread=1.2,
+                      max_model_len=128)
+    ttft = {}
+    for name in ("fcfs", "sjf"):
+        sim = Simulator(config(policy=name, sjf_predictor="oracle"), flat_cost(0.002), 256, 128)
+        ttft[name] = sim.run(specs).metrics()["mean_ttft_ms"]
+    assert ttft["sjf"] < ttft["fcfs"]
+
+
+def test_simulation_is_deterministic():
+    specs = synthetic(100, 100.0, seed=3, max_model_len=256)
+    runs = [Simulator(config(), flat_cost(0.003), 256, 256).run(specs).metrics()
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+# -- the cost model ------------------------------------------------------------------------------
+
+
+def test_cost_model_fit_recovers_per_shape_lines_and_round_trips(tmp_path):
+    samples = []
+    for rows in (1, 2, 4):
+        for length in (16, 100, 400):
+            samples.append((StepShape(decode_rows=rows, decode_len=length),
+                            1e-3 * rows + 2e-6 * length))
+            samples.append((StepShape(prefill_rows=rows, chunk=64, prefill_len=length),
+                            4e-3 * rows + 1e-5 * length))
+    samples.append((StepShape(decode_rows=2, decode_len=100, prefill_rows=1, chunk=64,
+                              prefill_len=100), 2.2e-3 + 5e-3 + 1e-3))
+    fit = StepCostModel.fit(samples, (1, 2, 4), (16, 64))
+    assert fit.decode[2, 1] == pytest.approx((2e-3, 2e-6))
+    assert fit.prefill[4, 64] == pytest.approx((16e-3, 1e-5))
+    assert fit.mixed == pytest.approx(1e-3)
+    assert fit.info["max_rel_error"] < 1e-9
+    # a shape the profile missed: the nearest one, scaled by rows and chunk
+    assert fit.shape_cost(StepShape(prefill_rows=4, chunk=16, prefill_len=16)) == pytest.approx(
+        (16e-3 + 1e-5 * 16) / 4)
+    fit.decode_factor, fit.prefill_factor = {0: 1.5, 2: 1.25}, 2.0
+    assert fit.decode_factor_for(2) == 1.25 and fit.decode_factor_for(4) == 1.5
+    path = tmp_path / "fit.json"
+    fit.save(path)
+    loaded = StepCostModel.load(path)
+    assert loaded.decode == fit.decode and loaded.prefill == fit.prefill
+    assert loaded.decode_factor == fit.decode_factor and loaded.prefill_factor == 2.0
+    assert loaded.samples == fit.samples
+
+
+def test_step_shape_pads_as_the_runner_does():
+    from fake_runner import make_request
+
+    from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+
+    a, b, c = make_request("a", 40), make_request("b", 3), make_request("c", 70)
+    out = SchedulerOutput([ScheduledChunk(a, 39, 1, 2), ScheduledChunk(b, 2, 1, 2),
+                           ScheduledChunk(c, 0, 20, 0)], decode_steps=2)
+    assert step_shape(out, ROWS, CHUNKS) == StepShape(decode_rows=2, decode_steps=2,
+                                                      decode_len=41, prefill_rows=1, chunk=64,
+                                                      prefill_len=20)
+
+
+# -- workloads and metrics -----------------------------------------------------------------------
+
+
+def test_arrivals_poisson_gamma_and_bursts():
+    rng = np.random.default_rng(0)
+    t = arrival_times(20000, 50.0, rng)
+    assert np.all(np.diff(t) >= 0) and np.mean(np.diff(t)) == pytest.approx(0.02, rel=0.03)
+    bursty = np.diff(arrival_times(20000, 50.0, rng, burstiness=0.25))
+    assert np.std(bursty) / np.mean(bursty) == pytest.approx(2.0, rel=0.1)  # cv = 1/sqrt(k)
+    t = arrival_times(20000, 50.0, rng, bursts=(Burst(10.0, 20.0, 3.0),))
+    inside = np.sum((t >= 10) & (t < 30)) / 20.0
+    before = np.sum(t < 10) / 10.0
+    assert inside / before == pytest.approx(3.0, rel=0.1)
+    assert np.all(arrival_times(5, float("inf"), rng) == 0)
+
+
+def test_synthetic_lengths_fit_the_model_and_trace_round_trips(tmp_path):
+    specs = synthetic(500, 10.0, seed=4, dist="uniform", input_len=100, output_len=300,
+                      input_spread=0.5, output_spread=0.5, max_model_len=256)
+    assert all(s.prompt_len + s.output_len <= 256 for s in specs)
+    assert all(50 <= s.prompt_len <= 150 for s in specs)
+    specs[0] = RequestSpec(0.0, 3, 2, priority=1, slo_ms=50.0, label="x", prompt_ids=(5, 6, 7))
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, specs)
+    assert read_trace(path) == sorted(specs, key=lambda s: s.arrival)
+    path.write_text('{"arrival": 0, "prompt_len": 0, "output_len": 1}\n')
+    with pytest.raises(ValueError, match=r"trace\.jsonl:1"):
+        read_trace(path)
+
+
+def test_metrics_by_hand():
+    a = RequestRecord(0.0, 10)
+    for t in (0.1, 0.2, 0.4):
+        a.deliver(t, 1)
+    b = RequestRecord(1.0, 20, slo_ms=50.0)
+    b.deliver(1.04, 1)
+    b.deliver(1.24, 2)  # two tokens in one delivery (multi-step decode)
+    m = compute_metrics([a, b], duration=2.0, slos_ms={"ttft": 200.0})
+    assert m["completed"] == 2 and m["total_output_tokens"] == 6
+    assert m["request_throughput"] == 1.0 and m["output_throughput"] == 3.0
+    assert m["mean_ttft_ms"] == pytest.approx(70.0)
+    assert m["mean_tpot_ms"] == pytest.approx((150.0 + 100.0) / 2)
+    assert m["mean_itl_ms"] == pytest.approx((100 + 200 + 200) / 3)
+    assert m["mean_e2el_ms"] == pytest.approx((400 + 240) / 2)
+    assert m["request_goodput"] == 1.0  # a within 200 ms; b met its own 50 ms
+    assert parse_slos(["ttft:500", "tpot:20"]) == {"ttft": 500.0, "tpot": 20.0}
+    with pytest.raises(ValueError, match="goodput"):
+        parse_slos(["latency:5"])
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def test_cli_simulates_with_a_saved_fit(tmp_path, capsys):
+    fit = flat_cost(0.004)
+    fit.info = {"num_pages": 512, "max_model_len": 256}
+    fit.save(tmp_path / "fit.json")
+    out = tmp_path / "m.json"
+    argv = ["--fit", str(tmp_path / "fit.json"), "--num-prompts", "200", "--request-rate", "50",
+            "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--prefill-chunk-sizes",
+            "16,64", "--policy", "mlfq", "--adaptive-window", "--window-ms-max", "5",
+            "--set", "page_size=4", "--goodput", "ttft:100", "--output-json", str(out)]
+    assert main(argv) == 0
+    metrics = json.loads(out.read_text())
+    assert metrics["completed"] == 200 and "request_goodput" in metrics
+    assert "mlfq" in capsys.readouterr().out
+    assert main(["--fit", str(tmp_path / "fit.json"), "--policy", "lottery"]) == 2
+
+
+def test_cli_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    fit = flat_cost(0.004)
+    fit.info = {"num_pages": 512, "max_model_len": 256}
+    fit.save(tmp_path / "fit.json")
+    argv = ["--fit", str(tmp_path / "fit.json"), "--num-prompts", "50", "--max-num-seqs", "8",
+            "--max-num-batched-tokens", "128", "--prefill-chunk-sizes", "16,64",
+            "--plot-dir", str(tmp_path / "plots")]
+    assert main(argv) == 0
+    assert (tmp_path / "plots" / "timeline.png").stat().st_size > 0
+
+
+
+def test_learned_predictor_learns_the_task_from_the_prompt(tmp_path):
+    from jaxserve.core.predictors import resolve_predictor
+    from jaxserve.request import Request, SamplingParams
+    from jaxserve.train_predictor import train_predictor
+
+    rng = np.random.default_rng(0)
+    lengths = {3: 8, 10: 64, 17: 200}  # the first token names the task, the task its length
+    prompts, outputs = [], []
+    for _ in range(300):
+        task = int(rng.choice(list(lengths)))
+        prompts.append([task, *rng.integers(30, 200, size=int(rng.integers(4, 40))).tolist()])
+        outputs.append(int(lengths[task] * rng.uniform(0.8, 1.2)))
+    model = train_predictor(prompts, outputs, steps=300)
+    model.save(tmp_path / "p.json")
+    predictor = resolve_predictor(str(tmp_path / "p.json"))
+    predicted = {}
+    for task in lengths:
+        request = Request("r", [task, 50, 60, 70, 80], SamplingParams(), 0.0, 0, 64, frozenset())
+        predicted[task] = predictor(request)
+    assert predicted[3] < predicted[10] < predicted[17]
+    assert predicted[10] == pytest.approx(64, rel=0.3)
