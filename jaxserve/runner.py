@@ -129,7 +129,10 @@ class ModelRunner:
         m = model_config
         self.kv = KVCache.zeros(m.num_layers, self.num_pages, self.page_size, m.num_kv_heads,
                                 m.head_dim, self.dtype)
-        self.row_buckets = tuple(2**i for i in range(math.ceil(math.log2(config.max_num_seqs)) + 1))
+        # Rows come in powers of two from 2: with a single row, XLA may turn the one-token K/V
+        # write into a dynamic-update-slice fused into the attention's read, and copy the pool.
+        self.row_buckets = tuple(2**i for i in range(1, max(1, math.ceil(math.log2(
+            config.max_num_seqs))) + 1))
         self.chunk_buckets = tuple(c for c in config.prefill_chunk_sizes if c <= self.max_model_len)
         self.carry_size = self.row_buckets[-1]
         self.weights = jax.tree.leaves(self.state)  # what the jitted steps take
