@@ -1,0 +1,17 @@
+"""The built-in demo model: a small byte-level Llama trained by `jaxserve.demo.train` on the
+Python standard library's source, shipped in the package so `LLM()` and `jaxserve serve` work
+offline with no model download."""
+
+from pathlib import Path
+
+CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
+
+
+def demo_model_dir() -> Path:
+    """The shipped checkpoint directory (config.json, params/, byte_tokenizer.json)."""
+    if not (CHECKPOINT_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the demo model is missing from {CHECKPOINT_DIR}: reinstall jaxserve, or train it "
+            f"with `python -m jaxserve.demo.train`"
+        )
+    return CHECKPOINT_DIR
