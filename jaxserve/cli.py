@@ -1,4 +1,4 @@
-"""The `jaxserve` command: serve, generate, convert (bench, simulate and plan arrive with them).
+"""The `jaxserve` command: serve, generate, bench (throughput | serve | sweep), plan, convert.
 
 Engine options are flags generated from `EngineConfig`'s fields (`max_num_seqs` is
 `--max-num-seqs`), and `serve`'s server options from `ServerConfig`'s; a `--config` YAML file
@@ -77,6 +77,45 @@ def _serve(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from jaxserve.benchmarks import serve, sweep, throughput
+
+    module = {"throughput": throughput, "serve": serve, "sweep": sweep}[args.bench]
+    engine_options, _ = _options(args)
+    module.run(args, engine_options)
+    return 0
+
+
+def _plan(args) -> int:
+    import json
+
+    from jaxserve.plan import format_plan, plan
+
+    engine_options, _ = _options(args)
+    result = plan(args.model, EngineConfig.from_overrides(**engine_options), args.context)
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    return 0
+
+
+def _add_bench_parser(sub) -> None:
+    from jaxserve.benchmarks import serve, sweep, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, sweep")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    for name, module, help_text in (
+            ("throughput", throughput, "offline throughput, as vllm bench throughput"),
+            ("serve", serve, "load an OpenAI-compatible server, as vllm bench serve"),
+            ("sweep", sweep, "concurrency / window / batching-mode sweeps, plots, a config")):
+        parser = kinds.add_parser(name, help=help_text,
+                                  description=module.__doc__.split("\n\n")[0],
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(parser)
+        if name != "serve":  # a server's engine is its own
+            parser.add_argument("--config", type=Path, help="YAML file of engine options")
+            _add_option_flags(parser, EngineConfig, "engine options", skip=("seed",))
+        parser.set_defaults(func=_bench)
+
+
 def _options(args) -> tuple[dict[str, Any], dict[str, Any]]:
     """(engine options, server options): the --config file's keys, then the flags given."""
     from jaxserve.server import ServerConfig
@@ -96,11 +135,15 @@ def _options(args) -> tuple[dict[str, Any], dict[str, Any]]:
             {k: v for k, v in options.items() if k in server})
 
 
-def _add_option_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """A --flag per dataclass field, typed from its annotation; unset flags leave no attribute."""
+def _add_option_flags(parser: argparse.ArgumentParser, cls: type, title: str,
+                      skip: tuple[str, ...] = ()) -> None:
+    """A --flag per dataclass field, typed from its annotation; unset flags leave no attribute.
+    `skip`: fields the command already has a flag for (it then sets the option too)."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
         kind = hints[f.name]
         parts = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
         base = next(p for p in parts if p is not type(None))
@@ -154,6 +197,21 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                             "float16"])
     convert.set_defaults(func=_convert)
+
+    _add_bench_parser(sub)
+
+    plan = sub.add_parser("plan", help="memory arithmetic: weights, KV cache, pages, sequences")
+    plan.add_argument("model", nargs="?", help="a local model directory, or demo (default)")
+    plan.add_argument("--context", type=int, nargs="+", help="contexts to size sequences for "
+                      "(default: up to max_model_len)")
+    plan.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    plan.add_argument("--config", type=Path, help="YAML file of engine options")
+    _add_option_flags(plan, EngineConfig, "engine options")
+    plan.set_defaults(func=_plan)
+
+    from jaxserve.sim.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
 
     args = parser.parse_args(argv)
     try:

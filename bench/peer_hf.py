@@ -1,0 +1,245 @@
+"""Hugging Face transformers beside jaxserve: the same model directory, workload and machine.
+
+    python bench/peer_hf.py                    # a random ~27M-parameter Llama, 64 requests
+    python bench/peer_hf.py --model tests/fixtures/hf/llama --num-prompts 8 --budgets 64 \\
+        --static-batch 8                       # a tiny run
+
+Needs torch and transformers (the `ref` extra). In one process, each timed after its warm-up,
+float32, greedy, every request at its own output length (EOS ignored):
+
+    jaxserve    LLM.generate (continuous batching)
+    hf-static   model.generate on batches of --static-batch requests in order, left padded: a
+                batch runs until its longest request is done (each keeps its own length)
+    hf-cb       transformers' own continuous batching (ContinuousBatchingManager: paged cache,
+                sdpa) at each tokens-per-step budget in --budgets, its main knob
+
+It prints output tokens/s, the jaxserve/peer ratios against each peer's best setting, whether
+the greedy ids agree, and each run against the workload's compute floor (its model FLOPs / this
+machine's measured float32 matmul rate). The workload is the engine issue's (prompts uniform in
+[32, 256], outputs lognormal with median 48 capped at 256), as bench/batching.py's.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jaxserve.benchmarks.datasets import Sample, batching_samples, fit_to_context  # noqa: E402
+
+# a ~27M-parameter Llama: 8 layers of 512, GQA 8 query / 4 KV heads, vocab 8192
+PEER_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                  max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=None, pad_token_id=0, initializer_range=0.05)
+
+
+# -- the pure parts (no torch): workload, agreement, ratios --------------------------------------
+
+def workload(n: int, vocab_size: int, max_model_len: int, seed: int = 0) -> list[Sample]:
+    """The engine issue's workload, trimmed to the model's context when it is short."""
+    return fit_to_context(batching_samples(n, vocab_size, seed), max_model_len)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How far two runs' greedy ids agree: identical requests, and the mean fraction of each
+    request's tokens before the first difference."""
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} vs {len(b)} requests")
+    prefixes = []
+    for x, y in zip(a, b, strict=True):
+        n = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q),
+                 min(len(x), len(y)))
+        prefixes.append(n / max(len(x), len(y), 1))
+    identical = sum(x == y for x, y in zip(a, b, strict=True))
+    return {"identical": identical, "total": len(a),
+            "mean_prefix_fraction": sum(prefixes) / max(len(prefixes), 1)}
+
+
+def ratios(rows: list[dict]) -> dict:
+    """jaxserve's output tokens/s over each peer kind's best setting (rows: name, setting,
+    output_tokens_per_s)."""
+    ours = max(r["output_tokens_per_s"] for r in rows if r["name"] == "jaxserve")
+    best: dict[str, dict] = {}
+    for r in rows:
+        if r["name"] != "jaxserve" and (r["name"] not in best or r["output_tokens_per_s"] >
+                                        best[r["name"]]["output_tokens_per_s"]):
+            best[r["name"]] = r
+    return {name: {"best_setting": r["setting"], "peer_tokens_per_s": r["output_tokens_per_s"],
+                   "ratio": ours / r["output_tokens_per_s"]} for name, r in best.items()}
+
+
+# -- the runs ----------------------------------------------------------------------------------
+
+def make_model(path: Path, seed: int = 0) -> Path:
+    """A random Llama saved with save_pretrained (safetensors), for both engines to load."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**PEER_MODEL)).save_pretrained(path)
+    return path
+
+
+def run_jaxserve(model: Path, samples: list[Sample], options: dict) -> dict:
+    from jaxserve import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model, **options)
+    print(f"jaxserve: load + compile {time.perf_counter() - start:.1f} s", flush=True)
+    params = [SamplingParams(max_tokens=s.output_len, temperature=0.0, ignore_eos=True)
+              for s in samples]
+    prompts = [s.engine_prompt for s in samples]
+    llm.generate(prompts[:8], [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 8)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    ids = [o.outputs[0].token_ids for o in outs]
+    setting = (f"max_num_seqs {options['max_num_seqs']}, "
+               f"{options['max_num_batched_tokens']} tok/step")
+    return _row("jaxserve", setting, elapsed, ids)
+
+
+def _row(name: str, setting: str, elapsed: float, ids: list[list[int]]) -> dict:
+    out = sum(len(x) for x in ids)
+    print(f"{name:<9} {setting:<36} {elapsed:7.2f} s {out / elapsed:8.1f} out tok/s", flush=True)
+    return {"name": name, "setting": setting, "elapsed_s": elapsed,
+            "output_tokens_per_s": out / elapsed, "token_ids": ids}
+
+
+def _hf_model(model: Path):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(model, attn_implementation="sdpa",
+                                          dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # ignore EOS, as jaxserve's runs do
+    return hf
+
+
+def _greedy_config(max_new_tokens: int):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
+                            pad_token_id=0)
+
+
+def run_hf_static(hf, samples: list[Sample], batch: int) -> dict:
+    import torch
+
+    def generate(group: list[Sample]) -> list[list[int]]:
+        width = max(len(s.prompt) for s in group)
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(group):  # left padding: every row's last prompt token aligned
+            ids[i, width - len(s.prompt):] = torch.tensor(s.prompt)
+            mask[i, width - len(s.prompt):] = 1
+        longest = max(s.output_len for s in group)
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=mask,
+                              generation_config=_greedy_config(longest))
+        return [out[i, width:width + s.output_len].tolist() for i, s in enumerate(group)]
+
+    generate([Sample(s.prompt, s.prompt_len, 4) for s in samples[:batch]])  # warm-up
+    start = time.perf_counter()
+    ids = [x for i in range(0, len(samples), batch) for x in generate(samples[i:i + batch])]
+    return _row("hf-static", f"batch {batch}", time.perf_counter() - start, ids)
+
+
+def run_hf_cb(hf, samples: list[Sample], budget: int) -> dict:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = ContinuousBatchingConfig(max_batch_tokens=budget, auto_switch_to_flash=False)
+    with hf.continuous_batching_context_manager(generation_config=_greedy_config(256),
+                                                continuous_batching_config=config,
+                                                block=True, timeout=5) as manager:
+        start = time.perf_counter()  # after the manager's warm-up
+        for i, s in enumerate(samples):
+            manager.add_request(s.prompt, request_id=str(i), max_new_tokens=s.output_len,
+                                eos_token_id=-1)
+        results = {}
+        while len(results) < len(samples):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"request {result.request_id}: {result.error}")
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' generation thread stopped")
+        elapsed = time.perf_counter() - start
+    ids = [list(results[str(i)].generated_tokens) for i in range(len(samples))]
+    return _row("hf-cb", f"{budget} tok/step", elapsed, ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None,
+                        help="an HF directory with safetensors (default: a random 27M Llama)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048],
+                        help="hf-cb tokens per step (max_batch_tokens) to sweep")
+    parser.add_argument("--static-batch", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="jaxserve")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="jaxserve")
+    parser.add_argument("--prefill-chunk-sizes", type=int, nargs="+", default=[64, 256],
+                        help="jaxserve")
+    parser.add_argument("--decode-steps", type=int, default=1, help="jaxserve")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", type=Path)
+    args = parser.parse_args()
+
+    import torch
+
+    from jaxserve.benchmarks.roofline import measure_matmul_flops, workload_flops
+    from jaxserve.config import ModelConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or make_model(Path(tmp) / "llama-27m", args.seed)
+        cfg = ModelConfig.from_hf_dir(model)
+        samples = workload(args.num_prompts, cfg.vocab_size, cfg.max_position_embeddings,
+                           args.seed)
+        print(f"model {model}: {cfg.num_params / 1e6:.1f}M parameters; {len(samples)} requests, "
+              f"{sum(s.prompt_len for s in samples)} prompt + "
+              f"{sum(s.output_len for s in samples)} output tokens; torch {torch.__version__} "
+              f"with {torch.get_num_threads()} threads", flush=True)
+        options = dict(max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       prefill_chunk_sizes=tuple(args.prefill_chunk_sizes),
+                       decode_steps=args.decode_steps, enable_prompt_logprobs=False)
+        rows = [run_jaxserve(model, samples, options)]
+        hf = _hf_model(model)
+        rows += [run_hf_static(hf, samples, b) for b in args.static_batch]
+        rows += [run_hf_cb(hf, samples, b) for b in args.budgets]
+    rate = measure_matmul_flops()
+    flops = workload_flops(cfg, [s.prompt_len for s in samples], [s.output_len for s in samples])
+    floor_s = flops / rate
+    ours = rows[0]
+    summary = {"model_params": cfg.num_params, "num_requests": len(samples),
+               "workload_flops": flops, "matmul_flops_per_s": rate, "floor_s": floor_s,
+               "ratios": ratios(rows),
+               "agreement": {f"{r['name']} {r['setting']}": agreement(ours["token_ids"],
+                                                                      r["token_ids"])
+                             for r in rows[1:]},
+               "rows": [{k: v for k, v in r.items() if k != "token_ids"} | {
+                   "floor_fraction": floor_s / r["elapsed_s"]} for r in rows]}
+    print(f"\ncompute floor: {flops / 1e12:.3f} TFLOP / {rate / 1e9:.0f} GFLOP/s (float32 "
+          f"matmul, measured) = {floor_s:.2f} s")
+    for r in summary["rows"]:
+        print(f"  {r['name']:<9} {r['setting']:<36} {r['elapsed_s']:7.2f} s = "
+              f"{100 * r['floor_fraction']:5.1f}% of the floor's speed")
+    for name, r in summary["ratios"].items():
+        print(f"jaxserve / {name} (best: {r['best_setting']}, {r['peer_tokens_per_s']:.1f} "
+              f"tok/s): {r['ratio']:.2f}x")
+    for name, a in summary["agreement"].items():
+        print(f"greedy ids, jaxserve vs {name}: {a['identical']}/{a['total']} identical, "
+              f"{100 * a['mean_prefix_fraction']:.1f}% of tokens before a first difference")
+    if args.output_json:
+        args.output_json.write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""What the benchmarks send: prompts (token ids or text) with the output length each asks for.
+
+    random       vLLM's random dataset: lengths uniform in [len * (1 - r), len * (1 + r)]
+    sharegpt     a synthetic ShareGPT-like mix: lognormal prompt and output lengths (long tails)
+    batching     the engine issue's workload: prompts uniform in [32, 256] tokens, outputs
+                 lognormal with median 48, capped at 256 (bench/batching.py, bench/peer_hf.py)
+    FILE         JSON or JSONL: strings, {"prompt": text | ids, "output_len": n}, or ShareGPT
+                 records ({"conversations": [{"from": "human", "value": ...}, {"from": "gpt"...}]})
+
+Synthetic prompts are random ids in [3, vocab_size): never the usual pad/bos/eos ids 0-2.
+"""
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.sim.workload import lengths
+
+SYNTHETIC = ("random", "sharegpt", "batching")
+FIRST_ID = 3
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request: its prompt (text or token ids) and how many tokens it asks for."""
+
+    prompt: str | list[int]
+    prompt_len: int  # tokens; for text without a tokenizer, an estimate (the server counts)
+    output_len: int
+
+    @property
+    def engine_prompt(self) -> str | dict:
+        """The prompt as `LLM.generate` / `LLMEngine.add_request` take it."""
+        return self.prompt if isinstance(self.prompt, str) else {"prompt_token_ids": self.prompt}
+
+
+def _ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
+    low = FIRST_ID if vocab_size > FIRST_ID else 0
+    return rng.integers(low, vocab_size, size=int(n)).tolist()
+
+
+def random_samples(n: int, input_len: int, output_len: int, range_ratio: float,
+                   vocab_size: int, seed: int = 0) -> list[Sample]:
+    """vLLM's random dataset: each length uniform in [len * (1 - r), len * (1 + r)]."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"random_range_ratio must be in [0, 1), got {range_ratio}")
+    rng = np.random.default_rng(seed)
+
+    def draw(length: int) -> np.ndarray:
+        low = max(1, int(np.floor(length * (1 - range_ratio))))
+        high = max(low, int(np.ceil(length * (1 + range_ratio))))
+        return rng.integers(low, high + 1, size=n)
+
+    prompt_lens, output_lens = draw(input_len), draw(output_len)
+    return [Sample(_ids(rng, p, vocab_size), int(p), int(o))
+            for p, o in zip(prompt_lens, output_lens, strict=True)]
+
+
+def sharegpt_samples(n: int, input_len: int, output_len: int, vocab_size: int,
+                     seed: int = 0) -> list[Sample]:
+    """ShareGPT-like lengths: lognormal (sigma 0.8) with medians input_len and output_len."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = lengths(n, rng, "lognormal", input_len, 0.8, low=4)
+    output_lens = lengths(n, rng, "lognormal", output_len, 0.8, low=1)
+    return [Sample(_ids(rng, p, vocab_size), int(p), int(o))
+            for p, o in zip(prompt_lens, output_lens, strict=True)]
+
+
+def batching_samples(n: int, vocab_size: int, seed: int = 0) -> list[Sample]:
+    """The engine issue's workload; the same draws as bench/batching.py's, seed for seed."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(32, 257, size=n)
+    output_lens = np.minimum(np.round(rng.lognormal(np.log(48), 0.8, size=n)), 256).astype(int)
+    return [Sample(rng.integers(FIRST_ID, vocab_size, size=int(p)).tolist(), int(p),
+                   max(1, int(o))) for p, o in zip(prompt_lens, output_lens, strict=True)]
+
+
+def load_samples(path: str | Path, n: int, default_output_len: int, tokenizer=None,
+                 seed: int = 0) -> list[Sample]:
+    """n samples from a JSON/JSONL file (shuffled with `seed`, repeated when the file is short)."""
+    path = Path(path)
+    text = path.read_text()
+    try:
+        rows = json.loads(text)
+        rows = rows if isinstance(rows, list) else [rows]
+    except json.JSONDecodeError:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    samples = [s for s in (_from_row(r, default_output_len, tokenizer) for r in rows) if s]
+    if not samples:
+        raise ValueError(f"{path}: no prompts found (expected strings, {{'prompt': ...}} or "
+                         "ShareGPT 'conversations' records)")
+    order = np.random.default_rng(seed).permutation(len(samples))
+    return [samples[order[i % len(samples)]] for i in range(n)]
+
+
+def _from_row(row, default_output_len: int, tokenizer) -> Sample | None:
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text)) if tokenizer is not None else max(1, len(text) // 4)
+
+    if isinstance(row, str):
+        return Sample(row, count(row), default_output_len)
+    if not isinstance(row, dict):
+        return None
+    if "conversations" in row:
+        turns = row["conversations"]
+        if len(turns) < 2 or not turns[0].get("value") or not turns[1].get("value"):
+            return None
+        prompt, reply = turns[0]["value"], turns[1]["value"]
+        return Sample(prompt, count(prompt), max(1, count(reply)))
+    prompt = row.get("prompt")
+    if prompt is None:
+        return None
+    output_len = int(row.get("output_len") or row.get("max_tokens") or default_output_len)
+    length = len(prompt) if isinstance(prompt, list) else count(prompt)
+    return Sample(prompt, length, output_len)
+
+
+def get_samples(dataset: str | None, n: int, *, input_len: int, output_len: int,
+                range_ratio: float = 0.0, vocab_size: int, seed: int = 0, tokenizer=None,
+                max_model_len: int | None = None) -> list[Sample]:
+    """The samples a benchmark's flags describe, fitted within max_model_len."""
+    name = dataset or "random"
+    if name == "random":
+        samples = random_samples(n, input_len, output_len, range_ratio, vocab_size, seed)
+    elif name == "sharegpt":
+        samples = sharegpt_samples(n, input_len, output_len, vocab_size, seed)
+    elif name == "batching":
+        samples = batching_samples(n, vocab_size, seed)
+    else:
+        samples = load_samples(name, n, output_len, tokenizer, seed)
+    return fit_to_context(samples, max_model_len) if max_model_len else samples
+
+
+def fit_to_context(samples: list[Sample], max_model_len: int) -> list[Sample]:
+    """Trim prompt and output so each request fits max_model_len (with a note on stderr)."""
+    fitted = []
+    for s in samples:
+        prompt = s.prompt
+        if s.prompt_len >= max_model_len and not isinstance(prompt, str):
+            prompt = prompt[:max_model_len // 2]
+        prompt_len = len(prompt) if not isinstance(prompt, str) else s.prompt_len
+        output_len = max(1, min(s.output_len, max_model_len - prompt_len))
+        fitted.append(Sample(prompt, prompt_len, output_len))
+    trimmed = sum(a != b for a, b in zip(samples, fitted, strict=True))
+    if trimmed:
+        print(f"note: {trimmed} of {len(samples)} requests trimmed to fit max_model_len "
+              f"{max_model_len}", file=sys.stderr)
+    return fitted
+
+
+def add_dataset_arguments(parser, input_flag: str = "--input-len",
+                          output_flag: str = "--output-len", input_len: int = 128,
+                          output_len: int = 64) -> None:
+    """--dataset, the length flags, --random-range-ratio and --seed."""
+    group = parser.add_argument_group("workload")
+    group.add_argument("--dataset", default="random",
+                       help=f"one of {', '.join(SYNTHETIC)}, or a JSON/JSONL file of prompts")
+    group.add_argument(input_flag, type=int, default=input_len, dest="input_len",
+                       help="prompt tokens (random: the centre; sharegpt: the median)")
+    group.add_argument(output_flag, type=int, default=output_len, dest="output_len",
+                       help="output tokens (random: the centre; sharegpt: the median)")
+    group.add_argument("--random-range-ratio", type=float, default=0.0,
+                       help="random: lengths uniform in [len * (1 - r), len * (1 + r)]")
+    group.add_argument("--seed", type=int, default=0, help="the workload's seed (and the "
+                       "engine's, offline)")

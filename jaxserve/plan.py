@@ -1,0 +1,144 @@
+"""`jaxserve plan MODEL`: the memory arithmetic of serving a model, without loading it.
+
+    weights      parameter bytes in float32 / bfloat16 / float16 (from the model's abstract
+                 shapes: the same leaves the runner loads, nothing allocated)
+    KV cache     bytes per token = 2 (K and V) x layers x kv_heads x head_dim x dtype bytes;
+                 a page holds page_size tokens; page 0 is the null page
+    sizing       as the runner does it: num_pages, else (GPU) free memory after the weights x
+                 kv_cache_memory_fraction, (CPU) kv_cache_bytes_cpu x the fraction
+    concurrency  sequences of a given context that fit at once: usable pages // pages per
+                 sequence, and what max_num_seqs lets run
+"""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxserve.config import SUPPORTED_DTYPES, EngineConfig, ModelConfig
+
+
+@dataclass(frozen=True)
+class Device:
+    backend: str
+    name: str
+    bytes_limit: int | None  # accelerator memory (None on CPU)
+    bytes_in_use: int | None
+
+
+def this_device() -> Device:
+    import jax
+
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform == "gpu" else None
+    return Device(device.platform, getattr(device, "device_kind", str(device)),
+                  stats["bytes_limit"] if stats else None, stats["bytes_in_use"] if stats else None)
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
+    from jaxserve.model.loader import abstract_model, state_bytes
+    from jaxserve.runner import DTYPES
+
+    return state_bytes(abstract_model(cfg, DTYPES[dtype])[1])
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
+    from jaxserve.model.kv_cache import KVCache
+    from jaxserve.runner import DTYPES
+
+    return KVCache.bytes_per_page(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim,
+                                  DTYPES[dtype])
+
+
+def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | None = None,
+         device: Device | None = None) -> dict:
+    """The numbers `jaxserve plan` prints, as a dict."""
+    from jaxserve.engine import resolve_model
+
+    path = resolve_model(model)
+    cfg = ModelConfig.from_hf_dir(path)
+    device = device or this_device()
+    dtype = cfg.dtype if config.dtype == "auto" else config.dtype
+    weights = {dt: weight_bytes(cfg, dt) for dt in SUPPORTED_DTYPES}
+    per_token = kv_bytes_per_token(cfg, dtype)
+    per_page = per_token * config.page_size
+    max_len = config.resolve_max_model_len(cfg)
+    if device.bytes_limit is not None:  # the runner sizes after loading the weights
+        free = device.bytes_limit - device.bytes_in_use - weights[dtype]
+        source = "free accelerator memory after the weights"
+    else:
+        free = config.kv_cache_bytes_cpu
+        source = "kv_cache_bytes_cpu"
+    budget = int(max(free, 0) * config.kv_cache_memory_fraction)
+    num_pages = config.num_pages or budget // per_page
+    usable = max(num_pages - 1, 0)
+    pages_per_seq = config.pages_per_seq(max_len)
+    contexts = sorted(set(contexts or _default_contexts(max_len)))
+    rows = []
+    for ctx in contexts:
+        need = math.ceil(ctx / config.page_size)
+        fit = usable // need
+        rows.append({"context": ctx, "pages_per_sequence": need, "sequences_that_fit": fit,
+                     "sequences_running": min(fit, config.max_num_seqs)})
+    problems = []
+    if free <= 0:
+        problems.append(f"the weights ({weights[dtype]} bytes) do not fit in this device's "
+                        "free memory")
+    elif usable < pages_per_seq:
+        problems.append(f"{usable} usable pages hold fewer than the {pages_per_seq} pages one "
+                        f"sequence of max_model_len {max_len} needs: the engine would refuse "
+                        "to start")
+    return {
+        "model": str(path), "architecture": cfg.architecture, "num_params": cfg.num_params,
+        "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "dtype": dtype, "weight_bytes": weights,
+        "kv_bytes_per_token": per_token, "page_size": config.page_size,
+        "kv_bytes_per_page": per_page,
+        "device": {"backend": device.backend, "name": device.name,
+                   "bytes_limit": device.bytes_limit, "bytes_in_use": device.bytes_in_use},
+        "kv_budget_source": "num_pages" if config.num_pages else source,
+        "kv_budget_bytes": num_pages * per_page if config.num_pages else budget,
+        "num_pages": num_pages, "usable_pages": usable, "kv_tokens": usable * config.page_size,
+        "kv_cache_bytes": num_pages * per_page, "max_model_len": max_len,
+        "pages_per_max_len_sequence": pages_per_seq, "max_num_seqs": config.max_num_seqs,
+        "concurrency": rows, "problems": problems,
+    }
+
+
+def _default_contexts(max_len: int) -> list[int]:
+    return [c for c in (512, 2048, 8192, 32768) if c < max_len] + [max_len]
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_plan(p: dict) -> str:
+    lines = [f"model      {p['model']} ({p['architecture']}, {p['num_params'] / 1e6:.1f}M "
+             f"parameters, {p['layers']} layers, {p['kv_heads']} KV heads x {p['head_dim']})"]
+    lines.append("weights    " + ", ".join(
+        f"{dt} {_size(b)}" + (" (used)" if dt == p["dtype"] else "")
+        for dt, b in p["weight_bytes"].items()))
+    lines.append(f"KV cache   {_size(p['kv_bytes_per_token'])} per token ({p['dtype']}: 2 x "
+                 f"{p['layers']} layers x {p['kv_heads']} heads x {p['head_dim']}), "
+                 f"{_size(p['kv_bytes_per_page'])} per page of {p['page_size']} tokens")
+    d = p["device"]
+    memory = (f", {_size(d['bytes_limit'])} total, {_size(d['bytes_in_use'])} in use"
+              if d["bytes_limit"] is not None else "")
+    lines.append(f"device     {d['backend']} ({d['name']}{memory})")
+    lines.append(f"sizing     {_size(p['kv_budget_bytes'])} from {p['kv_budget_source']} -> "
+                 f"{p['num_pages']} pages ({p['usable_pages']} usable, page 0 is null) = "
+                 f"{p['kv_tokens']} tokens, {_size(p['kv_cache_bytes'])}")
+    lines.append(f"           max_model_len {p['max_model_len']} = "
+                 f"{p['pages_per_max_len_sequence']} pages per sequence; max_num_seqs "
+                 f"{p['max_num_seqs']}")
+    lines.append(f"{'context':>10} {'pages/seq':>10} {'seqs that fit':>14} {'seqs running':>13}")
+    for r in p["concurrency"]:
+        lines.append(f"{r['context']:>10} {r['pages_per_sequence']:>10} "
+                     f"{r['sequences_that_fit']:>14} {r['sequences_running']:>13}")
+    lines += [f"problem    {msg}" for msg in p["problems"]]
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""The benchmark commands at tiny sizes on stories260K: `jaxserve bench throughput | serve |
+sweep` and `jaxserve plan` write what they promise (vLLM's keys, completed == num_prompts,
+ordered percentiles, PNGs, a recommended config that loads), and the pure parts of the sweep and
+of bench/peer_hf.py (which itself needs torch, so it runs by hand) are right."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import pytest
+import yaml
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.benchmarks.datasets import batching_samples, get_samples, load_samples
+from jaxserve.benchmarks.sweep import knee, largest_meeting, recommend
+from jaxserve.cli import main
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.server import ServerConfig, build_app
+
+# the server tests' engine shape: every step is already in the persistent compilation cache
+CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_sizes=(32,),
+              page_size=8, num_pages=256, enable_prompt_logprobs=False)
+FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--prefill-chunk-sizes", "32",
+         "--page-size", "8", "--num-pages", "256", "--no-enable-prompt-logprobs"]
+TINY = ["--input-len", "16", "--output-len", "8", "--disable-tqdm"]
+ROOT = Path(__file__).resolve().parents[1]
+LATENCY = ("ttft", "tpot", "itl", "e2el")
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_serving(result: dict, n: int, percentiles=("p50", "p90", "p99")) -> None:
+    assert result["completed"] == n and result["failed"] == 0
+    assert result["request_throughput"] > 0 and result["output_throughput"] > 0
+    for name in LATENCY:
+        values = [result[f"{p}_{name}_ms"] for p in percentiles]
+        assert values == sorted(values) and values[0] >= 0, (name, values)
+        assert result[f"mean_{name}_ms"] > 0 or name == "itl"
+
+
+# -- pure parts ---------------------------------------------------------------------------------
+
+def test_workloads(tmp_path):
+    samples = get_samples("random", 50, input_len=100, output_len=20, range_ratio=0.5,
+                          vocab_size=300, seed=1)
+    assert all(50 <= s.prompt_len <= 150 and 10 <= s.output_len <= 30 for s in samples)
+    assert all(len(s.prompt) == s.prompt_len and 3 <= min(s.prompt) < max(s.prompt) < 300
+               for s in samples)
+    fitted = get_samples("sharegpt", 50, input_len=200, output_len=100, vocab_size=300,
+                         max_model_len=128)
+    assert all(s.prompt_len + s.output_len <= 128 for s in fitted)
+    # the issue's workload is bench/batching.py's, draw for draw
+    prompts, params = _load(ROOT / "bench" / "batching.py").workload(16, 4096, 3)
+    ours = batching_samples(16, 4096, 3)
+    assert [s.prompt for s in ours] == [p["prompt_token_ids"] for p in prompts]
+    assert [s.output_len for s in ours] == [p.max_tokens for p in params]
+    rows = [{"conversations": [{"from": "human", "value": "hi there"},
+                               {"from": "gpt", "value": "hello to you"}]},
+            {"prompt": [5, 6, 7], "output_len": 3}, "a plain prompt"]
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    for name in ("d.json", "d.jsonl"):
+        loaded = load_samples(tmp_path / name, 5, default_output_len=9)
+        assert len(loaded) == 5
+        assert {(str(s.prompt), s.output_len) for s in loaded} == {
+            ("hi there", 3), ("[5, 6, 7]", 3), ("a plain prompt", 9)}
+
+
+def test_knee_and_recommendation():
+    xs = [1, 2, 4, 8, 16, 32]
+    assert knee(xs, [10, 20, 40, 70, 75, 76]) == 8  # flattens after 8
+    assert knee(xs, [1, 2, 4, 8, 16, 32]) is None  # still scaling
+    rows = [{"concurrency": c, "failed": 0, "output_throughput": 10.0 * c,
+             "request_throughput": float(c), "p99_ttft_ms": 100.0 * c, "p99_tpot_ms": 5.0}
+            for c in (1, 2, 4, 8, 16)]
+    rows[1]["p99_tpot_ms"] = 50.0  # 2 misses the TPOT target: 4 and 8 do not count after it
+    slo = {"ttft": 1000.0, "tpot": 20.0}
+    assert largest_meeting(rows, "concurrency", slo, "p99")["concurrency"] == 1
+    rows[1]["p99_tpot_ms"] = 5.0
+    windows = [{"batching": m, "window_ms": w, "failed": 0, "output_throughput": t,
+                "p99_ttft_ms": ttft, "p99_tpot_ms": 1.0}
+               for m, w, t, ttft in (("dynamic", 0.0, 50, 10), ("dynamic", 50.0, 90, 900),
+                                  ("continuous", 0.0, 80, 5), ("continuous", 100.0, 95, 1500))]
+    rec = recommend(rows, windows, slo, "p99", 0.2)
+    # 8 is the largest concurrency under 1000 ms: 80% of it; the best window meeting the SLO
+    assert (rec["max_num_seqs"], rec["batching"], rec["window_ms"]) == (6, "dynamic", 40.0)
+    assert recommend(rows, windows, {"ttft": 1.0}, "p99", 0.2) == {}
+
+
+def test_peer_pure_parts():
+    peer = _load(ROOT / "bench" / "peer_hf.py")  # imports neither torch nor transformers
+    samples = peer.workload(8, 128, 256, seed=0)
+    assert len(samples) == 8 and all(s.prompt_len + s.output_len <= 256 for s in samples)
+    assert peer.agreement([[1, 2, 3, 4], [5]], [[1, 2, 9, 4], [5]]) == {
+        "identical": 1, "total": 2, "mean_prefix_fraction": 0.75}
+    rows = [{"name": "jaxserve", "setting": "a", "output_tokens_per_s": 600.0},
+            {"name": "hf-cb", "setting": "256", "output_tokens_per_s": 100.0},
+            {"name": "hf-cb", "setting": "1024", "output_tokens_per_s": 200.0},
+            {"name": "hf-static", "setting": "16", "output_tokens_per_s": 50.0}]
+    r = peer.ratios(rows)
+    assert r["hf-cb"] == {"best_setting": "1024", "peer_tokens_per_s": 200.0, "ratio": 3.0}
+    assert r["hf-static"]["ratio"] == 12.0
+
+
+# -- the commands -------------------------------------------------------------------------------
+
+def test_plan(stories_dir, capsys):
+    before = len(jax.live_arrays())
+    assert main(["plan", str(stories_dir), "--json", "--context", "64", "512",
+                 "--page-size", "8", "--num-pages", "256", "--max-num-seqs", "16"]) == 0
+    assert len(jax.live_arrays()) == before  # nothing allocated: no weights, no pages
+    p = json.loads(capsys.readouterr().out)
+    assert p["kv_bytes_per_token"] == 2 * 5 * 4 * 8 * 4  # 2 x layers x kv heads x head_dim x 4
+    assert p["kv_bytes_per_page"] == 8 * p["kv_bytes_per_token"]
+    assert p["weight_bytes"]["float32"] == 2 * p["weight_bytes"]["bfloat16"] > 4 * 250_000
+    assert (p["num_pages"], p["usable_pages"], p["kv_tokens"]) == (256, 255, 2040)
+    assert p["concurrency"] == [
+        {"context": 64, "pages_per_sequence": 8, "sequences_that_fit": 31, "sequences_running": 16},
+        {"context": 512, "pages_per_sequence": 64, "sequences_that_fit": 3, "sequences_running": 3}]
+    assert not p["problems"]
+    assert main(["plan", str(stories_dir), "--num-pages", "16"]) == 0  # 15 pages < 32 needed
+    assert "would refuse to start" in capsys.readouterr().out
+
+
+def test_bench_throughput(stories_dir, tmp_path):
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", str(stories_dir), "--num-prompts", "6",
+                 *TINY, "--random-range-ratio", "0.5", *FLAGS, "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["num_requests"] == 6 and r["elapsed_time"] > 0
+    assert r["requests_per_second"] == pytest.approx(6 / r["elapsed_time"])
+    assert r["total_num_tokens"] == pytest.approx(r["tokens_per_second"] * r["elapsed_time"])
+    assert r["total_num_tokens"] > r["total_output_tokens"] >= 6 * 4
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir):
+    from test_server import _uvicorn
+
+    engine = AsyncEngine(LLMEngine(stories_dir, EngineConfig.from_overrides(**CONFIG)))
+    with _uvicorn(build_app(engine, ServerConfig(), "stories")) as url:
+        yield url
+
+
+def test_bench_serve(server, stories_dir, tmp_path):
+    assert main(["bench", "serve", "--base-url", server, "--tokenizer", str(stories_dir),
+                 "--num-prompts", "10", "--max-concurrency", "4", "--request-rate", "50",
+                 "--random-input-len", "16", "--random-output-len", "8", "--ignore-eos",
+                 "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
+                 "50,90,99", "--goodput", "ttft:60000", "--save-result", "--result-dir",
+                 str(tmp_path), "--result-filename", "serve.json", "--disable-tqdm"]) == 0
+    r = json.loads((tmp_path / "serve.json").read_text())
+    _check_serving(r, 10)
+    assert r["model_id"] == "stories" and r["max_concurrency"] == 4
+    assert r["total_output_tokens"] == sum(r["output_lens"]) == 10 * 8
+    assert r["request_goodput"] > 0
+    assert len(r["ttfts"]) == len(r["itls"]) == len(r["generated_texts"]) == 10
+
+
+def test_bench_sweep_offline(stories_dir, tmp_path):
+    config = tmp_path / "recommended.yaml"
+    assert main(["bench", "sweep", "--model", str(stories_dir), "--concurrency", "1", "2", "4",
+                 "--windows", "0", "20", "--num-prompts", "8", *TINY, *FLAGS,
+                 "--slo", "ttft:60000", "tpot:60000", "--output-dir", str(tmp_path),
+                 "--write-config", str(config)]) == 0
+    conc = json.loads((tmp_path / "concurrency.json").read_text())
+    assert [r["concurrency"] for r in conc] == [1, 2, 4]
+    for row in conc:
+        _check_serving(row, 8)
+    window = json.loads((tmp_path / "window.json").read_text())
+    assert {(r["batching"], r["window_ms"]) for r in window} == {
+        (m, w) for m in ("dynamic", "continuous") for w in (0.0, 20.0)}
+    assert all(r["completed"] == 8 for r in window)
+    assert all(r["num_compilations"] == 0 for r in conc + window)  # one compile for the sweep
+    for name in ("throughput_vs_concurrency", "latency_vs_concurrency", "window_sweep"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "concurrency.csv").read_text().startswith("batching,concurrency,")
+    loaded = EngineConfig.from_file(config)
+    assert loaded.max_num_seqs == 3 and loaded.batching in ("dynamic", "continuous")
+    assert "load_format" not in yaml.safe_load(config.read_text())
+
+
+def test_bench_sweep_modes_preset(stories_dir, tmp_path):
+    assert main(["bench", "sweep", "--preset", "modes", "--model", str(stories_dir),
+                 "--modes-concurrency", "1", "4", "--num-prompts", "8", *TINY, *FLAGS,
+                 "--modes-window-ms", "5", "--output-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "modes.json").read_text())
+    assert [(r["batching"], r["concurrency"]) for r in rows] == [
+        (m, c) for m in ("static", "dynamic", "continuous") for c in (1, 4)]
+    assert all(r["completed"] == 8 and r["failed"] == 0 for r in rows)
+    assert (tmp_path / "batching_modes.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_sweep_server(server, stories_dir, tmp_path):
+    assert main(["bench", "sweep", "--base-url", server, "--tokenizer", str(stories_dir),
+                 "--kind", "concurrency", "--concurrency", "1", "2", "4", "--num-prompts", "6",
+                 *TINY, "--output-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "concurrency.json").read_text())
+    assert [(r["batching"], r["completed"]) for r in rows] == [("server", 6)] * 3
+    assert (tmp_path / "latency_vs_concurrency.png").is_file()
