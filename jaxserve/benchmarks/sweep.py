@@ -40,6 +40,7 @@ KINDS = ("concurrency", "window", "modes")
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MODES_CONCURRENCY = (1, 8, 32, 64, 128, 256)
 WINDOWS_MS = (0, 5, 10, 20, 50, 100, 200)
+MODES = ("static", "dynamic", "continuous")
 PERCENTILES = (50, 90, 99)
 SUMMARY = ("completed", "failed", "duration", "request_throughput", "output_throughput",
            "total_token_throughput", "num_preemptions", "num_compilations")
@@ -185,15 +186,16 @@ def sweep_modes(target, samples: list[Sample], concurrencies, num_prompts: int |
                 per_concurrency: float, window_ms: float, seed: int = 0,
                 log=print) -> list[dict]:
     rows = []
-    for mode in ("static", "dynamic", "continuous"):
-        rows += sweep_concurrency(target, samples, concurrencies, num_prompts, per_concurrency,
-                                  mode, seed, window_ms if mode == "dynamic" else 0.0, log)
-    return rows
+    for c in concurrencies:  # the modes side by side at each point, so drift hits all alike
+        for mode in MODES:
+            rows += sweep_concurrency(target, samples, [c], num_prompts, per_concurrency, mode,
+                                      seed, window_ms if mode == "dynamic" else 0.0, log)
+    return sorted(rows, key=lambda r: MODES.index(r["batching"]))
 
 
 # -- reading the results --------------------------------------------------------------------------
 
-def knee(xs: list[float], ys: list[float]) -> float | None:
+def knee(xs: list, ys: list[float]):
     """Kneedle on (log2 x, y): the point farthest above the chord of a rising, flattening curve."""
     if len(xs) < 3:
         return None
@@ -204,7 +206,7 @@ def knee(xs: list[float], ys: list[float]) -> float | None:
     gain = (y - y.min()) / np.ptp(y) - (x - x.min()) / np.ptp(x)
     if gain.max() <= 0:  # never above the chord: still scaling, no knee yet
         return None
-    return float(xs[int(np.argmax(gain))])
+    return xs[int(np.argmax(gain))]
 
 
 def meets(row: dict, slo: dict[str, float], pct: str) -> bool:
