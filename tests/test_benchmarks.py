@@ -115,7 +115,7 @@ def test_plan(stories_dir, capsys):
     before = len(jax.live_arrays())
     assert main(["plan", str(stories_dir), "--json", "--context", "64", "512",
                  "--page-size", "8", "--num-pages", "256", "--max-num-seqs", "16"]) == 0
-    assert len(jax.live_arrays()) == before  # nothing allocated: no weights, no pages
+    assert len(jax.live_arrays()) <= before  # nothing allocated: no weights, no pages
     p = json.loads(capsys.readouterr().out)
     assert p["kv_bytes_per_token"] == 2 * 5 * 4 * 8 * 4  # 2 x layers x kv heads x head_dim x 4
     assert p["kv_bytes_per_page"] == 8 * p["kv_bytes_per_token"]
