@@ -2,6 +2,7 @@
 prompt logprobs equal a direct forward pass, its report meets the goal, and training still runs."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +38,9 @@ def test_none_and_demo_name_the_shipped_checkpoint():
     assert (cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids) == (258, 256, (257,))
 
 
-# A bare "def fibonacci(n):" makes this small model's greedy decode settle into indentation
-# whitespace; with its docstring the function body follows.
-FIB = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+# Bare, as a user would type it: the model must start the body on a new, indented line (trained
+# on prompt-shaped windows, see jaxserve/demo/data.py), not fall into a run of spaces.
+FIB = "def fibonacci(n):"
 
 
 def test_greedy_text_for_a_python_prompt(llm):
@@ -47,7 +48,8 @@ def test_greedy_text_for_a_python_prompt(llm):
     assert len(out.token_ids) == 64
     ids = [t for t in out.token_ids if t < 256]
     assert out.text == bytes(ids).decode("utf-8")  # valid UTF-8, nothing replaced
-    assert "\n" in out.text and sum(c.isalpha() for c in out.text) >= 10
+    assert sum(c.isalpha() for c in out.text) >= 10
+    assert re.match(r"\n +\S", out.text), out.text
     # LLM(model="demo") is the same model: the same greedy text.
     again = LLM(model="demo", **SMALL).generate(FIB, GREEDY_64)[0].outputs[0]
     assert again.token_ids == out.token_ids
