@@ -91,9 +91,14 @@ def _output(engine: LLMEngine, shape: tuple[int, int, int, int, int]) -> Schedul
     out = SchedulerOutput(decode_steps=k)
     for i in range(num_decode):
         out.chunks.append(_row(pool, page_size, f"d{i}", ctx, 1, k))
+    # every chunk in the chunk's bucket, so the runner makes them one call (the budget may be
+    # exceeded: the runner does not check it)
+    buckets = engine.runner.chunk_buckets
+    shortest = max(2, buckets[buckets.index(chunk) - 1] + 1 if buckets.index(chunk) else 2)
     left = budget - num_decode
     for i in range(num_prefill):  # the first chunk is the longest; the rest share what is left
-        n = chunk if i == 0 else max(2, min(chunk, (left - chunk) // max(1, num_prefill - 1)))
+        n = chunk if i == 0 else max(shortest,
+                                     min(chunk, (left - chunk) // max(1, num_prefill - 1)))
         start = ctx if num_decode == 0 else 0
         out.chunks.append(_row(pool, page_size, f"p{i}", start, n, 1))
     return out

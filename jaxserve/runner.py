@@ -1,11 +1,13 @@
 """The only place that touches both worlds: a SchedulerOutput in, padded device arrays, tokens out.
 
-An iteration dispatches at most two jitted calls: the decode rows (one token each, `decode_steps`
-steps in one dispatch) and the prompt chunks. Rows are padded to buckets so every shape is
-compiled once, at start-up:
+An iteration dispatches one jitted call for the decode rows (one token each, `decode_steps`
+steps in one dispatch) and one or a few for the prompt chunks, grouped by length
+(`core.buckets.prefill_groups`). Rows are padded to buckets so every shape is compiled once, at
+start-up:
 
-    decode:  B = smallest row bucket >= rows (powers of two up to max_num_seqs), C = 1
-    prefill: B as above, C = smallest prefill_chunk_sizes entry >= the longest chunk
+    decode:  B = smallest row bucket >= rows (powers of two from 2 up to max_num_seqs), C = 1;
+             a static/dynamic batch keeps the B it started with until it ends
+    prefill: per call, B as above, C = smallest prefill_chunk_sizes entry >= its longest chunk
 
 `dispatch` returns at once (the device runs on, the packed results start copying to the host);
 `collect` waits for them. The engine dispatches iteration t+1 before collecting iteration t.
@@ -26,6 +28,7 @@ import numpy as np
 from jax import monitoring
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.buckets import bucket, prefill_groups
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
@@ -84,21 +87,21 @@ class Samples:
 
 
 @dataclass
+class PrefillCall:
+    """One dispatched prefill call: its rows and their packed results."""
+
+    chunks: list[ScheduledChunk]
+    packed: jax.Array  # [B, W]
+    prompt: jax.Array | None = None  # [B, C, W - 1]
+
+
+@dataclass
 class Inflight:
     """One dispatched iteration whose results have not been read yet."""
 
     decode_chunks: list[ScheduledChunk] = field(default_factory=list)
     decode_packed: jax.Array | None = None  # [steps, B, W]
-    prefill_chunks: list[ScheduledChunk] = field(default_factory=list)
-    prefill_packed: jax.Array | None = None  # [B, W]
-    prompt_packed: jax.Array | None = None  # [B, C, W - 1]
-
-
-def _bucket(n: int, sizes: tuple[int, ...], what: str) -> int:
-    for size in sizes:
-        if n <= size:
-            return size
-    raise ValueError(f"{what} {n} exceeds the largest bucket {sizes[-1]}")
+    prefills: list[PrefillCall] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -184,20 +187,25 @@ class ModelRunner:
             return self._dispatch(out)
 
     def _dispatch(self, out: SchedulerOutput) -> Inflight:
-        flight = Inflight(decode_chunks=[c for c in out.chunks if c.num_tokens == 1],
-                          prefill_chunks=[c for c in out.chunks if c.num_tokens > 1])
+        flight = Inflight(decode_chunks=[c for c in out.chunks if c.num_tokens == 1])
         carries, carry_rows = [self._zeros, self._zeros], {}
         if flight.decode_chunks:
-            flight.decode_packed, carries[0] = self._dispatch_decode(flight.decode_chunks,
-                                                                     out.decode_steps)
+            flight.decode_packed, carries[0] = self._dispatch_decode(
+                flight.decode_chunks, max(len(flight.decode_chunks), out.batch_rows),
+                out.decode_steps)
             carry_rows |= {c.request.request_id: i for i, c in enumerate(flight.decode_chunks)}
-        if flight.prefill_chunks:
-            flight.prefill_packed, flight.prompt_packed, carries[1] = self._dispatch_prefill(
-                flight.prefill_chunks)
-            carry_rows |= {c.request.request_id: self.carry_size + i
-                           for i, c in enumerate(flight.prefill_chunks) if c.num_samples}
+        prefill = [c for c in out.chunks if c.num_tokens > 1]  # row i -> prefill carry[i]
+        groups = prefill_groups([c.num_tokens for c in prefill], self.row_buckets,
+                                self.chunk_buckets)
+        for group in groups:
+            call, carries[1] = self._dispatch_prefill([prefill[i] for i in group], group,
+                                                      carries[1])
+            flight.prefills.append(call)
+        carry_rows |= {c.request.request_id: self.carry_size + i
+                       for i, c in enumerate(prefill) if c.num_samples}
         self._carries, self._carry_rows = tuple(carries), carry_rows
-        for array in (flight.decode_packed, flight.prefill_packed, flight.prompt_packed):
+        arrays = [flight.decode_packed] + [a for p in flight.prefills for a in (p.packed, p.prompt)]
+        for array in arrays:
             if array is not None:
                 array.copy_to_host_async()
         return flight
@@ -209,10 +217,10 @@ class ModelRunner:
             packed = np.asarray(flight.decode_packed)  # [steps, B, W]
             for i, chunk in enumerate(flight.decode_chunks):
                 results[chunk.request.request_id] = self._samples(chunk, packed[:, i])
-        if flight.prefill_packed is not None:
-            packed = np.asarray(flight.prefill_packed)  # [B, W]
-            prompt = None if flight.prompt_packed is None else np.asarray(flight.prompt_packed)
-            for i, chunk in enumerate(flight.prefill_chunks):
+        for call in flight.prefills:
+            packed = np.asarray(call.packed)  # [B, W]
+            prompt = None if call.prompt is None else np.asarray(call.prompt)
+            for i, chunk in enumerate(call.chunks):
                 samples = self._samples(chunk, packed[i:i + 1])
                 if prompt is not None and chunk.request.params.prompt_logprobs is not None:
                     n = min(chunk.num_tokens, len(chunk.request.prompt_ids) - 1 - chunk.start)
@@ -229,8 +237,8 @@ class ModelRunner:
             logprobs = [_unpack(row[1:]) for row in rows]
         return Samples(tokens=rows[:, 0].tolist(), logprobs=logprobs)
 
-    def _dispatch_decode(self, chunks: list[ScheduledChunk], steps: int):
-        b = _bucket(len(chunks), self.row_buckets, "decode rows")
+    def _dispatch_decode(self, chunks: list[ScheduledChunk], rows: int, steps: int):
+        b = bucket(rows, self.row_buckets, "decode rows")
         host = np.zeros((b,), np.int32)
         src = np.full((b,), -1, np.int32)
         for i, chunk in enumerate(chunks):
@@ -244,11 +252,15 @@ class ModelRunner:
                                                  md, sm, steps=steps)
         return packed, carry
 
-    def _dispatch_prefill(self, chunks: list[ScheduledChunk]):
-        b = _bucket(len(chunks), self.row_buckets, "prefill rows")
-        c = _bucket(max(ch.num_tokens for ch in chunks), self.chunk_buckets, "chunk length")
+    def _dispatch_prefill(self, chunks: list[ScheduledChunk], carry_rows: list[int],
+                          carry: jax.Array) -> tuple[PrefillCall, jax.Array]:
+        """One prefill call; row i's sampled token goes to carry[carry_rows[i]]."""
+        b = bucket(len(chunks), self.row_buckets, "prefill rows")
+        c = bucket(max(ch.num_tokens for ch in chunks), self.chunk_buckets, "chunk length")
         tokens = np.zeros((b, c), np.int32)
         targets = np.zeros((b, c), np.int32)
+        carry_index = np.full((b,), self.carry_size, np.int32)  # out of range: dropped
+        carry_index[:len(chunks)] = carry_rows
         with_prompt = False
         for i, chunk in enumerate(chunks):
             ids = chunk.request.all_ids
@@ -260,10 +272,11 @@ class ModelRunner:
         md, sm = self._metadata(chunks, b, c)
         if with_prompt:
             packed, prompt, carry, self.kv = self.fns.prefill_with_prompt_logprobs(
-                self.weights, self.kv, tokens, md, sm, targets)
-            return packed, prompt, carry
-        packed, carry, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md, sm)
-        return packed, None, carry
+                self.weights, self.kv, tokens, md, sm, carry, carry_index, targets)
+            return PrefillCall(chunks, packed, prompt), carry
+        packed, carry, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md, sm, carry,
+                                                  carry_index)
+        return PrefillCall(chunks, packed), carry
 
     def _metadata(self, chunks: list[ScheduledChunk], b: int, c: int):
         positions = np.zeros((b, c), np.int32)
@@ -334,7 +347,9 @@ class ModelRunner:
             _, _, self.kv = self.fns.decode(self.weights, self.kv, tokens[:, 0], src, self._zeros,
                                             self._zeros, md, sm, steps=steps)
         elif kind == "prefill":
-            _, _, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md, sm)
+            _, _, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md, sm, self._zeros,
+                                             np.zeros((b,), np.int32))
         else:
-            *_, self.kv = self.fns.prefill_with_prompt_logprobs(self.weights, self.kv, tokens, md,
-                                                                sm, tokens)
+            *_, self.kv = self.fns.prefill_with_prompt_logprobs(
+                self.weights, self.kv, tokens, md, sm, self._zeros, np.zeros((b,), np.int32),
+                tokens)

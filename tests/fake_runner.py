@@ -83,6 +83,7 @@ class StepLog:
 
     rows: list[Row]
     decode_steps: int
+    batch_rows: int
     preempted: list[str]
     running: list[str]
     waiting: list[str]
@@ -228,7 +229,7 @@ class Driver:
         entry = StepLog(
             rows=[Row(c.request.request_id, c.start, c.num_tokens, c.num_samples)
                   for c in out.chunks],
-            decode_steps=out.decode_steps, preempted=[r.request_id for r in out.preempted],
+            decode_steps=out.decode_steps, batch_rows=out.batch_rows, preempted=[r.request_id for r in out.preempted],
             running=[r.request_id for r in s.running], waiting=[r.request_id for r in s.waiting],
             num_free_pages=s.kv.pool.num_free, time=s.clock())
         self.log.append(entry)

@@ -203,6 +203,27 @@ def test_nothing_joins_until_the_whole_batch_finishes(batching):
     assert result.outputs == expected(requests)
 
 
+@pytest.mark.parametrize("batching", ["static", "dynamic"])
+def test_a_batch_keeps_its_rows_until_it_finishes(batching):
+    """A batch running to completion is one fixed shape, as a static batcher's: the runner pads
+    its decode rows to the size it formed with, not to the members still running."""
+    clock = FakeClock()
+    s = make_scheduler(clock, batching=batching, max_num_seqs=4, max_batch_size=3)
+    requests = [make_request("a", 3, 2), make_request("b", 3, 9), make_request("c", 3, 5),
+                make_request("d", 3, 2, arrival=0.001)]
+    log = run(s, requests, clock=clock).log
+    first = log[:last_step(log, "b") + 1]
+    assert all(entry.batch_rows == 3 for entry in first if entry.rows)
+    assert len(first[-1].running) == 1  # b alone, still padded to the batch's 3 rows
+    assert {entry.batch_rows for entry in log[first_step(log, "d"):] if entry.rows} == {1}
+
+
+def test_continuous_pads_only_to_the_rows_it_runs():
+    log = run(make_scheduler(max_num_seqs=4), [make_request("a", 3, 2),
+                                               make_request("b", 3, 6)]).log
+    assert {entry.batch_rows for entry in log} == {0}
+
+
 def test_continuous_joins_while_others_run():
     s = make_scheduler(max_num_seqs=4, max_batch_size=2)
     requests = [make_request("short", 3, 2), make_request("long", 3, 12, arrival=0.001),

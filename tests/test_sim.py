@@ -103,17 +103,19 @@ def test_cost_model_fit_recovers_per_shape_lines_and_round_trips(tmp_path):
         for length in (16, 100, 400):
             samples.append((StepShape(decode_rows=rows, decode_len=length),
                             1e-3 * rows + 2e-6 * length))
-            samples.append((StepShape(prefill_rows=rows, chunk=64, prefill_len=length),
+            samples.append((StepShape(prefill=((rows, 64, length),)),
                             4e-3 * rows + 1e-5 * length))
-    samples.append((StepShape(decode_rows=2, decode_len=100, prefill_rows=1, chunk=64,
-                              prefill_len=100), 2.2e-3 + 5e-3 + 1e-3))
+    samples.append((StepShape(decode_rows=2, decode_len=100, prefill=((1, 64, 100),)),
+                    2.2e-3 + 5e-3 + 1e-3))
+    samples.append((StepShape(prefill=((1, 64, 100), (2, 64, 16))),  # two calls: mixed once
+                    5e-3 + 8.16e-3 + 1e-3))
     fit = StepCostModel.fit(samples, (1, 2, 4), (16, 64))
     assert fit.decode[2, 1] == pytest.approx((2e-3, 2e-6))
     assert fit.prefill[4, 64] == pytest.approx((16e-3, 1e-5))
     assert fit.mixed == pytest.approx(1e-3)
     assert fit.info["max_rel_error"] < 1e-9
     # a shape the profile missed: the nearest one, scaled by rows and chunk
-    assert fit.shape_cost(StepShape(prefill_rows=4, chunk=16, prefill_len=16)) == pytest.approx(
+    assert fit.shape_cost(StepShape(prefill=((4, 16, 16),))) == pytest.approx(
         (16e-3 + 1e-5 * 16) / 4)
     fit.decode_factor, fit.prefill_factor = {0: 1.5, 2: 1.25}, 2.0
     assert fit.decode_factor_for(2) == 1.25 and fit.decode_factor_for(4) == 1.5
@@ -131,11 +133,19 @@ def test_step_shape_pads_as_the_runner_does():
     from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 
     a, b, c = make_request("a", 40), make_request("b", 3), make_request("c", 70)
+    d, e = make_request("d", 300), make_request("e", 300)
     out = SchedulerOutput([ScheduledChunk(a, 39, 1, 2), ScheduledChunk(b, 2, 1, 2),
                            ScheduledChunk(c, 0, 20, 0)], decode_steps=2)
     assert step_shape(out, ROWS, CHUNKS) == StepShape(decode_rows=2, decode_steps=2,
-                                                      decode_len=41, prefill_rows=1, chunk=64,
-                                                      prefill_len=20)
+                                                      decode_len=41, prefill=((1, 64, 20),))
+    # a batch running to completion keeps its rows; prompt chunks of very different lengths
+    # run as separate calls (the runner's grouping)
+    out = SchedulerOutput([ScheduledChunk(a, 39, 1, 1), ScheduledChunk(c, 0, 20, 0),
+                           ScheduledChunk(d, 0, 250, 0), ScheduledChunk(e, 0, 250, 0)],
+                          batch_rows=3)
+    rows, chunks = (1, 2, 4), (16, 64, 256)
+    assert step_shape(out, rows, chunks) == StepShape(
+        decode_rows=4, decode_len=40, prefill=((1, 64, 20), (2, 256, 250)))
 
 
 # -- workloads and metrics -----------------------------------------------------------------------

@@ -44,6 +44,10 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     decode_steps: int = 1  # decode rows run this many steps in one dispatch
+    # static/dynamic: the running batch's size. A batch that runs to completion keeps its shape
+    # (finished rows are padding until the last one ends), as a static batcher's fixed-shape
+    # batch does: the runner pads decode rows to at least this many.
+    batch_rows: int = 0
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -82,6 +86,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.num_preemptions = 0
         self._batch: set[str] = set()  # static/dynamic: the batch running to completion
+        self._batch_rows = 0  # its size when it formed
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -159,6 +164,7 @@ class Scheduler:
         if out.preempted:
             # pages ran short: the preempted go back first, nobody new takes their pages (and a
             # newcomer never joins a multi-step iteration, whose K it was not counted in)
+            out.batch_rows = self._batch_rows if self._batch else 0
             return out
         bucket = max((self._bucket(c.num_tokens) for c in out.chunks if c.num_tokens > 1),
                      default=None)
@@ -183,6 +189,7 @@ class Scheduler:
             self.policy.on_admit(request, now)
             budget -= n
             self._commit(request, n, out)
+        out.batch_rows = self._batch_rows if self._batch else 0
         return out
 
     def _bucket(self, num_tokens: int) -> int:
@@ -237,6 +244,7 @@ class Scheduler:
             return []
         batch = ready[:self.window.max_batch_size]
         self._batch = {r.request_id for r in batch}
+        self._batch_rows = len(batch)
         return batch
 
     def _window_open(self, now: float, idle: bool) -> bool:

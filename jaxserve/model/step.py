@@ -10,6 +10,9 @@ dispatching the step that consumes it:
 
     carries = [decode carry | prefill carry]   [2M]
     tokens[b] = carries[src[b]] if src[b] >= 0 else host_tokens[b]
+
+An iteration may run several prefill calls (rows of similar chunk length together): each writes
+its rows' tokens into the prefill carry it is given, at `carry_index[b]` (M drops a padding row).
 """
 
 from collections.abc import Callable
@@ -25,9 +28,11 @@ from jaxserve.model.sampler import SamplingMetadata, sample, token_logprobs
 
 @dataclass(frozen=True)
 class StepFns:
-    # (weights, kv, tokens [B, C], md, sm) -> (packed [B, W], next_tokens [M], kv)
+    # (weights, kv, tokens [B, C], md, sm, carry [M], carry_index [B])
+    #   -> (packed [B, W], carry [M], kv)
     prefill: Callable
-    # (weights, kv, tokens [B, C], md, sm, targets [B, C]) -> (packed, prompt [B, C, W-1], next, kv)
+    # (weights, kv, tokens [B, C], md, sm, carry, carry_index, targets [B, C])
+    #   -> (packed, prompt [B, C, W-1], carry, kv)
     prefill_with_prompt_logprobs: Callable
     # (weights, kv, host_tokens [B], src [B], carry0 [M], carry1 [M], md, sm, steps)
     #   -> (packed [steps, B, W], next_tokens [M], kv)
@@ -49,16 +54,16 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, nu
         packed = sample(model.logits(h), sm, num_top)
         return model, hidden, packed, kv
 
-    def prefill(weights, kv, tokens, md, sm):
+    def prefill(weights, kv, tokens, md, sm, carry, carry_index):
         _, _, packed, kv = chunk_forward(weights, kv, tokens, md, sm)
-        return packed, pad(packed[:, 0]), kv
+        return packed, carry.at[carry_index].set(packed[:, 0], mode="drop"), kv
 
-    def prefill_with_prompt_logprobs(weights, kv, tokens, md, sm, targets):
+    def prefill_with_prompt_logprobs(weights, kv, tokens, md, sm, carry, carry_index, targets):
         model, hidden, packed, kv = chunk_forward(weights, kv, tokens, md, sm)
         b, c = tokens.shape
         logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1).reshape(b * c, -1)
         prompt = token_logprobs(logprobs, targets.reshape(-1), num_top).reshape(b, c, -1)
-        return packed, prompt, pad(packed[:, 0]), kv
+        return packed, prompt, carry.at[carry_index].set(packed[:, 0], mode="drop"), kv
 
     def decode(weights, kv, host_tokens, src, carry0, carry1, md, sm, steps):
         carries = jnp.concatenate([carry0, carry1])

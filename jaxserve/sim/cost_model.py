@@ -1,10 +1,12 @@
 """The step-cost model: seconds per engine iteration, from the shapes the runner pads it to.
 
-An iteration dispatches a decode call over B_d rows (padded to a row bucket) for K steps, and a
-prefill call over B_p rows each padded to a chunk bucket C. Each compiled shape has its own cost,
-and attention walks the pages of the longest sequence in the call (L) for every row, so:
+An iteration dispatches a decode call over B_d rows (padded to a row bucket) for K steps, and
+prefill calls, each over B_p rows padded to a chunk bucket C (the runner's grouping of prompt
+chunks by length, `core.buckets.prefill_groups`). Each compiled shape has its own cost, and
+attention walks the pages of the longest sequence in the call (L) for every row, so:
 
-    device = decode[B_d, K](L_d),  prefill[B_p, C](L_p) + (mixed if both calls run)
+    device = decode[B_d, K](L_d) + sum over calls prefill[B_p, C](L_p)
+             + mixed x (calls - 1)
     where each table entry is  a + b * L,  fitted by least squares per shape
 
 to timings of the real runner over decode rows x prefill tokens x context
@@ -19,7 +21,8 @@ thread on the same cores), so the iteration is
 with the factors measured on steps timed in short closed-loop runs of the real engine: the ratio
 of their summed wall time to the summed profile (step times are heavy-tailed; their sum is what
 latencies add up). An engine waking from idle is slower (threads parked, caches cold): the
-wake-up term is the mean extra time to first token of lone requests. The fit is saved as JSON with its samples and what it was measured on.
+wake-up term is the mean extra time to first token of lone requests. The fit is saved as JSON
+with its samples and what it was measured on.
 """
 
 import hashlib
@@ -32,7 +35,10 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.buckets import prefill_groups
 from jaxserve.core.scheduler import SchedulerOutput
+
+FIT_FORMAT = 2  # 2: several prefill calls per iteration
 
 # the engine settings a step's cost depends on; scheduling (policy, window...) and the number
 # of pages are the simulator's to vary
@@ -53,7 +59,7 @@ def default_fit_path(model: str, config: EngineConfig) -> Path:
     else:
         path = Path(model).resolve()
     shape = (path / "config.json").read_text() if (path / "config.json").is_file() else ""
-    key = json.dumps([str(path), shape, os.environ.get("JAX_PLATFORMS", ""),
+    key = json.dumps([FIT_FORMAT, str(path), shape, os.environ.get("JAX_PLATFORMS", ""),
                       [getattr(config, f) for f in COST_FIELDS]])
     name = model if model == "demo" else path.name
     return base / "sim" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
@@ -70,26 +76,26 @@ class StepShape:
     decode_rows: int = 0  # padded; 0: no decode call
     decode_steps: int = 1
     decode_len: int = 0
-    prefill_rows: int = 0  # padded; 0: no prefill call
-    chunk: int = 0  # padded chunk length
-    prefill_len: int = 0
+    prefill: tuple[tuple[int, int, int], ...] = ()  # per call: (padded rows, chunk, longest)
+
+    @property
+    def num_calls(self) -> int:
+        return (1 if self.decode_rows else 0) + len(self.prefill)
 
 
 def step_shape(out: SchedulerOutput, row_buckets: tuple[int, ...],
                chunk_buckets: tuple[int, ...]) -> StepShape:
     k = out.decode_steps
-    num_decode = num_prefill = decode_len = prefill_len = longest = 0
-    for c in out.chunks:
-        if c.num_tokens == 1:
-            num_decode += 1
-            decode_len = max(decode_len, c.start + k)
-        else:
-            num_prefill += 1
-            longest = max(longest, c.num_tokens)
-            prefill_len = max(prefill_len, c.start + c.num_tokens)
-    return StepShape(_bucket(num_decode, row_buckets) if num_decode else 0, k, decode_len,
-                     _bucket(num_prefill, row_buckets) if num_prefill else 0,
-                     _bucket(longest, chunk_buckets) if num_prefill else 0, prefill_len)
+    decode = [c for c in out.chunks if c.num_tokens == 1]
+    prompt = [c for c in out.chunks if c.num_tokens > 1]
+    calls = []
+    for group in prefill_groups([c.num_tokens for c in prompt], row_buckets, chunk_buckets):
+        chunks = [prompt[i] for i in group]
+        calls.append((_bucket(len(chunks), row_buckets),
+                      _bucket(max(c.num_tokens for c in chunks), chunk_buckets),
+                      max(c.start + c.num_tokens for c in chunks)))
+    return StepShape(_bucket(max(len(decode), out.batch_rows), row_buckets) if decode else 0, k,
+                     max((c.start + k for c in decode), default=0), tuple(calls))
 
 
 def _line(lengths: list[float], seconds: list[float]) -> tuple[float, float]:
@@ -112,7 +118,7 @@ class StepCostModel:
     row_buckets: tuple[int, ...]
     chunk_buckets: tuple[int, ...]
     info: dict = field(default_factory=dict)  # what and where it was measured; fit quality
-    samples: list[list[float]] = field(default_factory=list)  # [*StepShape fields, seconds]
+    samples: list[list] = field(default_factory=list)  # [*StepShape fields, seconds]
     decode_factor: dict[int, float] = field(default_factory=dict)  # padded rows -> factor;
     prefill_factor: float = 1.0  # 0: rows measured too rarely; missing: 1 (as profiled)
     idle_wakeup: float = 0.0  # seconds
@@ -143,10 +149,10 @@ class StepCostModel:
         if shape.decode_rows:
             d = self._lookup(self.decode, shape.decode_rows, shape.decode_steps,
                              shape.decode_len)
-        if shape.prefill_rows:
-            p = self._lookup(self.prefill, shape.prefill_rows, shape.chunk, shape.prefill_len)
-            if d:  # the calls may overlap (mixed < 0), never below the longer one
-                p = max(p + self.mixed, max(p, d) - d)
+        for rows, chunk, length in shape.prefill:
+            p += self._lookup(self.prefill, rows, chunk, length)
+        if shape.num_calls > 1:  # calls may overlap (mixed < 0), never below the longest one
+            p = max(p + self.mixed * (shape.num_calls - 1), max(p, d) - d)
         if len(self._cache) < 100_000:
             self._cache[shape] = (d, p)
         return d, p
@@ -167,21 +173,25 @@ class StepCostModel:
         """A line in L per profiled shape; `mixed` is the median excess of mixed iterations."""
         groups: dict[tuple, tuple[list, list]] = {}
         for shape, seconds in samples:
-            if shape.decode_rows and not shape.prefill_rows:
-                key, length = ("d", shape.decode_rows, shape.decode_steps), shape.decode_len
-            elif shape.prefill_rows and not shape.decode_rows:
-                key, length = ("p", shape.prefill_rows, shape.chunk), shape.prefill_len
-            else:
+            if shape.num_calls != 1:
                 continue
+            if shape.decode_rows:
+                key, length = ("d", shape.decode_rows, shape.decode_steps), shape.decode_len
+            else:
+                (rows, chunk, length), = shape.prefill
+                key = ("p", rows, chunk)
             groups.setdefault(key, ([], []))[0].append(length)
             groups[key][1].append(seconds)
         decode = {k[1:]: _line(*v) for k, v in groups.items() if k[0] == "d"}
         prefill = {k[1:]: _line(*v) for k, v in groups.items() if k[0] == "p"}
         model = cls(decode, prefill, 0.0, tuple(row_buckets), tuple(chunk_buckets),
-                    dict(info or {}), [[*vars(s).values(), t] for s, t in samples])
-        both = [(s, t) for s, t in samples if s.decode_rows and s.prefill_rows]
-        if both and decode and prefill:
-            model.mixed = float(np.median([t - model.shape_cost(s) for s, t in both]))
+                    dict(info or {}),
+                    [[s.decode_rows, s.decode_steps, s.decode_len, [list(c) for c in s.prefill],
+                      t] for s, t in samples])
+        several = [(s, t) for s, t in samples if s.num_calls > 1]
+        if several and prefill:
+            model.mixed = float(np.median([(t - model.shape_cost(s)) / (s.num_calls - 1)
+                                           for s, t in several]))
             model._cache.clear()
         predicted = np.array([model.shape_cost(s) for s, _ in samples])
         seconds = np.array([t for _, t in samples])

@@ -1,0 +1,48 @@
+"""How an iteration's rows are padded into compiled shapes: the runner's rule, shared with the
+simulator's cost model so both split an iteration the same way.
+
+A call pads its rows to a row bucket and every row's tokens to the chunk bucket of its longest
+row. One prefill call mixing a 200-token chunk with three 20-token chunks would compute 4 x 256
+tokens for 260 real ones, so an iteration's prompt chunks are split into calls of similar length:
+
+    sort the chunks by length; cut the sorted list at chunk-bucket boundaries so that
+    sum over calls (padded rows x padded chunk + CALL_TOKENS) is smallest
+
+The few chunk buckets (3 by default) make trying every set of cuts cheap.
+"""
+
+import bisect
+import itertools
+
+# A call's fixed cost (dispatch, weights streamed once more, the sampler) in padded tokens'
+# worth: merging two calls saves it, so small groups join their neighbour.
+CALL_TOKENS = 64
+
+
+def bucket(n: int, sizes: tuple[int, ...], what: str) -> int:
+    """The smallest size >= n."""
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        raise ValueError(f"{what} {n} exceeds the largest bucket {sizes[-1]}")
+    return sizes[i]
+
+
+def prefill_groups(lengths: list[int], row_buckets: tuple[int, ...],
+                   chunk_buckets: tuple[int, ...]) -> list[list[int]]:
+    """Indices into `lengths` (tokens per prompt chunk), one list per prefill call, shortest
+    chunks first; within a call, in the order given."""
+    if not lengths:
+        return []
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    keys = [bisect.bisect_left(chunk_buckets, lengths[i]) for i in order]
+    cuts = [j for j in range(1, len(order)) if keys[j] != keys[j - 1]]  # bucket boundaries
+    best, best_cost = None, None
+    for r in range(len(cuts) + 1):
+        for chosen in itertools.combinations(cuts, r):
+            bounds = [0, *chosen, len(order)]
+            cost = sum(bucket(hi - lo, row_buckets, "prefill rows")
+                       * bucket(lengths[order[hi - 1]], chunk_buckets, "chunk length")
+                       + CALL_TOKENS for lo, hi in itertools.pairwise(bounds))
+            if best_cost is None or cost < best_cost:
+                best, best_cost = bounds, cost
+    return [sorted(order[lo:hi]) for lo, hi in itertools.pairwise(best)]

@@ -1,0 +1,44 @@
+"""How the runner splits an iteration's prompt chunks into prefill calls (core.buckets)."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaxserve.core.buckets import CALL_TOKENS, bucket, prefill_groups
+
+ROWS, CHUNKS = (2, 4, 8, 16, 32), (16, 64, 256)
+
+
+def padded(groups, lengths):
+    return sum(bucket(len(g), ROWS, "rows") * bucket(max(lengths[i] for i in g), CHUNKS, "chunk")
+               + CALL_TOKENS for g in groups)
+
+
+def test_bucket_is_the_smallest_size_that_fits_and_names_what_overflows():
+    assert bucket(1, CHUNKS, "chunk") == 16 and bucket(16, CHUNKS, "chunk") == 16
+    assert bucket(17, CHUNKS, "chunk") == 64
+    with pytest.raises(ValueError, match="chunk length 257 exceeds the largest bucket 256"):
+        bucket(257, CHUNKS, "chunk length")
+
+
+def test_one_long_chunk_does_not_pad_the_short_ones():
+    # one call would be 4 x 256 tokens; apart: 2 x 64 for the short ones + 2 x 256
+    assert prefill_groups([200, 20, 20, 20], ROWS, CHUNKS) == [[1, 2, 3], [0]]
+
+
+def test_chunks_of_one_bucket_share_a_call_in_their_order():
+    assert prefill_groups([40, 30, 50, 64], ROWS, CHUNKS) == [[0, 1, 2, 3]]
+    assert prefill_groups([], ROWS, CHUNKS) == []
+
+
+def test_a_lone_row_joins_a_neighbour_when_that_pads_less():
+    # rows pad to at least 2, so [60] alone costs 2 x 64 + a call: cheaper inside the 256 call
+    assert prefill_groups([200, 60], ROWS, CHUNKS) == [[0, 1]]
+
+
+@given(st.lists(st.integers(2, 256), min_size=1, max_size=32))
+def test_groups_partition_the_rows_and_never_pad_more_than_one_call(lengths):
+    groups = prefill_groups(lengths, ROWS, CHUNKS)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(g == sorted(g) for g in groups)
+    assert padded(groups, lengths) <= padded([list(range(len(lengths)))], lengths)
