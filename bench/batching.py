@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=192)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--prefill-chunk-sizes", default="64,256")
+    parser.add_argument("--prefill-chunk-sizes", default="32,64,128,256")
     parser.add_argument("--decode-steps", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-pages", type=int, default=None)

@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--static-batch", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--max-num-seqs", type=int, default=64, help="jaxserve")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="jaxserve")
-    parser.add_argument("--prefill-chunk-sizes", type=int, nargs="+", default=[64, 256],
+    parser.add_argument("--prefill-chunk-sizes", type=int, nargs="+", default=[32, 64, 128, 256],
                         help="jaxserve")
     parser.add_argument("--decode-steps", type=int, default=1, help="jaxserve")
     parser.add_argument("--seed", type=int, default=0)

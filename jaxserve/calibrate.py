@@ -94,7 +94,7 @@ def _output(engine: LLMEngine, shape: tuple[int, int, int, int, int]) -> Schedul
     # every chunk in the chunk's bucket, so the runner makes them one call (the budget may be
     # exceeded: the runner does not check it)
     buckets = engine.runner.chunk_buckets
-    shortest = max(2, buckets[buckets.index(chunk) - 1] + 1 if buckets.index(chunk) else 2)
+    shortest = max([2] + [c + 1 for c in buckets if c < chunk])
     left = budget - num_decode
     for i in range(num_prefill):  # the first chunk is the longest; the rest share what is left
         n = chunk if i == 0 else max(shortest,

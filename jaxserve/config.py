@@ -219,7 +219,7 @@ class EngineConfig:
     min_batch_size: int = 1
     max_batch_size: int | None = None  # None: max_num_seqs
     decode_steps: int = 1
-    prefill_chunk_sizes: tuple[int, ...] = (16, 64, 256)  # prefill buckets, tokens per row
+    prefill_chunk_sizes: tuple[int, ...] = (16, 32, 64, 128, 256)  # prefill buckets, tokens per row
     max_top_logprobs: int = 20
     enable_prompt_logprobs: bool = True  # False: no prompt-logprob step variants to compile
     compilation_cache_dir: str | None = None  # None: $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve/xla

@@ -7,7 +7,8 @@ start-up:
 
     decode:  B = smallest row bucket >= rows (powers of two from 2 up to max_num_seqs), C = 1;
              a static/dynamic batch keeps the B it started with until it ends
-    prefill: per call, B as above, C = smallest prefill_chunk_sizes entry >= its longest chunk
+    prefill: per call, B as above or 1, C = smallest prefill_chunk_sizes entry >= its longest
+             chunk
 
 `dispatch` returns at once (the device runs on, the packed results start copying to the host);
 `collect` waits for them. The engine dispatches iteration t+1 before collecting iteration t.
@@ -28,7 +29,7 @@ import numpy as np
 from jax import monitoring
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.buckets import bucket, prefill_groups
+from jaxserve.core.buckets import bucket, prefill_groups, prefill_row_buckets
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
@@ -136,6 +137,7 @@ class ModelRunner:
         # write into a dynamic-update-slice fused into the attention's read, and copy the pool.
         self.row_buckets = tuple(2**i for i in range(1, max(1, math.ceil(math.log2(
             config.max_num_seqs))) + 1))
+        self.prefill_row_buckets = prefill_row_buckets(self.row_buckets)
         self.chunk_buckets = tuple(c for c in config.prefill_chunk_sizes if c <= self.max_model_len)
         self.carry_size = self.row_buckets[-1]
         self.weights = jax.tree.leaves(self.state)  # what the jitted steps take
@@ -195,7 +197,7 @@ class ModelRunner:
                 out.decode_steps)
             carry_rows |= {c.request.request_id: i for i, c in enumerate(flight.decode_chunks)}
         prefill = [c for c in out.chunks if c.num_tokens > 1]  # row i -> prefill carry[i]
-        groups = prefill_groups([c.num_tokens for c in prefill], self.row_buckets,
+        groups = prefill_groups([c.num_tokens for c in prefill], self.prefill_row_buckets,
                                 self.chunk_buckets)
         for group in groups:
             call, carries[1] = self._dispatch_prefill([prefill[i] for i in group], group,
@@ -255,7 +257,7 @@ class ModelRunner:
     def _dispatch_prefill(self, chunks: list[ScheduledChunk], carry_rows: list[int],
                           carry: jax.Array) -> tuple[PrefillCall, jax.Array]:
         """One prefill call; row i's sampled token goes to carry[carry_rows[i]]."""
-        b = bucket(len(chunks), self.row_buckets, "prefill rows")
+        b = bucket(len(chunks), self.prefill_row_buckets, "prefill rows")
         c = bucket(max(ch.num_tokens for ch in chunks), self.chunk_buckets, "chunk length")
         tokens = np.zeros((b, c), np.int32)
         targets = np.zeros((b, c), np.int32)
@@ -328,8 +330,8 @@ class ModelRunner:
         out = []
         for ci, c in enumerate(self.chunk_buckets):
             longest = max(2, self.chunk_buckets[ci - 1] + 1 if ci else 2)
-            for bi, b in enumerate(self.row_buckets):
-                rows = self.row_buckets[bi - 1] + 1 if bi else 1
+            for bi, b in enumerate(self.prefill_row_buckets):
+                rows = self.prefill_row_buckets[bi - 1] + 1 if bi else 1
                 if longest + 2 * (rows - 1) <= budget:
                     out.append((b, c))
         return out

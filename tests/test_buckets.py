@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxserve.core.buckets import CALL_TOKENS, bucket, prefill_groups
+from jaxserve.core.buckets import CALL_TOKENS, bucket, prefill_groups, prefill_row_buckets
 
-ROWS, CHUNKS = (2, 4, 8, 16, 32), (16, 64, 256)
+ROWS, CHUNKS = prefill_row_buckets((2, 4, 8, 16, 32)), (16, 64, 256)
 
 
 def padded(groups, lengths):
@@ -21,9 +21,15 @@ def test_bucket_is_the_smallest_size_that_fits_and_names_what_overflows():
         bucket(257, CHUNKS, "chunk length")
 
 
+def test_prefill_calls_may_run_one_row():
+    assert prefill_row_buckets((2, 4, 8)) == (1, 2, 4, 8)
+    assert prefill_row_buckets((1, 2)) == (1, 2)
+
+
 def test_one_long_chunk_does_not_pad_the_short_ones():
-    # one call would be 4 x 256 tokens; apart: 2 x 64 for the short ones + 2 x 256
+    # one call would be 4 x 256 tokens; apart: 4 x 64 for the short ones + 1 x 256
     assert prefill_groups([200, 20, 20, 20], ROWS, CHUNKS) == [[1, 2, 3], [0]]
+    assert prefill_groups([200, 60], ROWS, CHUNKS) == [[1], [0]]
 
 
 def test_chunks_of_one_bucket_share_a_call_in_their_order():
@@ -31,9 +37,9 @@ def test_chunks_of_one_bucket_share_a_call_in_their_order():
     assert prefill_groups([], ROWS, CHUNKS) == []
 
 
-def test_a_lone_row_joins_a_neighbour_when_that_pads_less():
-    # rows pad to at least 2, so [60] alone costs 2 x 64 + a call: cheaper inside the 256 call
-    assert prefill_groups([200, 60], ROWS, CHUNKS) == [[0, 1]]
+def test_a_row_joins_its_neighbour_when_that_pads_less():
+    # three 70s pad to 4 rows of 256 anyway: the 60 fills the fourth instead of a call of its own
+    assert prefill_groups([70, 60, 70, 70], ROWS, CHUNKS) == [[0, 1, 2, 3]]
 
 
 @given(st.lists(st.integers(2, 256), min_size=1, max_size=32))

@@ -27,10 +27,19 @@ def bucket(n: int, sizes: tuple[int, ...], what: str) -> int:
     return sizes[i]
 
 
+def prefill_row_buckets(row_buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """Row buckets of a prefill call: the decode row buckets and 1. Decode rows start at 2 (XLA
+    may fuse a lone one-token K/V write into a copy of the pool); a lone prompt chunk is a
+    scatter of many tokens and runs as one row, which matters because a request joining a full
+    batch is usually the iteration's only chunk."""
+    return row_buckets if row_buckets[0] == 1 else (1, *row_buckets)
+
+
 def prefill_groups(lengths: list[int], row_buckets: tuple[int, ...],
                    chunk_buckets: tuple[int, ...]) -> list[list[int]]:
     """Indices into `lengths` (tokens per prompt chunk), one list per prefill call, shortest
-    chunks first; within a call, in the order given."""
+    chunks first; within a call, in the order given. `row_buckets` are the call's (prefill)
+    row buckets."""
     if not lengths:
         return []
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])

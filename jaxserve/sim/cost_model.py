@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.buckets import prefill_groups
+from jaxserve.core.buckets import prefill_groups, prefill_row_buckets
 from jaxserve.core.scheduler import SchedulerOutput
 
-FIT_FORMAT = 2  # 2: several prefill calls per iteration
+FIT_FORMAT = 3  # 2: several prefill calls per iteration; 3: one-row prefill calls
 
 # the engine settings a step's cost depends on; scheduling (policy, window...) and the number
 # of pages are the simulator's to vary
@@ -88,10 +88,10 @@ def step_shape(out: SchedulerOutput, row_buckets: tuple[int, ...],
     k = out.decode_steps
     decode = [c for c in out.chunks if c.num_tokens == 1]
     prompt = [c for c in out.chunks if c.num_tokens > 1]
-    calls = []
-    for group in prefill_groups([c.num_tokens for c in prompt], row_buckets, chunk_buckets):
+    calls, prefill_rows = [], prefill_row_buckets(row_buckets)
+    for group in prefill_groups([c.num_tokens for c in prompt], prefill_rows, chunk_buckets):
         chunks = [prompt[i] for i in group]
-        calls.append((_bucket(len(chunks), row_buckets),
+        calls.append((_bucket(len(chunks), prefill_rows),
                       _bucket(max(c.num_tokens for c in chunks), chunk_buckets),
                       max(c.start + c.num_tokens for c in chunks)))
     return StepShape(_bucket(max(len(decode), out.batch_rows), row_buckets) if decode else 0, k,
