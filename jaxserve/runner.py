@@ -131,8 +131,10 @@ class ModelRunner:
                 f"sequence of max_model_len {self.max_model_len} needs (page 0 is the null page): "
                 "raise num_pages or lower max_model_len")
         m = model_config
-        self.kv = KVCache.zeros(m.num_layers, self.num_pages, self.page_size, m.num_kv_heads,
-                                m.head_dim, self.dtype)
+        # committed, like the caches the steps return (see _zeros below)
+        self.kv = jax.device_put(KVCache.zeros(m.num_layers, self.num_pages, self.page_size,
+                                               m.num_kv_heads, m.head_dim, self.dtype),
+                                 jax.devices()[0])
         # Rows come in powers of two from 2: with a single row, XLA may turn the one-token K/V
         # write into a dynamic-update-slice fused into the attention's read, and copy the pool.
         self.row_buckets = tuple(2**i for i in range(1, max(1, math.ceil(math.log2(
@@ -143,7 +145,9 @@ class ModelRunner:
         self.weights = jax.tree.leaves(self.state)  # what the jitted steps take
         self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state),
                                  self.attention_impl, config.max_top_logprobs, self.carry_size)
-        self._zeros = jnp.zeros((self.carry_size,), jnp.int32)
+        # committed to the device like the step outputs that replace it: jit keys its cache on
+        # committedness, so an uncommitted zeros would compile every step a second time
+        self._zeros = jax.device_put(jnp.zeros((self.carry_size,), jnp.int32), jax.devices()[0])
         self._carries = (self._zeros, self._zeros)
         self._carry_rows: dict[str, int] = {}  # request id -> index into the two carries
         self.num_compilations = 0  # XLA compiles while this runner dispatched

@@ -95,3 +95,18 @@ def test_training_script_runs_and_its_checkpoint_serves(tmp_path):
     out = LLM(tmp_path, **SMALL).generate("def f(x):", SamplingParams(
         max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 8
+
+
+def test_no_compilation_after_warmup_with_requests_joining_and_leaving():
+    """Every shape a mixed workload reaches is compiled at start-up: the carries and KV cache the
+    steps return are committed to the device, and so are the ones the runner starts from (an
+    uncommitted start made jit compile each step a second time)."""
+    llm = LLM(**(SMALL | dict(max_num_seqs=4, num_pages=128, max_num_batched_tokens=128)))
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(0, 256, size=int(n)).tolist()}
+               for n in (5, 60, 17, 33, 2, 64, 40, 9)]
+    params = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True)
+              for m in (3, 9, 1, 6, 12, 2, 5, 8)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert llm.stats()["num_compilations_after_warmup"] == 0
