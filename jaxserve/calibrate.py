@@ -9,7 +9,6 @@
 This module is the bridge (it imports the engine); `jaxserve.sim` stays host-only.
 """
 
-import itertools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -144,38 +143,44 @@ def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
 def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
                    min_steps: int = 20) -> None:
     """Set the fit's engine factors from steps of the real engine: closed loops keeping 1, 2,
-    4 ... max_num_seqs requests in flight; the wall time of the step that reads an iteration's
-    tokens is that iteration's cost. Decode-only steps give a factor per padded row count (0:
-    all of them, for counts seen fewer than min_steps times); the steps with prompt chunks then
-    give the prefill factor. Ratios of sums: step times are heavy-tailed, and the simulator
-    must match their sum."""
-    steps: list[tuple[float, SchedulerOutput | None]] = []  # (wall, what the step dispatched)
+    4 ... max_num_seqs requests in flight. With one iteration in flight, the step that reads an
+    iteration's tokens starts one period after the step before it: that period (the step and
+    the loop around it, host work included: on a small model a period is mostly host time) is
+    the iteration's cost. Decode-only steps give a factor per padded row count (0: all of them,
+    for counts seen fewer than min_steps times); the steps with prompt chunks then give the
+    prefill factor. Ratios of sums: step times are heavy-tailed, and the simulator must match
+    their sum."""
+    starts: list[tuple[float, SchedulerOutput | None]] = []  # (start, what the step dispatched)
     step = engine.step
 
     def timed_step():
         start = time.perf_counter()
         outputs = step()
         flight = engine._inflight
-        steps.append((time.perf_counter() - start, None if flight is None else flight[0]))
+        starts.append((start, None if flight is None else flight[0]))
         return outputs
 
     engine.step = timed_step
+    periods: list[tuple[SchedulerOutput, float]] = []
     try:
         for i, concurrency in enumerate(engine.runner.row_buckets):
             concurrency = min(concurrency, engine.config.max_num_seqs)
             specs = synthetic(2 * concurrency + 6, float("inf"), seed=seed + i, input_len=96,
                               output_len=64, max_model_len=engine.max_model_len)
+            starts.clear()
             run_closed_loop(engine, specs, concurrency)
+            periods += [(out, after[0] - read[0])
+                        for (_, out), read, after in zip(starts, starts[1:], starts[2:], strict=False)
+                        if out is not None]
     finally:
         del engine.step
     rows, d, p, wall = [], [], [], []
-    for (_, out), (t, _) in itertools.pairwise(steps):
-        if out is not None:
-            shape = step_shape(out, fit.row_buckets, fit.chunk_buckets)
-            rows.append(shape.decode_rows)
-            d.append(fit.parts(shape)[0])
-            p.append(fit.parts(shape)[1])
-            wall.append(t)
+    for out, t in periods:
+        shape = step_shape(out, fit.row_buckets, fit.chunk_buckets)
+        rows.append(shape.decode_rows)
+        d.append(fit.parts(shape)[0])
+        p.append(fit.parts(shape)[1])
+        wall.append(t)
     rows, d, p, wall = map(np.array, (rows, d, p, wall))
     decode_only = (p == 0) & (d > 0)
     factors = {0: float(wall[decode_only].sum() / d[decode_only].sum())}
@@ -224,7 +229,8 @@ def run_closed_loop(engine: LLMEngine, specs: list[RequestSpec], concurrency: in
                                     ignore_eos=True)
             engine.add_request(None, {"prompt_token_ids": rng.integers(
                 3, vocab, size=spec.prompt_len).tolist()}, params)
-        engine.step()
+        for output in engine.step():  # read each output, as run_on_engine does
+            len(output.outputs[0].token_ids)
 
 
 def run_on_engine(engine: LLMEngine, specs: list[RequestSpec], seed: int = 0,
