@@ -72,7 +72,7 @@ def decode_attention_blocked(
     page_table: jax.Array,  # [S, pages_per_seq] int32
     seq_lens: jax.Array,  # [S] int32
     scale: float,
-    pages_per_block: int = 8,
+    pages_per_block: int = 4,
 ) -> jax.Array:  # [S, num_heads, head_dim]
     """Same contract as `reference.decode_attention_ref`; empty slots give zeros."""
     out = prefill_attention_blocked(q[:, None], k_pages, v_pages, page_table,
