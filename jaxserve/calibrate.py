@@ -122,8 +122,10 @@ def profile_runner(engine: LLMEngine, passes: int = 3, progress: bool = False):
 
 
 def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
-              engine: LLMEngine | None = None, progress: bool = True) -> StepCostModel:
-    """Profile the runner on this device, fit the cost model, save it (default: the cache)."""
+              engine: LLMEngine | None = None, progress: bool = True,
+              open_loop_requests: int = 48) -> StepCostModel:
+    """Profile the runner on this device, fit the cost model, save it (default: the cache).
+    `open_loop_requests`: requests per open-loop rate in `measure_engine`."""
     engine = engine or LLMEngine(model, config, progress=progress)
     samples = profile_runner(engine, progress=progress)
     device = jax.devices()[0]
@@ -134,22 +136,25 @@ def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
         "num_pages": runner.num_pages, "max_model_len": runner.max_model_len,
         "attention_impl": runner.attention_impl, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     })
-    measure_engine(engine, fit)
+    measure_engine(engine, fit, open_loop_requests=open_loop_requests)
     fit.idle_wakeup = measure_wakeup(engine, fit)
     fit.save(path or default_fit_path(model, config))
     return fit
 
 
 def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
-                   min_steps: int = 20) -> None:
-    """Set the fit's engine factors from steps of the real engine: closed loops keeping 1, 2,
-    4 ... max_num_seqs requests in flight. With one iteration in flight, the step that reads an
-    iteration's tokens starts one period after the step before it: that period (the step and
-    the loop around it, host work included: on a small model a period is mostly host time) is
-    the iteration's cost. Decode-only steps give a factor per padded row count (0: all of them,
-    for counts seen fewer than min_steps times); the steps with prompt chunks then give the
-    prefill factor. Ratios of sums: step times are heavy-tailed, and the simulator must match
-    their sum."""
+                   min_steps: int = 20, open_loop_rates: tuple[float, ...] = (4.0, 16.0),
+                   open_loop_requests: int = 48) -> None:
+    """Set the fit's engine factors from steps of the real engine: closed loops keeping 2, 4
+    ... max_num_seqs requests in flight, then open loops (Poisson arrivals at a few rates, where
+    the engine idles between requests as a server does, and runs slower for a while after).
+    With one iteration in flight, the step that reads an iteration's tokens starts one period
+    after the step before it: that period (the step and the loop around it, host work included:
+    on a small model a period is mostly host time) is the iteration's cost. Decode-only steps
+    give a factor per padded row count, from the open loops where they ran it at least
+    min_steps times, else from all runs (0: all of them, for counts seen fewer times); the
+    steps with prompt chunks then give the prefill factor. Ratios of sums: step times are
+    heavy-tailed, and the simulator must match their sum."""
     starts: list[tuple[float, SchedulerOutput | None]] = []  # (start, what the step dispatched)
     step = engine.step
 
@@ -161,31 +166,45 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
         return outputs
 
     engine.step = timed_step
-    periods: list[tuple[SchedulerOutput, float]] = []
+    periods: list[tuple[SchedulerOutput, float, bool]] = []  # (iteration, period, open loop)
+
+    def collect_periods(open_loop: bool):
+        # a step that dispatched nothing may be followed by an idle wait: no period across it
+        periods.extend((out, after[0] - read[0], open_loop)
+                       for (_, out), read, after in zip(starts, starts[1:], starts[2:],
+                                                        strict=False)
+                       if out is not None and read[1] is not None)
+        starts.clear()
+
     try:
         for i, concurrency in enumerate(engine.runner.row_buckets):
             concurrency = min(concurrency, engine.config.max_num_seqs)
             specs = synthetic(2 * concurrency + 6, float("inf"), seed=seed + i, input_len=96,
                               output_len=64, max_model_len=engine.max_model_len)
-            starts.clear()
             run_closed_loop(engine, specs, concurrency)
-            periods += [(out, after[0] - read[0])
-                        for (_, out), read, after in zip(starts, starts[1:], starts[2:], strict=False)
-                        if out is not None]
+            collect_periods(False)
+        for j, rate in enumerate(open_loop_rates):  # as served: arrivals, idle gaps, wake-ups
+            run_on_engine(engine, synthetic(open_loop_requests, rate, seed=seed + 100 + j,
+                                            input_len=96, output_len=64,
+                                            max_model_len=engine.max_model_len))
+            collect_periods(True)
     finally:
         del engine.step
-    rows, d, p, wall = [], [], [], []
-    for out, t in periods:
+    rows, d, p, wall, served = [], [], [], [], []
+    for out, t, open_loop in periods:
         shape = step_shape(out, fit.row_buckets, fit.chunk_buckets)
         rows.append(shape.decode_rows)
         d.append(fit.parts(shape)[0])
         p.append(fit.parts(shape)[1])
         wall.append(t)
-    rows, d, p, wall = map(np.array, (rows, d, p, wall))
+        served.append(open_loop)
+    rows, d, p, wall, served = map(np.array, (rows, d, p, wall, served))
     decode_only = (p == 0) & (d > 0)
     factors = {0: float(wall[decode_only].sum() / d[decode_only].sum())}
     for b in np.unique(rows[decode_only]):
         pick = decode_only & (rows == b)
+        if (pick & served).sum() >= min_steps:
+            pick &= served
         if pick.sum() >= min_steps:
             factors[int(b)] = float(wall[pick].sum() / d[pick].sum())
     fit.decode_factor = factors

@@ -1,0 +1,60 @@
+"""The bridge between the simulator and the real engine (jaxserve.calibrate) on a tiny model:
+profile, fit, measure the engine, save; then validate a short trace against the engine."""
+
+import math
+
+import pytest
+from conftest import HF_FIXTURES
+
+from jaxserve.calibrate import VALIDATED, calibrate, profile_shapes, validate
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.sim.cost_model import StepCostModel
+from jaxserve.sim.workload import synthetic
+
+MODEL = str(HF_FIXTURES / "llama")
+CONFIG = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, prefill_chunk_sizes=(16, 32),
+                      page_size=8, num_pages=96, max_model_len=64, enable_prompt_logprobs=False,
+                      max_top_logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(MODEL, CONFIG, progress=False)
+
+
+@pytest.fixture(scope="module")
+def fit(engine, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fit") / "fit.json"
+    fitted = calibrate(MODEL, CONFIG, path, engine, progress=False, open_loop_requests=6)
+    assert path.is_file()
+    return fitted, path
+
+
+def test_every_profiled_shape_is_one_the_engine_compiled(engine, fit):
+    fitted, _ = fit
+    shapes = profile_shapes(engine)
+    assert any(s[0] and not s[3] for s in shapes) and any(s[3] and not s[0] for s in shapes)
+    assert engine.runner.num_compilations_after_warmup == 0  # profiling compiled nothing new
+    assert set(fitted.decode) == {(2, 1)}  # the one decode row bucket at max_num_seqs 2
+    assert {c for _, c in fitted.prefill} == {16, 32}
+
+
+def test_the_fit_has_positive_costs_and_engine_factors_and_round_trips(fit):
+    fitted, path = fit
+    for a, b in [*fitted.decode.values(), *fitted.prefill.values()]:
+        assert a > 0 and b >= 0
+    assert all(f > 0 and math.isfinite(f) for f in fitted.decode_factor.values())
+    assert fitted.prefill_factor >= 0 and fitted.idle_wakeup >= 0
+    loaded = StepCostModel.load(path)
+    assert loaded.decode == fitted.decode and loaded.decode_factor == fitted.decode_factor
+
+
+def test_validate_reports_both_runs_and_every_relative_error(fit):
+    _, path = fit
+    report = validate(MODEL, CONFIG, lambda max_len: synthetic(
+        10, 20.0, seed=4, input_len=12, output_len=8, max_model_len=max_len), path,
+        progress=False, repeats=2)
+    assert report["real"]["completed"] == report["sim"]["completed"] == 10
+    assert set(report["errors"]) == set(VALIDATED) == set(report["noise"])
+    assert all(e >= 0 and math.isfinite(e) for e in report["errors"].values())
