@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxserve.config import SUPPORTED_DTYPES, EngineConfig, ModelConfig
+from jaxserve.config import SUPPORTED_DTYPES, EngineConfig, ModelConfig, kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,13 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     path = resolve_model(model)
     cfg = ModelConfig.from_hf_dir(path)
     device = device or this_device()
+    from jaxserve.model.attention import resolve_attention_impl
+
     dtype = cfg.dtype if config.dtype == "auto" else config.dtype
+    kv_dtype = kv_cache_dtype(dtype, device.backend,
+                              resolve_attention_impl(config.attention_impl, device.backend))
     weights = {dt: weight_bytes(cfg, dt) for dt in SUPPORTED_DTYPES}
-    per_token = kv_bytes_per_token(cfg, dtype)
+    per_token = kv_bytes_per_token(cfg, kv_dtype)
     per_page = per_token * config.page_size
     max_len = config.resolve_max_model_len(cfg)
     if device.bytes_limit is not None:  # the runner sizes after loading the weights
@@ -90,7 +94,7 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     return {
         "model": str(path), "architecture": cfg.architecture, "num_params": cfg.num_params,
         "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "dtype": dtype, "weight_bytes": weights,
+        "dtype": dtype, "kv_dtype": kv_dtype, "weight_bytes": weights,
         "kv_bytes_per_token": per_token, "page_size": config.page_size,
         "kv_bytes_per_page": per_page,
         "device": {"backend": device.backend, "name": device.name,
@@ -123,7 +127,7 @@ def format_plan(p: dict) -> str:
     lines.append("weights    " + ", ".join(
         f"{dt} {_size(b)}" + (" (used)" if dt == p["dtype"] else "")
         for dt, b in p["weight_bytes"].items()))
-    lines.append(f"KV cache   {_size(p['kv_bytes_per_token'])} per token ({p['dtype']}: 2 x "
+    lines.append(f"KV cache   {_size(p['kv_bytes_per_token'])} per token ({p['kv_dtype']}: 2 x "
                  f"{p['layers']} layers x {p['kv_heads']} heads x {p['head_dim']}), "
                  f"{_size(p['kv_bytes_per_page'])} per page of {p['page_size']} tokens")
     d = p["device"]

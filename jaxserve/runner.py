@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig, kv_cache_dtype
 from jaxserve.core.buckets import bucket, prefill_groups, prefill_row_buckets
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.model.attention import resolve_attention_impl
@@ -113,9 +113,11 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self.max_model_len = config.resolve_max_model_len(model_config)
-        self.dtype = DTYPES[model_config.dtype if config.dtype == "auto" else config.dtype]
+        dtype = model_config.dtype if config.dtype == "auto" else config.dtype
+        self.dtype = DTYPES[dtype]
         self.backend = jax.default_backend()
         self.attention_impl = resolve_attention_impl(config.attention_impl, self.backend)
+        self.kv_dtype = DTYPES[kv_cache_dtype(dtype, self.backend, self.attention_impl)]
         enable_compilation_cache(config.compilation_cache_dir)
         start = time.perf_counter()
         self.graphdef, self.state = load_state(model_path, model_config, self.dtype,
@@ -133,7 +135,7 @@ class ModelRunner:
         m = model_config
         # committed, like the caches the steps return (see _zeros below)
         self.kv = jax.device_put(KVCache.zeros(m.num_layers, self.num_pages, self.page_size,
-                                               m.num_kv_heads, m.head_dim, self.dtype),
+                                               m.num_kv_heads, m.head_dim, self.kv_dtype),
                                  jax.devices()[0])
         # Rows come in powers of two from 2: with a single row, XLA may turn the one-token K/V
         # write into a dynamic-update-slice fused into the attention's read, and copy the pool.
@@ -173,7 +175,7 @@ class ModelRunner:
     def kv_bytes_per_page(self) -> int:
         m = self.model_config
         return KVCache.bytes_per_page(m.num_layers, self.page_size, m.num_kv_heads, m.head_dim,
-                                      self.dtype)
+                                      self.kv_dtype)
 
     def _pages_that_fit(self) -> int:
         stats = jax.devices()[0].memory_stats() if self.backend == "gpu" else None

@@ -127,6 +127,11 @@ def test_plan(stories_dir, capsys):
     assert not p["problems"]
     assert main(["plan", str(stories_dir), "--num-pages", "16"]) == 0  # 15 pages < 32 needed
     assert "would refuse to start" in capsys.readouterr().out
+    # a bf16 model on the CPU keeps its KV cache in float32 (kv_cache_dtype): same bytes
+    assert main(["plan", str(stories_dir), "--json", "--dtype", "bfloat16", "--num-pages",
+                 "256"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["dtype"], p["kv_dtype"], p["kv_bytes_per_token"]) == ("bfloat16", "float32", 1280)
 
 
 def test_bench_throughput(stories_dir, tmp_path):

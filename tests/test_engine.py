@@ -1,6 +1,7 @@
 """The engine on a tiny model: greedy output never depends on batching, mode, chunking,
 preemption or multi-step decode, and every page is free after every run."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import HF_FIXTURES
@@ -71,3 +72,20 @@ def test_pallas_kernels_in_the_engine_match_the_reference(workload, alone):
     outs = llm.generate(prompts[:6], params[:6])
     assert [o.outputs[0].token_ids for o in outs] == alone[:6]
     _all_pages_free(llm)
+
+
+def test_a_16_bit_model_keeps_a_float32_kv_cache_on_the_cpu():
+    """XLA on the CPU has no 16-bit float gather/scatter and would convert the whole pool every
+    layer and step; kv_cache_dtype keeps the pool in float32 there, and only there."""
+    from jaxserve.config import kv_cache_dtype
+
+    assert kv_cache_dtype("bfloat16", "cpu", "reference") == "float32"
+    assert kv_cache_dtype("bfloat16", "cpu", "pallas") == "bfloat16"  # the kernels' contract
+    assert kv_cache_dtype("float16", "gpu", "pallas") == "float16"
+    assert kv_cache_dtype("bfloat16", "gpu", "reference") == "bfloat16"
+    llm = LLM(MODEL, **(BASE | dict(dtype="bfloat16", max_num_seqs=2)))
+    runner = llm.engine.runner
+    assert runner.kv.k[0].dtype == np.float32 and runner.dtype == jnp.bfloat16
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]},
+                       SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
