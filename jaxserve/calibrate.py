@@ -143,7 +143,8 @@ def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
 
 
 def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
-                   min_steps: int = 20, open_loop_rates: tuple[float, ...] = (4.0, 16.0),
+                   min_steps: int = 20,
+                   open_loop_rates: tuple[float, ...] = (4.0, 12.0, 24.0, 48.0),
                    open_loop_requests: int = 48) -> None:
     """Set the fit's engine factors from steps of the real engine: closed loops keeping 2, 4
     ... max_num_seqs requests in flight, then open loops (Poisson arrivals at a few rates, where
