@@ -18,9 +18,9 @@ thread on the same cores), so the iteration is
     cost = decode_factor[B_d] * decode + prefill_factor * prefill
            (+ idle_wakeup for the first iteration after the engine sat idle)
 
-with the factors measured on steps timed in short closed-loop runs of the real engine: the ratio
-of their summed wall time to the summed profile (step times are heavy-tailed; their sum is what
-latencies add up). An engine waking from idle is slower (threads parked, caches cold): the
+with the factors measured on the periods of steps in short closed- and open-loop runs of the
+real engine (`calibrate.measure_engine`): the ratio of their summed time to the summed profile
+(step times are heavy-tailed; their sum is what latencies add up). An engine waking from idle is slower (threads parked, caches cold): the
 wake-up term is the mean extra time to first token of lone requests. The fit is saved as JSON
 with its samples and what it was measured on.
 """
