@@ -15,6 +15,7 @@ the host must find it there.
 from dataclasses import dataclass, field
 
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.window import BatchingWindow
 from jaxserve.request import Request, RequestStatus, SamplingParams
 
 
@@ -282,3 +283,35 @@ def run(scheduler: Scheduler, requests: list[Request], overlap: bool = True,
         finish_reasons={r.request_id: r.status.value for r in requests},
         stop_reasons={r.request_id: r.stop_reason for r in requests},
         log=driver.log)
+
+
+# -- helpers for scheduler tests ---------------------------------------------------------------
+
+
+def small_scheduler(clock=None, window_ms=0.0, min_batch_size=1, max_batch_size=None, **kw):
+    """A Scheduler with a small pool and budget, and a window built from the arguments."""
+    cfg = dict(num_pages=65, page_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+               max_chunk_tokens=16)
+    cfg |= kw
+    window = BatchingWindow(window_ms, min_batch_size, max_batch_size or cfg["max_num_seqs"])
+    return Scheduler(clock=clock or FakeClock(), window=window, **cfg)
+
+
+def first_step(log, request_id):
+    """Index of the first step that scheduled the request."""
+    return next(i for i, entry in enumerate(log) if request_id in entry.ids)
+
+
+def last_step(log, request_id):
+    return max(i for i, entry in enumerate(log) if request_id in entry.ids)
+
+
+def mixed_requests():
+    return [make_request("a", 5, 9), make_request("b", 19, 3, arrival=0.001),
+            make_request("c", 1, 12, arrival=0.002), make_request("d", 8, 1, arrival=0.003),
+            make_request("e", 33, 7, arrival=0.004), make_request("f", 2, 5, arrival=0.005)]
+
+
+def expected(requests):
+    return {r.request_id: expected_output(r.prompt_ids, r.params.max_tokens, r.stop_ids)
+            for r in requests}

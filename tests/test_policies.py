@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from fake_runner import Driver, FakeClock, expected_output, make_request, run
+from fake_runner import Driver, FakeClock, expected, make_request, run
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.policies import EDF, MLFQ, POLICIES, SJF, PriorityPolicy, make_policy
@@ -34,11 +34,6 @@ def admission_order(s, requests):
         for rid in entry.ids:
             first.setdefault(rid, i)
     return sorted(first, key=first.get)
-
-
-def expected(requests):
-    return {r.request_id: expected_output(r.prompt_ids, r.params.max_tokens, r.stop_ids)
-            for r in requests}
 
 
 def workload():
