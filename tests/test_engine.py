@@ -89,3 +89,38 @@ def test_a_16_bit_model_keeps_a_float32_kv_cache_on_the_cpu():
     out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]},
                        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6
+
+
+def _assert_same_logprobs(got, want):
+    """Same token ids at every position, log-probabilities within float32 noise (the batch
+    shapes differ, so the matmuls round differently)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert g.keys() == w.keys()
+            np.testing.assert_allclose([g[t].logprob for t in w], [w[t].logprob for t in w],
+                                       atol=1e-4)
+
+
+def test_prompt_and_sample_logprobs_do_not_depend_on_the_batch(workload):
+    """Prompt chunks of different lengths run as separate prefill calls in one iteration (and
+    are chunked by the budget); each request's prompt logprobs and sampled-token logprobs are
+    the ones it gets alone."""
+    prompts, _ = workload
+    picks = [0, 3, 5, 8, 13, 21]  # prompts of mixed lengths, some over a 64-token chunk
+    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2,
+                             prompt_logprobs=3 if i % 2 == 0 else None)
+              for i in range(len(picks))]
+    llm = LLM(MODEL, **BASE)
+    together = llm.generate([prompts[i] for i in picks], params)
+    for out, i, sp in zip(together, picks, params, strict=True):
+        alone = llm.generate(prompts[i], sp)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        _assert_same_logprobs(out.outputs[0].logprobs, alone.outputs[0].logprobs)
+        if sp.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+        else:
+            assert len(out.prompt_logprobs) == len(prompts[i]["prompt_token_ids"])
+            _assert_same_logprobs(out.prompt_logprobs, alone.prompt_logprobs)
+    assert llm.stats()["num_compilations_after_warmup"] == 0
