@@ -19,7 +19,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.core.page_pool import PagePool
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
-from jaxserve.engine import LLMEngine
+from jaxserve.engine import LLMEngine, freeze_gc
 from jaxserve.request import Request, SamplingParams
 from jaxserve.sim.cost_model import (
     StepCostModel,
@@ -123,10 +123,14 @@ def profile_runner(engine: LLMEngine, passes: int = 3, progress: bool = False):
 
 def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
               engine: LLMEngine | None = None, progress: bool = True,
-              open_loop_requests: int = 48) -> StepCostModel:
+              open_loop_requests: int = 48, freeze: bool = False) -> StepCostModel:
     """Profile the runner on this device, fit the cost model, save it (default: the cache).
-    `open_loop_requests`: requests per open-loop rate in `measure_engine`."""
-    engine = engine or LLMEngine(model, config, progress=progress)
+    `open_loop_requests`: requests per open-loop rate in `measure_engine`. `freeze`: the
+    process is the engine's, as a server's is: `freeze_gc` once the engine is warm."""
+    if engine is None:
+        engine = LLMEngine(model, config, progress=progress)
+        if freeze:
+            freeze_gc()
     samples = profile_runner(engine, progress=progress)
     device = jax.devices()[0]
     runner = engine.runner
@@ -292,12 +296,15 @@ def run_on_engine(engine: LLMEngine, specs: list[RequestSpec], seed: int = 0,
 def validate(model: str, config: EngineConfig,
              workload: Callable[[int], list[RequestSpec]],
              fit_path: str | Path | None = None, progress: bool = True,
-             recalibrate: bool = False, repeats: int = 1) -> dict:
+             recalibrate: bool = False, repeats: int = 1, freeze: bool = False) -> dict:
     """Run workload(max_model_len) on the engine and in the simulator; metrics of both and the
     relative errors of VALIDATED. The saved fit is used unless there is none or `recalibrate`.
     With repeats > 1 the engine runs the workload again: "noise" is how far its own later runs
-    land from the first (the floor under any simulator error on this machine)."""
+    land from the first (the floor under any simulator error on this machine). `freeze`: as
+    in `calibrate`."""
     engine = LLMEngine(model, config, progress=progress)
+    if freeze:
+        freeze_gc()
     specs = workload(engine.max_model_len)
     path = Path(fit_path or default_fit_path(model, config))
     if path.is_file() and not recalibrate:

@@ -61,7 +61,7 @@ def _generate(args) -> int:
 def _serve(args) -> int:
     import logging
 
-    from jaxserve.engine import DEMO, LLMEngine
+    from jaxserve.engine import DEMO, LLMEngine, freeze_gc
     from jaxserve.server import ServerConfig, serve
 
     logging.basicConfig(level=logging.INFO,
@@ -73,6 +73,7 @@ def _serve(args) -> int:
     model = args.model or DEMO
     print(f"jaxserve: loading {model} (weights, then a compile for every step shape)", flush=True)
     engine = LLMEngine(model, engine_config, progress=True)
+    freeze_gc()  # this process serves one engine until it exits
     serve(engine, server_config, model_name=str(model))
     return 0
 

@@ -5,6 +5,7 @@ Overlap: iteration t+1 is dispatched before iteration t's tokens are read, so th
 bookkeeping runs while the device computes. Tokens sampled past a stop are discarded.
 """
 
+import gc
 import itertools
 import logging
 import random
@@ -36,6 +37,19 @@ def _logprob_dict(lp: TokenLogprobs, token: int, num_top: int) -> dict[int, Logp
                                             lp.top_logprobs[:num_top].tolist(), strict=True), 1):
         out.setdefault(tid, Logprob(value, rank))
     return out
+
+
+def freeze_gc() -> None:
+    """Collect, then move every object alive now out of the cyclic garbage collector's sight.
+
+    A warm engine holds about half a million Python objects (jax's caches, the model's
+    wrappers, the tokenizer); a full collection walks all of them, about 280 ms on a 2-core
+    CPU, and lands in some request's latency (one validation run saw a 268 ms p99 TTFT against
+    40 ms in the others). The process that owns a long-lived engine calls this once the engine
+    is warm (as vLLM does); objects made later are collected as usual. Frozen objects are never
+    collected as cycles, so a process that builds and drops engines should not call it."""
+    gc.collect()
+    gc.freeze()
 
 
 def resolve_model(model: str | Path | None) -> Path:

@@ -151,7 +151,7 @@ def run(args) -> int:
     if args.calibrate:
         from jaxserve.calibrate import calibrate
 
-        fit = calibrate(args.model, config, args.fit)
+        fit = calibrate(args.model, config, args.fit, freeze=True)
         print(json.dumps(fit.info, indent=1))
         return 0
     fit = load_fit(args.model, config, args.fit)
@@ -180,7 +180,7 @@ def _validate(args, config: EngineConfig) -> int:
     from jaxserve.calibrate import VALIDATED, validate
 
     report = validate(args.model, config, lambda max_model_len: workload(args, max_model_len),
-                      args.fit, recalibrate=args.calibrate, repeats=args.repeats)
+                      args.fit, recalibrate=args.calibrate, repeats=args.repeats, freeze=True)
     rows = {"engine": report["real"], "simulator": report["sim"],
             "rel. error": report["errors"]}
     if "noise" in report:
