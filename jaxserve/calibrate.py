@@ -9,6 +9,7 @@
 This module is the bridge (it imports the engine); `jaxserve.sim` stays host-only.
 """
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +23,10 @@ from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.engine import LLMEngine, freeze_gc
 from jaxserve.request import Request, SamplingParams
 from jaxserve.sim.cost_model import (
+    WAKE_STEPS,
     StepCostModel,
     default_fit_path,
+    spread_quantiles,
     step_shape,
 )
 from jaxserve.sim.metrics import RequestRecord, compute_metrics
@@ -123,7 +126,7 @@ def profile_runner(engine: LLMEngine, passes: int = 3, progress: bool = False):
 
 def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
               engine: LLMEngine | None = None, progress: bool = True,
-              open_loop_requests: int = 48, freeze: bool = False) -> StepCostModel:
+              open_loop_requests: int = 96, freeze: bool = False) -> StepCostModel:
     """Profile the runner on this device, fit the cost model, save it (default: the cache).
     `open_loop_requests`: requests per open-loop rate in `measure_engine`. `freeze`: the
     process is the engine's, as a server's is: `freeze_gc` once the engine is warm."""
@@ -149,7 +152,7 @@ def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
 def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
                    min_steps: int = 20,
                    open_loop_rates: tuple[float, ...] = (4.0, 12.0, 24.0, 48.0),
-                   open_loop_requests: int = 48) -> None:
+                   open_loop_requests: int = 96) -> None:
     """Set the fit's engine factors from steps of the real engine: closed loops keeping 2, 4
     ... max_num_seqs requests in flight, then open loops (Poisson arrivals at a few rates, where
     the engine idles between requests as a server does, and runs slower for a while after).
@@ -159,7 +162,10 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
     give a factor per padded row count, from the open loops where they ran it at least
     min_steps times, else from all runs (0: all of them, for counts seen fewer times); the
     steps with prompt chunks then give the prefill factor. Ratios of sums: step times are
-    heavy-tailed, and the simulator must match their sum."""
+    heavy-tailed, and the simulator must match their sum. The first WAKE_STEPS iterations after
+    the engine woke from idle run slower: they are left out of the factors and give the wake
+    factor instead. The open loops' other iterations give the spreads, how each kind scatters
+    around its predicted cost."""
     starts: list[tuple[float, SchedulerOutput | None]] = []  # (start, what the step dispatched)
     step = engine.step
 
@@ -171,14 +177,17 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
         return outputs
 
     engine.step = timed_step
-    periods: list[tuple[SchedulerOutput, float, bool]] = []  # (iteration, period, open loop)
+    # (iteration, period, open loop, iterations since the engine last woke from idle)
+    periods: list[tuple[SchedulerOutput, float, bool, int]] = []
 
     def collect_periods(open_loop: bool):
         # a step that dispatched nothing may be followed by an idle wait: no period across it
-        periods.extend((out, after[0] - read[0], open_loop)
-                       for (_, out), read, after in zip(starts, starts[1:], starts[2:],
-                                                        strict=False)
-                       if out is not None and read[1] is not None)
+        since = 0
+        for i in range(len(starts) - 2):
+            (_, out), read, after = starts[i:i + 3]
+            since = 0 if i == 0 or starts[i - 1][1] is None else since + 1
+            if out is not None and read[1] is not None:
+                periods.append((out, after[0] - read[0], open_loop, since))
         starts.clear()
 
     try:
@@ -195,16 +204,18 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
             collect_periods(True)
     finally:
         del engine.step
-    rows, d, p, wall, served = [], [], [], [], []
-    for out, t, open_loop in periods:
+    rows, d, p, wall, served, since = [], [], [], [], [], []
+    for out, t, open_loop, k in periods:
         shape = step_shape(out, fit.row_buckets, fit.chunk_buckets)
         rows.append(shape.decode_rows)
         d.append(fit.parts(shape)[0])
         p.append(fit.parts(shape)[1])
         wall.append(t)
         served.append(open_loop)
-    rows, d, p, wall, served = map(np.array, (rows, d, p, wall, served))
-    decode_only = (p == 0) & (d > 0)
+        since.append(k)
+    rows, d, p, wall, served, since = map(np.array, (rows, d, p, wall, served, since))
+    steady = since >= WAKE_STEPS  # the first iterations after idle: the wake factor's
+    decode_only = (p == 0) & (d > 0) & steady
     factors = {0: float(wall[decode_only].sum() / d[decode_only].sum())}
     for b in np.unique(rows[decode_only]):
         pick = decode_only & (rows == b)
@@ -213,17 +224,27 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
         if pick.sum() >= min_steps:
             factors[int(b)] = float(wall[pick].sum() / d[pick].sum())
     fit.decode_factor = factors
-    rest = p > 0
+    rest = (p > 0) & steady
     decode_part = np.array([fit.decode_factor_for(int(b)) for b in rows[rest]]) * d[rest]
     fit.prefill_factor = float(max(0.0, (wall[rest] - decode_part).sum()) / p[rest].sum())
-
+    predicted = np.array([fit.decode_factor_for(int(b)) for b in rows]) * d + (
+        fit.prefill_factor * p)
+    woke = served & ~steady
+    if woke.sum() >= min_steps:
+        fit.wake_factor = float(wall[woke].sum() / predicted[woke].sum())
+    # the scatter of steady served iterations, decode-only and with prompt chunks apart
+    for name, kind in (("spread", p == 0), ("prefill_spread", p > 0)):
+        pick = served & steady & kind
+        setattr(fit, name, spread_quantiles(fit, rows[pick], d[pick], p[pick], wall[pick]))
 
 def measure_wakeup(engine: LLMEngine, fit: StepCostModel, num_requests: int = 16,
                    idle_s: float = 0.05, seed: int = 3) -> float:
     """Mean extra time to first token of a lone request arriving at an idle engine, over what
-    the fit (without wake-up) predicts."""
+    the fit (without wake-up, and without its spread: the mean) predicts."""
     rng = np.random.default_rng(seed)
-    sim = Simulator(engine.config, fit, engine.runner.num_pages, engine.max_model_len)
+    mean_fit = dataclasses.replace(fit, spread=(), prefill_spread=(), idle_wakeup=0.0)
+    # the wake factor stays: this is the first-token time it leaves unexplained
+    sim = Simulator(engine.config, mean_fit, engine.runner.num_pages, engine.max_model_len)
     excess = []
     for _ in range(num_requests):
         n = int(rng.integers(8, min(256, engine.max_model_len - 4)))
@@ -293,15 +314,26 @@ def run_on_engine(engine: LLMEngine, specs: list[RequestSpec], seed: int = 0,
     return records, last
 
 
+def simulate_expected(config: EngineConfig, fit: StepCostModel, specs: list[RequestSpec],
+                      seeds: int) -> dict:
+    """The simulator's metrics averaged over runs with seeds 0 .. seeds-1."""
+    return _mean([Simulator(config, fit, fit.info["num_pages"], fit.info["max_model_len"],
+                            seed=seed).run(specs).metrics() for seed in range(max(1, seeds))])
+
+
 def validate(model: str, config: EngineConfig,
              workload: Callable[[int], list[RequestSpec]],
              fit_path: str | Path | None = None, progress: bool = True,
-             recalibrate: bool = False, repeats: int = 1, freeze: bool = False) -> dict:
+             recalibrate: bool = False, repeats: int = 1, freeze: bool = False,
+             sim_seeds: int = 8) -> dict:
     """Run workload(max_model_len) on the engine and in the simulator; metrics of both and the
-    relative errors of VALIDATED. The saved fit is used unless there is none or `recalibrate`.
-    With repeats > 1 the engine runs the workload again: "noise" is how far its own later runs
-    land from the first (the floor under any simulator error on this machine). `freeze`: as
-    in `calibrate`."""
+    relative errors of VALIDATED. Both sides are expectations: the engine's metrics are the
+    means over `repeats` runs of the workload (a served engine's speed on this kind of machine
+    drifts by tens of percent from one run to the next), and the simulator's the means over
+    `sim_seeds` runs (seeds of its step-time spread). "noise" is how far the engine's single
+    runs land from their mean (the floor under any simulator error on this machine), and
+    "runs" holds each run's metrics. The saved fit is used unless there is none or
+    `recalibrate`. `freeze`: as in `calibrate`."""
     engine = LLMEngine(model, config, progress=progress)
     if freeze:
         freeze_gc()
@@ -312,14 +344,21 @@ def validate(model: str, config: EngineConfig,
     else:
         fit = calibrate(model, config, path, engine, progress)
     run_on_engine(engine, specs[:min(len(specs), 8)])  # warm the host path; not measured
-    real, *again = [compute_metrics(*run_on_engine(engine, specs)) for _ in range(repeats)]
-    sim = Simulator(config, fit, fit.info["num_pages"], fit.info["max_model_len"]).run(specs)
-    simulated = sim.metrics()
+    runs = [compute_metrics(*run_on_engine(engine, specs)) for _ in range(max(1, repeats))]
+    real = _mean(runs)
+    simulated = simulate_expected(config, fit, specs, sim_seeds)
 
     def error(metrics: dict) -> dict:
         return {k: abs(metrics[k] - real[k]) / abs(real[k]) for k in VALIDATED if real[k]}
 
     report = {"real": real, "sim": simulated, "errors": error(simulated), "fit": fit.info}
-    if again:
-        report["noise"] = {k: max(error(m)[k] for m in again) for k in report["errors"]}
+    if len(runs) > 1:
+        report["noise"] = {k: max(error(m)[k] for m in runs) for k in report["errors"]}
+        report["runs"] = runs
     return report
+
+
+def _mean(runs: list[dict]) -> dict:
+    """Each numeric metric averaged over runs."""
+    return {k: float(np.mean([r[k] for r in runs])) for k in runs[0]
+            if isinstance(runs[0][k], (int, float))}

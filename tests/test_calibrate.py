@@ -45,9 +45,16 @@ def test_the_fit_has_positive_costs_and_engine_factors_and_round_trips(fit):
     for a, b in [*fitted.decode.values(), *fitted.prefill.values()]:
         assert a > 0 and b >= 0
     assert all(f > 0 and math.isfinite(f) for f in fitted.decode_factor.values())
-    assert fitted.prefill_factor >= 0 and fitted.idle_wakeup >= 0
+    assert fitted.prefill_factor >= 0 and fitted.idle_wakeup >= 0 and fitted.wake_factor > 0
+    assert len(fitted.spread) == 100  # decode-only iterations; with prompt chunks: too few?
+    for spread in (fitted.spread, fitted.prefill_spread):
+        assert len(spread) in (0, 100)
+        assert not spread or math.isclose(sum(spread) / len(spread), 1.0)
+        assert not spread or (spread[0] > 0 and list(spread) == sorted(spread))
     loaded = StepCostModel.load(path)
     assert loaded.decode == fitted.decode and loaded.decode_factor == fitted.decode_factor
+    assert loaded.spread == fitted.spread and loaded.prefill_spread == fitted.prefill_spread
+    assert loaded.wake_factor == fitted.wake_factor
 
 
 def test_validate_reports_both_runs_and_every_relative_error(fit):
@@ -58,3 +65,6 @@ def test_validate_reports_both_runs_and_every_relative_error(fit):
     assert report["real"]["completed"] == report["sim"]["completed"] == 10
     assert set(report["errors"]) == set(VALIDATED) == set(report["noise"])
     assert all(e >= 0 and math.isfinite(e) for e in report["errors"].values())
+    first, second = report["runs"]  # the engine side is the mean of its runs
+    assert report["real"]["mean_ttft_ms"] == pytest.approx(
+        (first["mean_ttft_ms"] + second["mean_ttft_ms"]) / 2)

@@ -11,7 +11,7 @@ from jaxserve.core.predictors import oracle
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.sim import RequestSpec, Simulator, StepCostModel, synthetic
 from jaxserve.sim.cli import main
-from jaxserve.sim.cost_model import StepShape, step_shape
+from jaxserve.sim.cost_model import StepShape, spread_quantiles, step_shape
 from jaxserve.sim.metrics import RequestRecord, compute_metrics, parse_slos
 from jaxserve.sim.workload import Burst, arrival_times, read_trace, write_trace
 
@@ -94,6 +94,41 @@ def test_simulation_is_deterministic():
     assert runs[0] == runs[1]
 
 
+def test_step_time_spread_is_seeded_and_keeps_the_mean():
+    # decode iterations of 5 or 15 ms (mean 10): a 400-token request takes about 400 x 10 ms
+    cost = flat_cost(0.01)
+    cost.spread = (0.5, 1.5)
+    spec = [RequestSpec(0.0, prompt_len=10, output_len=400)]
+
+    def times(seed: int) -> list[float]:
+        return Simulator(config(), cost, 256, 512, seed=seed).run(spec).records[0].times
+
+    assert times(0) == times(0) != times(1)
+    gaps = np.diff(times(0))
+    assert set(np.round(gaps, 6)) == {0.005, 0.015}
+    assert times(0)[-1] == pytest.approx(4.0, rel=0.1)
+
+
+def test_the_first_iterations_after_idle_run_at_the_wake_factor():
+    cost = flat_cost(0.01)
+    cost.wake_factor = 2.0  # WAKE_STEPS = 5 iterations of 20 ms, then 10 ms
+    sim = Simulator(config(), cost, num_pages=64, max_model_len=128)
+    (early, late) = sim.run([RequestSpec(0.5, prompt_len=10, output_len=7),
+                             RequestSpec(2.0, prompt_len=10, output_len=2)]).records
+    assert early.times == pytest.approx([0.52, 0.54, 0.56, 0.58, 0.60, 0.61, 0.62])
+    assert late.times == pytest.approx([2.02, 2.04])  # woke again
+
+
+def test_spread_quantiles_scale_to_mean_one():
+    fit = flat_cost(0.01)
+    fit.decode_factor, fit.prefill_factor = {0: 2.0}, 1.0
+    rows, d, p = np.full(1000, 2), np.full(1000, 0.01), np.zeros(1000)
+    wall = 0.02 * np.random.default_rng(0).lognormal(0.0, 0.5, 1000)  # around factor x d
+    q = np.array(spread_quantiles(fit, rows, d, p, wall))
+    assert len(q) == 100 and q.mean() == pytest.approx(1.0)
+    assert np.all(np.diff(q) >= 0) and q[0] > 0 and q[-1] > 2 * q[50]
+
+
 # -- the cost model ------------------------------------------------------------------------------
 
 
@@ -124,7 +159,10 @@ def test_cost_model_fit_recovers_per_shape_lines_and_round_trips(tmp_path):
     loaded = StepCostModel.load(path)
     assert loaded.decode == fit.decode and loaded.prefill == fit.prefill
     assert loaded.decode_factor == fit.decode_factor and loaded.prefill_factor == 2.0
-    assert loaded.samples == fit.samples
+    assert loaded.samples == fit.samples and loaded.spread == ()
+    fit.spread = (0.5, 1.5)
+    fit.save(path)
+    assert StepCostModel.load(path).spread == (0.5, 1.5)
 
 
 def test_step_shape_pads_as_the_runner_does():

@@ -16,13 +16,23 @@ also pays for scheduling and outputs, and its calls meet other work (scattered p
 thread on the same cores), so the iteration is
 
     cost = decode_factor[B_d] * decode + prefill_factor * prefill
-           (+ idle_wakeup for the first iteration after the engine sat idle)
+           (x wake_factor for the first WAKE_STEPS iterations after the engine sat idle,
+            + idle_wakeup for the first of them)
 
 with the factors measured on the periods of steps in short closed- and open-loop runs of the
 real engine (`calibrate.measure_engine`): the ratio of their summed time to the summed profile
-(step times are heavy-tailed; their sum is what latencies add up). An engine waking from idle is slower (threads parked, caches cold): the
-wake-up term is the mean extra time to first token of lone requests. The fit is saved as JSON
-with its samples and what it was measured on.
+(step times are heavy-tailed; their sum is what latencies add up). An engine waking from idle
+is slower for a few iterations (threads parked, caches cold; measured: about 1.4x for five
+iterations on the CPU): the wake factor is their measured / predicted time, and the wake-up
+term the mean extra time to first token of lone requests beyond that.
+
+A served engine's iterations scatter around that mean (the host thread, the OS, the caches),
+and latency percentiles live in that scatter. The fit keeps it as quantiles of measured /
+predicted over the open-loop runs' iterations, scaled to mean 1: `spread` for decode-only
+iterations, `prefill_spread` for those with prompt chunks (longer, and steadier relative to
+their length). A simulator passes `cost` a uniform draw per iteration from a seeded generator
+and gets that quantile's cost; without a draw (or a spread), the deterministic mean. The fit is
+saved as JSON with its samples and what it was measured on.
 """
 
 import hashlib
@@ -39,6 +49,7 @@ from jaxserve.core.buckets import prefill_groups, prefill_row_buckets
 from jaxserve.core.scheduler import SchedulerOutput
 
 FIT_FORMAT = 3  # 2: several prefill calls per iteration; 3: one-row prefill calls
+WAKE_STEPS = 5  # iterations after an idle wait that run at the wake factor
 
 # the engine settings a step's cost depends on; scheduling (policy, window...) and the number
 # of pages are the simulator's to vary
@@ -122,15 +133,28 @@ class StepCostModel:
     decode_factor: dict[int, float] = field(default_factory=dict)  # padded rows -> factor;
     prefill_factor: float = 1.0  # 0: rows measured too rarely; missing: 1 (as profiled)
     idle_wakeup: float = 0.0  # seconds
+    # quantiles of measured / predicted iteration time, mean 1: decode-only iterations, and
+    # iterations with prompt chunks
+    spread: tuple[float, ...] = ()
+    prefill_spread: tuple[float, ...] = ()
+    wake_factor: float = 1.0  # the first WAKE_STEPS iterations after idle
 
     def __post_init__(self):
         self._cache: dict[StepShape, float] = {}
 
-    def cost(self, out: SchedulerOutput) -> float:
-        """Seconds the iteration takes."""
+    def cost(self, out: SchedulerOutput, draw: float | None = None,
+             since_wake: int = WAKE_STEPS) -> float:
+        """Seconds the iteration takes: the mean, or its spread's quantile at `draw` in [0, 1);
+        `since_wake`: iterations since the engine woke from idle (0: the first)."""
         shape = step_shape(out, self.row_buckets, self.chunk_buckets)
         d, p = self.parts(shape)
-        return self.decode_factor_for(shape.decode_rows) * d + self.prefill_factor * p
+        seconds = self.decode_factor_for(shape.decode_rows) * d + self.prefill_factor * p
+        if since_wake < WAKE_STEPS:
+            seconds *= self.wake_factor
+        spread = self.prefill_spread if shape.prefill else self.spread
+        if draw is None or not spread:
+            return seconds
+        return seconds * spread[int(draw * len(spread))]
 
     def decode_factor_for(self, rows: int) -> float:
         factors = self.decode_factor
@@ -207,7 +231,8 @@ class StepCostModel:
                 "prefill": [[*k, *v] for k, v in self.prefill.items()], "mixed": self.mixed,
                 "row_buckets": self.row_buckets, "chunk_buckets": self.chunk_buckets,
                 "decode_factor": self.decode_factor, "prefill_factor": self.prefill_factor,
-                "idle_wakeup": self.idle_wakeup,
+                "idle_wakeup": self.idle_wakeup, "spread": list(self.spread),
+                "prefill_spread": list(self.prefill_spread), "wake_factor": self.wake_factor,
                 "info": self.info, "samples": self.samples}
         path.write_text(json.dumps(data, indent=None))
 
@@ -219,4 +244,21 @@ class StepCostModel:
                    tuple(data["row_buckets"]), tuple(data["chunk_buckets"]), data.get("info", {}),
                    data.get("samples", []),
                    {int(k): v for k, v in data.get("decode_factor", {}).items()},
-                   data.get("prefill_factor", 1.0), data.get("idle_wakeup", 0.0))
+                   data.get("prefill_factor", 1.0), data.get("idle_wakeup", 0.0),
+                   tuple(data.get("spread", ())), tuple(data.get("prefill_spread", ())),
+                   data.get("wake_factor", 1.0))
+
+
+def spread_quantiles(fit: StepCostModel, rows: np.ndarray, d: np.ndarray, p: np.ndarray,
+                     wall: np.ndarray, n: int = 100) -> tuple[float, ...]:
+    """n quantiles of measured / predicted iteration time (factors applied), scaled to mean 1:
+    how served iterations scatter around the fit's mean."""
+    factors = np.array([fit.decode_factor_for(int(b)) for b in rows])
+    predicted = factors * d + fit.prefill_factor * p
+    keep = predicted > 0
+    if keep.sum() < 2:
+        return ()
+    ratio = wall[keep] / predicted[keep]
+    quantiles = np.quantile(ratio, (np.arange(n) + 0.5) / n)
+    return tuple(float(q) for q in quantiles / quantiles.mean())
+

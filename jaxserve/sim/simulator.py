@@ -6,13 +6,18 @@ iteration t's tokens are read, and the "device" runs iterations back to back:
     step:  arrivals <= now join | schedule() | dispatch: done = max(now, device_free) + cost
            | read the previous iteration: now = max(now, its done) | update() at now
 
-The cost of an iteration comes from a fitted `StepCostModel` (plus its wake-up term for the first
-iteration after the engine sat idle). A request produces exactly its
-spec's output_len tokens (ignore_eos), so outputs need no model; sampled tokens are zeros.
+The cost of an iteration comes from a fitted `StepCostModel`: its wake factor for the first
+iterations after the engine sat idle (and its wake-up term for the first), at a quantile of the
+fit's spread drawn per iteration by a generator seeded with `seed` (a run is reproducible; runs
+over several seeds give the expected metrics, as `calibrate.validate` reports them). A request
+produces exactly its spec's output_len tokens (ignore_eos), so outputs need no model; sampled
+tokens are zeros.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.policies import Policy
@@ -69,8 +74,10 @@ class Simulator:
 
     def __init__(self, config: EngineConfig, cost: StepCostModel, num_pages: int,
                  max_model_len: int, policy: Policy | None = None,
-                 on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None):
+                 on_step: Callable[[Scheduler, SchedulerOutput], None] | None = None,
+                 seed: int = 0):
         self.config = config
+        self.seed = seed
         self.cost = cost
         self.num_pages = num_pages
         self.max_model_len = max_model_len
@@ -94,7 +101,9 @@ class Simulator:
         device_free = 0.0
         inflight: tuple[SchedulerOutput, float] | None = None
         nxt, num_steps, last_token = 0, 0, 0.0
-        idle = True
+        idle, since_wake = True, 0
+        rng = np.random.default_rng(self.seed)
+        draws, drawn = rng.random(4096), 0
         while nxt < len(specs) or s.has_unfinished_requests() or inflight is not None:
             while nxt < len(specs) and specs[nxt].arrival <= clock.now:
                 self._add(s, str(nxt), specs[nxt], records, seen)
@@ -102,7 +111,12 @@ class Simulator:
             out = s.schedule()
             flight = None
             if out.chunks:
-                done = max(clock.now, device_free) + self.cost.cost(out)
+                if drawn == len(draws):
+                    draws, drawn = rng.random(4096), 0
+                since_wake = 0 if idle else since_wake + 1
+                done = max(clock.now, device_free) + self.cost.cost(out, draws[drawn],
+                                                                    since_wake)
+                drawn += 1
                 if idle:
                     done += self.cost.idle_wakeup
                     idle = False
