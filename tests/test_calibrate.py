@@ -46,9 +46,9 @@ def test_the_fit_has_positive_costs_and_engine_factors_and_round_trips(fit):
         assert a > 0 and b >= 0
     assert all(f > 0 and math.isfinite(f) for f in fitted.decode_factor.values())
     assert fitted.prefill_factor >= 0 and fitted.idle_wakeup >= 0 and fitted.wake_factor > 0
-    assert len(fitted.spread) == 100  # decode-only iterations; with prompt chunks: too few?
+    assert len(fitted.spread) == 1000  # decode-only; with prompt chunks there may be too few
     for spread in (fitted.spread, fitted.prefill_spread):
-        assert len(spread) in (0, 100)
+        assert len(spread) in (0, 1000)
         assert not spread or math.isclose(sum(spread) / len(spread), 1.0)
         assert not spread or (spread[0] > 0 and list(spread) == sorted(spread))
     loaded = StepCostModel.load(path)

@@ -250,7 +250,7 @@ class StepCostModel:
 
 
 def spread_quantiles(fit: StepCostModel, rows: np.ndarray, d: np.ndarray, p: np.ndarray,
-                     wall: np.ndarray, n: int = 100) -> tuple[float, ...]:
+                     wall: np.ndarray, n: int = 1000) -> tuple[float, ...]:
     """n quantiles of measured / predicted iteration time (factors applied), scaled to mean 1:
     how served iterations scatter around the fit's mean."""
     factors = np.array([fit.decode_factor_for(int(b)) for b in rows])
