@@ -7,6 +7,7 @@ by `EngineConfig`'s fields. Derived values are computed by properties, never wri
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,25 @@ def kv_cache_dtype(dtype: str, backend: str, attention_impl: str) -> str:
     if backend == "cpu" and attention_impl == "reference" and dtype != "float32":
         return "float32"
     return dtype
+
+
+def compute_dtype(requested: str, checkpoint: str, backend: str, num_params: int,
+                  host_bytes: int | None = None) -> str:
+    """The dtype the engine loads the weights in and computes with. An explicit `requested`
+    dtype wins. "auto" is the checkpoint's, except on the CPU: a 16-bit checkpoint runs in
+    float32 there when float32 weights take at most half the host's memory. XLA on the CPU has
+    no fast 16-bit matmul: it converts every weight on every step (a 2 x 2048 @ 2048 x 8192
+    product took 116 ms in bf16 and 17 ms in float32 on a 2-core x86;
+    `bench/weights_dtype_cpu.py` times whole decode steps)."""
+    if requested != "auto":
+        return requested
+    if backend != "cpu" or checkpoint == "float32":
+        return checkpoint
+    if host_bytes is None:
+        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return "float32" if 4 * num_params <= host_bytes // 2 else checkpoint
+
+
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                  "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -206,7 +226,7 @@ _CHOICES = {
 class EngineConfig:
     """Engine settings; the field names are the overrides, config-file keys and CLI flags."""
 
-    dtype: str = "auto"  # auto: the checkpoint's dtype
+    dtype: str = "auto"  # auto: the checkpoint's dtype (16-bit ones: float32 on the CPU)
     load_format: str = "auto"  # dummy: random weights of the checkpoint's shape
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -14,7 +14,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxserve.config import SUPPORTED_DTYPES, EngineConfig, ModelConfig, kv_cache_dtype
+from jaxserve.config import (
+    SUPPORTED_DTYPES,
+    EngineConfig,
+    ModelConfig,
+    compute_dtype,
+    kv_cache_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     device = device or this_device()
     from jaxserve.model.attention import resolve_attention_impl
 
-    dtype = cfg.dtype if config.dtype == "auto" else config.dtype
+    dtype = compute_dtype(config.dtype, cfg.dtype, device.backend, cfg.num_params)
     kv_dtype = kv_cache_dtype(dtype, device.backend,
                               resolve_attention_impl(config.attention_impl, device.backend))
     weights = {dt: weight_bytes(cfg, dt) for dt in SUPPORTED_DTYPES}

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
-from jaxserve.config import EngineConfig, ModelConfig, kv_cache_dtype
+from jaxserve.config import EngineConfig, ModelConfig, compute_dtype, kv_cache_dtype
 from jaxserve.core.buckets import bucket, prefill_groups, prefill_row_buckets
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.model.attention import resolve_attention_impl
@@ -113,9 +113,14 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self.max_model_len = config.resolve_max_model_len(model_config)
-        dtype = model_config.dtype if config.dtype == "auto" else config.dtype
-        self.dtype = DTYPES[dtype]
         self.backend = jax.default_backend()
+        dtype = compute_dtype(config.dtype, model_config.dtype, self.backend,
+                              model_config.num_params)
+        if dtype != model_config.dtype and config.dtype == "auto":
+            log.info("the checkpoint is %s; computing in %s on the CPU, where 16-bit matmuls "
+                     "are slow (dtype=%s keeps it)", model_config.dtype, dtype,
+                     model_config.dtype)
+        self.dtype = DTYPES[dtype]
         self.attention_impl = resolve_attention_impl(config.attention_impl, self.backend)
         self.kv_dtype = DTYPES[kv_cache_dtype(dtype, self.backend, self.attention_impl)]
         enable_compilation_cache(config.compilation_cache_dir)

@@ -91,6 +91,40 @@ def test_a_16_bit_model_keeps_a_float32_kv_cache_on_the_cpu():
     assert len(out[0].outputs[0].token_ids) == 6
 
 
+def test_auto_dtype_computes_a_16_bit_checkpoint_in_float32_on_the_cpu(tmp_path):
+    """XLA on the CPU converts 16-bit weights on every step (a bf16 matmul ran 7x slower than
+    float32 here), so "auto" loads a bf16 checkpoint in float32 there when memory allows."""
+    import json
+    import shutil
+
+    from jaxserve.config import EngineConfig, ModelConfig, compute_dtype
+    from jaxserve.plan import plan
+    from jaxserve.runner import ModelRunner
+
+    gib = 2**30
+    assert compute_dtype("auto", "bfloat16", "cpu", 10**9, host_bytes=16 * gib) == "float32"
+    assert compute_dtype("auto", "float16", "cpu", 10**9, host_bytes=16 * gib) == "float32"
+    assert compute_dtype("auto", "bfloat16", "cpu", 10**9, host_bytes=6 * gib) == "bfloat16"
+    assert compute_dtype("auto", "bfloat16", "gpu", 10**9, host_bytes=16 * gib) == "bfloat16"
+    assert compute_dtype("bfloat16", "bfloat16", "cpu", 10**9) == "bfloat16"  # asked for
+    assert compute_dtype("auto", "float32", "cpu", 10**9) == "float32"
+
+    model = tmp_path / "bf16"
+    shutil.copytree(MODEL, model)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    (model / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
+    cfg = ModelConfig.from_hf_dir(model)
+    assert cfg.dtype == "bfloat16"
+    assert plan(model, EngineConfig(num_pages=64))["dtype"] == "float32"
+    runner = ModelRunner(model, cfg, EngineConfig(**(BASE | dict(max_num_seqs=2))))
+    assert runner.dtype == jnp.float32
+    assert all(w.dtype == jnp.float32 for w in runner.weights)
+    asked = ModelRunner(model, cfg, EngineConfig(**(BASE | dict(max_num_seqs=2,
+                                                                dtype="bfloat16"))))
+    assert asked.dtype == jnp.bfloat16
+
+
 def _assert_same_logprobs(got, want):
     """Same token ids at every position, log-probabilities within float32 noise (the batch
     shapes differ, so the matmuls round differently)."""
