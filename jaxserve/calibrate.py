@@ -237,6 +237,7 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
         pick = served & steady & kind
         setattr(fit, name, spread_quantiles(fit, rows[pick], d[pick], p[pick], wall[pick]))
 
+
 def measure_wakeup(engine: LLMEngine, fit: StepCostModel, num_requests: int = 16,
                    idle_s: float = 0.05, seed: int = 3) -> float:
     """Mean extra time to first token of a lone request arriving at an idle engine, over what

@@ -48,7 +48,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.buckets import prefill_groups, prefill_row_buckets
 from jaxserve.core.scheduler import SchedulerOutput
 
-FIT_FORMAT = 3  # 2: several prefill calls per iteration; 3: one-row prefill calls
+# 2: several prefill calls per iteration; 3: one-row prefill calls; 4: factors from steady
+# iterations, with the wake factor and the spreads
+FIT_FORMAT = 4
 WAKE_STEPS = 5  # iterations after an idle wait that run at the wake factor
 
 # the engine settings a step's cost depends on; scheduling (policy, window...) and the number
