@@ -100,7 +100,8 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     return {
         "model": str(path), "architecture": cfg.architecture, "num_params": cfg.num_params,
         "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "dtype": dtype, "kv_dtype": kv_dtype, "weight_bytes": weights,
+        "dtype": dtype, "checkpoint_dtype": cfg.dtype, "kv_dtype": kv_dtype,
+        "weight_bytes": weights,
         "kv_bytes_per_token": per_token, "page_size": config.page_size,
         "kv_bytes_per_page": per_page,
         "device": {"backend": device.backend, "name": device.name,
@@ -132,7 +133,9 @@ def format_plan(p: dict) -> str:
              f"parameters, {p['layers']} layers, {p['kv_heads']} KV heads x {p['head_dim']})"]
     lines.append("weights    " + ", ".join(
         f"{dt} {_size(b)}" + (" (used)" if dt == p["dtype"] else "")
-        for dt, b in p["weight_bytes"].items()))
+        for dt, b in p["weight_bytes"].items())
+        + (f"; the checkpoint is {p['checkpoint_dtype']}"
+           if p["checkpoint_dtype"] != p["dtype"] else ""))
     lines.append(f"KV cache   {_size(p['kv_bytes_per_token'])} per token ({p['kv_dtype']}: 2 x "
                  f"{p['layers']} layers x {p['kv_heads']} heads x {p['head_dim']}), "
                  f"{_size(p['kv_bytes_per_page'])} per page of {p['page_size']} tokens")

@@ -98,7 +98,7 @@ def test_auto_dtype_computes_a_16_bit_checkpoint_in_float32_on_the_cpu(tmp_path)
     import shutil
 
     from jaxserve.config import EngineConfig, ModelConfig, compute_dtype
-    from jaxserve.plan import plan
+    from jaxserve.plan import format_plan, plan
     from jaxserve.runner import ModelRunner
 
     gib = 2**30
@@ -116,7 +116,9 @@ def test_auto_dtype_computes_a_16_bit_checkpoint_in_float32_on_the_cpu(tmp_path)
     (model / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
     cfg = ModelConfig.from_hf_dir(model)
     assert cfg.dtype == "bfloat16"
-    assert plan(model, EngineConfig(num_pages=64))["dtype"] == "float32"
+    planned = plan(model, EngineConfig(num_pages=64))
+    assert (planned["dtype"], planned["checkpoint_dtype"]) == ("float32", "bfloat16")
+    assert "the checkpoint is bfloat16" in format_plan(planned)
     runner = ModelRunner(model, cfg, EngineConfig(**(BASE | dict(max_num_seqs=2))))
     assert runner.dtype == jnp.float32
     assert all(w.dtype == jnp.float32 for w in runner.weights)
