@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--prefill-chunk-sizes", default="32,64,128,256")
     parser.add_argument("--decode-steps", type=int, default=1)
+    parser.add_argument("--row-buckets", default=None,
+                        help="padded row counts to compile, e.g. 8,32 (default: powers of two)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -88,8 +90,9 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
         prefill_chunk_sizes=tuple(int(c) for c in args.prefill_chunk_sizes.split(",")),
         decode_steps=args.decode_steps, num_pages=args.num_pages, enable_prompt_logprobs=False,
-        max_model_len=args.max_model_len,
-        max_batch_size=args.max_num_seqs)
+        max_model_len=args.max_model_len, max_batch_size=args.max_num_seqs,
+        row_buckets=None if args.row_buckets is None
+        else tuple(int(r) for r in args.row_buckets.split(",")))
     start = time.perf_counter()
     llm = LLM(args.model, **overrides)
     engine = llm.engine

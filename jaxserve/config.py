@@ -250,6 +250,9 @@ class EngineConfig:
     max_batch_size: int | None = None  # None: max_num_seqs
     decode_steps: int = 1
     prefill_chunk_sizes: tuple[int, ...] = (16, 32, 64, 128, 256)  # prefill buckets, tokens per row
+    # the padded row counts the steps are compiled for (vLLM's cuda_graph_sizes); fewer buckets
+    # compile faster and pad more. None: 2, 4, 8 ... up to the first >= max_num_seqs
+    row_buckets: tuple[int, ...] | None = None
     max_top_logprobs: int = 20
     enable_prompt_logprobs: bool = True  # False: no prompt-logprob step variants to compile
     compilation_cache_dir: str | None = None  # None: $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve/xla
@@ -284,6 +287,11 @@ class EngineConfig:
         sizes = self.prefill_chunk_sizes
         if not sizes or any(s <= 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
             raise ValueError(f"prefill_chunk_sizes must be increasing positive sizes, got {sizes!r}")
+        rows = self.row_buckets
+        if rows is not None and (not rows or list(rows) != sorted(set(rows)) or rows[0] < 2
+                                 or rows[-1] < self.max_num_seqs):
+            raise ValueError(f"row_buckets must be increasing sizes of at least 2, the last >= "
+                             f"max_num_seqs ({self.max_num_seqs}), got {rows!r}")
 
     @classmethod
     def from_overrides(cls, **overrides: Any) -> "EngineConfig":
@@ -292,8 +300,9 @@ class EngineConfig:
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(names)}")
-        if isinstance(overrides.get("prefill_chunk_sizes"), list):
-            overrides["prefill_chunk_sizes"] = tuple(overrides["prefill_chunk_sizes"])
+        for name in ("prefill_chunk_sizes", "row_buckets"):
+            if isinstance(overrides.get(name), list):
+                overrides[name] = tuple(overrides[name])
         return cls(**overrides)
 
     @classmethod
@@ -323,6 +332,12 @@ class EngineConfig:
 
     def pages_per_seq(self, max_model_len: int) -> int:
         return math.ceil(max_model_len / self.page_size)
+
+    def decode_row_buckets(self) -> tuple[int, ...]:
+        """Row counts a decode step is padded to (a prefill call may also run 1 row)."""
+        if self.row_buckets is not None:
+            return self.row_buckets
+        return tuple(2**i for i in range(1, max(1, math.ceil(math.log2(self.max_num_seqs))) + 1))
 
     def chunk_buckets(self, max_model_len: int) -> tuple[int, ...]:
         """Prompt-chunk lengths a prefill step is padded to; the last is the longest chunk."""

@@ -16,7 +16,6 @@ start-up:
 
 import contextlib
 import logging
-import math
 import os
 import threading
 import time
@@ -142,10 +141,10 @@ class ModelRunner:
         self.kv = jax.device_put(KVCache.zeros(m.num_layers, self.num_pages, self.page_size,
                                                m.num_kv_heads, m.head_dim, self.kv_dtype),
                                  jax.devices()[0])
-        # Rows come in powers of two from 2: with a single row, XLA may turn the one-token K/V
-        # write into a dynamic-update-slice fused into the attention's read, and copy the pool.
-        self.row_buckets = tuple(2**i for i in range(1, max(1, math.ceil(math.log2(
-            config.max_num_seqs))) + 1))
+        # Decode rows come in buckets from 2 (powers of two unless config.row_buckets): with a
+        # single row, XLA may turn the one-token K/V write into a dynamic-update-slice fused
+        # into the attention's read, and copy the pool.
+        self.row_buckets = config.decode_row_buckets()
         self.prefill_row_buckets = prefill_row_buckets(self.row_buckets)
         self.chunk_buckets = tuple(c for c in config.prefill_chunk_sizes if c <= self.max_model_len)
         self.carry_size = self.row_buckets[-1]

@@ -47,8 +47,9 @@ def _all_pages_free(llm):
     dict(batching="continuous", max_num_batched_tokens=16, prefill_chunk_sizes=(8, 16)),
     dict(batching="continuous", num_pages=48),
     dict(batching="static", num_pages=48, decode_steps=4),
+    dict(batching="continuous", row_buckets=(3, 8)),
 ], ids=["continuous", "static", "dynamic", "two-layer", "multistep", "chunked", "preempt",
-        "static-preempt-multistep"])
+        "static-preempt-multistep", "row-buckets"])
 def test_greedy_ids_independent_of_batching(workload, alone, overrides):
     prompts, params = workload
     llm = LLM(MODEL, **(BASE | overrides))
@@ -58,6 +59,9 @@ def test_greedy_ids_independent_of_batching(workload, alone, overrides):
         assert out.outputs[0].finish_reason == "length"
         assert len(out.outputs[0].token_ids) == params[i].max_tokens
     stats = llm.stats()
+    if "row_buckets" in overrides:
+        assert llm.engine.runner.row_buckets == (3, 8)
+        assert llm.engine.runner.prefill_row_buckets == (1, 3, 8)
     if overrides.get("num_pages") == 48:
         assert stats["num_preemptions"] > 0
     assert stats["num_compilations_after_warmup"] == 0
