@@ -5,10 +5,11 @@ steps in one dispatch) and one or a few for the prompt chunks, grouped by length
 (`core.buckets.prefill_groups`). Rows are padded to buckets so every shape is compiled once, at
 start-up:
 
-    decode:  B = smallest row bucket >= rows (powers of two from 2 up to max_num_seqs), C = 1;
-             a static/dynamic batch keeps the B it started with until it ends
+    decode:  B = smallest row bucket >= rows (powers of two from 2 up to max_num_seqs, or
+             config.row_buckets), C = 1; a static/dynamic batch keeps the B it started with
+             until it ends
     prefill: per call, B as above or 1, C = smallest prefill_chunk_sizes entry >= its longest
-             chunk
+             chunk; a chunk that wants prompt logprobs runs as a call of its own (B = 1)
 
 `dispatch` returns at once (the device runs on, the packed results start copying to the host);
 `collect` waits for them. The engine dispatches iteration t+1 before collecting iteration t.
@@ -207,9 +208,7 @@ class ModelRunner:
                 out.decode_steps)
             carry_rows |= {c.request.request_id: i for i, c in enumerate(flight.decode_chunks)}
         prefill = [c for c in out.chunks if c.num_tokens > 1]  # row i -> prefill carry[i]
-        groups = prefill_groups([c.num_tokens for c in prefill], self.prefill_row_buckets,
-                                self.chunk_buckets)
-        for group in groups:
+        for group in self._prefill_calls(prefill):
             call, carries[1] = self._dispatch_prefill([prefill[i] for i in group], group,
                                                       carries[1])
             flight.prefills.append(call)
@@ -221,6 +220,16 @@ class ModelRunner:
             if array is not None:
                 array.copy_to_host_async()
         return flight
+
+    def _prefill_calls(self, prefill: list[ScheduledChunk]) -> list[list[int]]:
+        """Indices into `prefill`, one list per call. A chunk whose request wants prompt
+        logprobs runs alone: the prompt-logprob step (logits at every position) is compiled
+        for one row only, which keeps start-up short. The rest are grouped by length."""
+        alone = [[i] for i, c in enumerate(prefill) if c.request.params.prompt_logprobs is not None]
+        rest = [i for i, c in enumerate(prefill) if c.request.params.prompt_logprobs is None]
+        groups = prefill_groups([prefill[i].num_tokens for i in rest], self.prefill_row_buckets,
+                                self.chunk_buckets)
+        return alone + [[rest[j] for j in group] for group in groups]
 
     def collect(self, flight: Inflight) -> dict[str, Samples]:
         """Wait for an iteration's results: the tokens each request sampled."""
@@ -323,8 +332,9 @@ class ModelRunner:
         start = time.perf_counter()
         shapes = [("decode", b, 1, k) for b in self.row_buckets
                   for k in sorted({1, self.config.decode_steps})]
-        kinds = ("prefill", "prompt") if self.config.enable_prompt_logprobs else ("prefill",)
-        shapes += [(kind, b, c, 1) for kind in kinds for b, c in self._prefill_buckets()]
+        shapes += [("prefill", b, c, 1) for b, c in self._prefill_buckets()]
+        if self.config.enable_prompt_logprobs:  # one row: see _prefill_calls
+            shapes += [("prompt", 1, c, 1) for c in self.chunk_buckets]
         with self._counting():
             for kind, b, c, steps in tqdm(shapes, desc="compiling", disable=not progress):
                 self._warm(kind, b, c, steps)
