@@ -20,8 +20,9 @@ if [[ $parts == *kernels* ]]; then
 fi
 if [[ $parts == *engine* ]]; then
   echo "== engine: Llama-3-8B shape, bf16, continuous vs static"
-  # rows padded to 8 or 32: five 32-layer steps to compile instead of eleven (a memory-bound
-  # 8B decode step costs about the same at 8 rows as at 2)
+  # rows padded to 8 or 32 (prefill calls to 1, 8 or 32): five 32-layer steps to compile
+  # instead of eleven; a memory-bound 8B decode step costs about the same at 8 rows as at 2,
+  # while a prefill call of 2-8 chunks pads to 8 rows
   timeout 230 python3 bench/batching.py --model bench/models/llama3-8b --dtype bfloat16 \
     --num-prompts 192 --max-num-seqs 32 --max-num-batched-tokens 1024 --prefill-chunk-sizes 256 \
     --row-buckets 8,32 \

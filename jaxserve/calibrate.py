@@ -166,14 +166,16 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
     the engine woke from idle run slower: they are left out of the factors and give the wake
     factor instead. The open loops' other iterations give the spreads, how each kind scatters
     around its predicted cost."""
-    starts: list[tuple[float, SchedulerOutput | None]] = []  # (start, what the step dispatched)
+    # (start, what the step dispatched, whether it left the engine with nothing to do)
+    starts: list[tuple[float, SchedulerOutput | None, bool]] = []
     step = engine.step
 
     def timed_step():
         start = time.perf_counter()
         outputs = step()
         flight = engine._inflight
-        starts.append((start, None if flight is None else flight[0]))
+        starts.append((start, None if flight is None else flight[0],
+                       not engine.has_unfinished_requests()))
         return outputs
 
     engine.step = timed_step
@@ -181,11 +183,15 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
     periods: list[tuple[SchedulerOutput, float, bool, int]] = []
 
     def collect_periods(open_loop: bool):
-        # a step that dispatched nothing may be followed by an idle wait: no period across it
+        # a step that dispatched nothing may be followed by an idle wait: no period across it.
+        # The engine woke when the step before left it with nothing to do and an open loop
+        # then slept until the next arrival (as the simulator's idle); a closed loop never
+        # sleeps, it only starts
         since = 0
         for i in range(len(starts) - 2):
-            (_, out), read, after = starts[i:i + 3]
-            since = 0 if i == 0 or starts[i - 1][1] is None else since + 1
+            (_, out, _), read, after = starts[i:i + 3]
+            slept = i == 0 or (open_loop and starts[i - 1][2])
+            since = 0 if slept else since + 1
             if out is not None and read[1] is not None:
                 periods.append((out, after[0] - read[0], open_loop, since))
         starts.clear()
@@ -215,8 +221,13 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
         since.append(k)
     rows, d, p, wall, served, since = map(np.array, (rows, d, p, wall, served, since))
     steady = since >= WAKE_STEPS  # the first iterations after idle: the wake factor's
-    decode_only = (p == 0) & (d > 0) & steady
-    factors = {0: float(wall[decode_only].sum() / d[decode_only].sum())}
+
+    def prefer_steady(kind: np.ndarray) -> np.ndarray:  # all of a kind if none ran steady
+        return kind & steady if (kind & steady).any() else kind
+
+    decode_only = prefer_steady((p == 0) & (d > 0))
+    factors = {0: float(wall[decode_only].sum() / d[decode_only].sum())} if (
+        decode_only.any()) else {}
     for b in np.unique(rows[decode_only]):
         pick = decode_only & (rows == b)
         if (pick & served).sum() >= min_steps:
@@ -224,9 +235,10 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
         if pick.sum() >= min_steps:
             factors[int(b)] = float(wall[pick].sum() / d[pick].sum())
     fit.decode_factor = factors
-    rest = (p > 0) & steady
+    rest = prefer_steady(p > 0)
     decode_part = np.array([fit.decode_factor_for(int(b)) for b in rows[rest]]) * d[rest]
-    fit.prefill_factor = float(max(0.0, (wall[rest] - decode_part).sum()) / p[rest].sum())
+    if rest.any():
+        fit.prefill_factor = float(max(0.0, (wall[rest] - decode_part).sum()) / p[rest].sum())
     predicted = np.array([fit.decode_factor_for(int(b)) for b in rows]) * d + (
         fit.prefill_factor * p)
     woke = served & ~steady

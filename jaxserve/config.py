@@ -27,21 +27,35 @@ def kv_cache_dtype(dtype: str, backend: str, attention_impl: str) -> str:
     return dtype
 
 
+def host_memory_bytes() -> int:
+    """This process's memory: the machine's, or its cgroup's limit when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
 def compute_dtype(requested: str, checkpoint: str, backend: str, num_params: int,
-                  host_bytes: int | None = None) -> str:
+                  reserved_bytes: int = 0, host_bytes: int | None = None) -> str:
     """The dtype the engine loads the weights in and computes with. An explicit `requested`
     dtype wins. "auto" is the checkpoint's, except on the CPU: a 16-bit checkpoint runs in
-    float32 there when float32 weights take at most half the host's memory. XLA on the CPU has
-    no fast 16-bit matmul: it converts every weight on every step (a 2 x 2048 @ 2048 x 8192
-    product took 116 ms in bf16 and 17 ms in float32 on a 2-core x86;
-    `bench/weights_dtype_cpu.py` times whole decode steps)."""
+    float32 there when float32 weights take at most half of the host's memory (its cgroup's
+    limit, if lower) left after `reserved_bytes` (the KV cache). XLA on the CPU has no fast
+    16-bit matmul: it converts every weight on every step (a 2 x 2048 @ 2048 x 8192 product
+    took 116 ms in bf16 and 17 ms in float32 on a 2-core x86; `bench/weights_dtype_cpu.py`
+    times whole decode steps)."""
     if requested != "auto":
         return requested
     if backend != "cpu" or checkpoint == "float32":
         return checkpoint
     if host_bytes is None:
-        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return "float32" if 4 * num_params <= host_bytes // 2 else checkpoint
+        host_bytes = host_memory_bytes()
+    return "float32" if 4 * num_params <= (host_bytes - reserved_bytes) // 2 else checkpoint
 
 
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -226,7 +240,7 @@ _CHOICES = {
 class EngineConfig:
     """Engine settings; the field names are the overrides, config-file keys and CLI flags."""
 
-    dtype: str = "auto"  # auto: the checkpoint's dtype (16-bit ones: float32 on the CPU)
+    dtype: str = "auto"  # auto: the checkpoint's (16-bit: float32 on the CPU if memory allows)
     load_format: str = "auto"  # dummy: random weights of the checkpoint's shape
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -285,10 +299,12 @@ class EngineConfig:
         if self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
         sizes = self.prefill_chunk_sizes
-        if not sizes or any(s <= 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
+        if (not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes)
+                or list(sizes) != sorted(set(sizes))):
             raise ValueError(f"prefill_chunk_sizes must be increasing positive sizes, got {sizes!r}")
         rows = self.row_buckets
-        if rows is not None and (not rows or list(rows) != sorted(set(rows)) or rows[0] < 2
+        if rows is not None and (not rows or any(not isinstance(r, int) for r in rows)
+                                 or list(rows) != sorted(set(rows)) or rows[0] < 2
                                  or rows[-1] < self.max_num_seqs):
             raise ValueError(f"row_buckets must be increasing sizes of at least 2, the last >= "
                              f"max_num_seqs ({self.max_num_seqs}), got {rows!r}")

@@ -65,7 +65,8 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     device = device or this_device()
     from jaxserve.model.attention import resolve_attention_impl
 
-    dtype = compute_dtype(config.dtype, cfg.dtype, device.backend, cfg.num_params)
+    dtype = compute_dtype(config.dtype, cfg.dtype, device.backend, cfg.num_params,
+                          config.kv_cache_bytes_cpu)
     kv_dtype = kv_cache_dtype(dtype, device.backend,
                               resolve_attention_impl(config.attention_impl, device.backend))
     weights = {dt: weight_bytes(cfg, dt) for dt in SUPPORTED_DTYPES}

@@ -115,7 +115,7 @@ class ModelRunner:
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.backend = jax.default_backend()
         dtype = compute_dtype(config.dtype, model_config.dtype, self.backend,
-                              model_config.num_params)
+                              model_config.num_params, config.kv_cache_bytes_cpu)
         if dtype != model_config.dtype and config.dtype == "auto":
             log.info("the checkpoint is %s; computing in %s on the CPU, where 16-bit matmuls "
                      "are slow (dtype=%s keeps it)", model_config.dtype, dtype,

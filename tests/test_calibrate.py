@@ -1,6 +1,7 @@
 """The bridge between the simulator and the real engine (jaxserve.calibrate) on a tiny model:
 profile, fit, measure the engine, save; then validate a short trace against the engine."""
 
+import dataclasses
 import math
 
 import pytest
@@ -68,3 +69,13 @@ def test_validate_reports_both_runs_and_every_relative_error(fit):
     first, second = report["runs"]  # the engine side is the mean of its runs
     assert report["real"]["mean_ttft_ms"] == pytest.approx(
         (first["mean_ttft_ms"] + second["mean_ttft_ms"]) / 2)
+
+
+def test_one_sequence_at_a_time_still_gives_finite_factors(tmp_path):
+    # every prompt iteration follows a step that only drained the last token: that is not an
+    # idle wait, and the fit must not lose all its steady prefill samples to the wake factor
+    config = dataclasses.replace(CONFIG, max_num_seqs=1)
+    fitted = calibrate(MODEL, config, tmp_path / "fit.json", progress=False,
+                       open_loop_requests=6)
+    values = [*fitted.decode_factor.values(), fitted.prefill_factor, fitted.wake_factor]
+    assert fitted.decode_factor and all(math.isfinite(v) and v > 0 for v in values)

@@ -109,6 +109,8 @@ def test_auto_dtype_computes_a_16_bit_checkpoint_in_float32_on_the_cpu(tmp_path)
     assert compute_dtype("auto", "bfloat16", "cpu", 10**9, host_bytes=16 * gib) == "float32"
     assert compute_dtype("auto", "float16", "cpu", 10**9, host_bytes=16 * gib) == "float32"
     assert compute_dtype("auto", "bfloat16", "cpu", 10**9, host_bytes=6 * gib) == "bfloat16"
+    assert compute_dtype("auto", "bfloat16", "cpu", 10**9, reserved_bytes=4 * gib,
+                         host_bytes=10 * gib) == "bfloat16"  # the KV cache's share comes first
     assert compute_dtype("auto", "bfloat16", "gpu", 10**9, host_bytes=16 * gib) == "bfloat16"
     assert compute_dtype("bfloat16", "bfloat16", "cpu", 10**9) == "bfloat16"  # asked for
     assert compute_dtype("auto", "float32", "cpu", 10**9) == "float32"

@@ -69,7 +69,7 @@ def test_engine_config_errors_name_the_field():
         EngineConfig(batching="eager")
     with pytest.raises(ValueError, match="page_size must be a positive integer, got 0"):
         EngineConfig(page_size=0)
-    for rows in ((1, 8), (8, 4), (2, 4)):  # below 2, not increasing, short of max_num_seqs 8
+    for rows in ((1, 8), (8, 4), (2, 4), (2.0, 8.0)):  # < 2, decreasing, < max_num_seqs, floats
         with pytest.raises(ValueError, match=r"row_buckets must be increasing .* max_num_seqs \(8\)"):
             EngineConfig(max_num_seqs=8, row_buckets=rows)
     assert EngineConfig.from_overrides(max_num_seqs=6, row_buckets=[4, 6]).row_buckets == (4, 6)

@@ -1,5 +1,6 @@
 """How an iteration's rows are padded into compiled shapes: the runner's rule, shared with the
-simulator's cost model so both split an iteration the same way.
+simulator's cost model so both split an iteration the same way. (The runner also runs a chunk
+that wants prompt logprobs as a call of its own; the simulator's workloads never ask for them.)
 
 A call pads its rows to a row bucket and every row's tokens to the chunk bucket of its longest
 row. One prefill call mixing a 200-token chunk with three 20-token chunks would compute 4 x 256

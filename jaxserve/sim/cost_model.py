@@ -22,9 +22,10 @@ thread on the same cores), so the iteration is
 with the factors measured on the periods of steps in short closed- and open-loop runs of the
 real engine (`calibrate.measure_engine`): the ratio of their summed time to the summed profile
 (step times are heavy-tailed; their sum is what latencies add up). An engine waking from idle
-is slower for a few iterations (threads parked, caches cold; measured: about 1.4x for five
-iterations on the CPU): the wake factor is their measured / predicted time, and the wake-up
-term the mean extra time to first token of lone requests beyond that.
+is slower for a few iterations (threads parked, caches cold; on the CPU the first five
+iterations' periods measured about 1.4x the later ones). The wake factor is their measured /
+predicted time (1.27-1.35 measured), and the wake-up term the mean extra time to first token
+of lone requests beyond that.
 
 A served engine's iterations scatter around that mean (the host thread, the OS, the caches),
 and latency percentiles live in that scatter. The fit keeps it as quantiles of measured /
