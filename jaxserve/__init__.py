@@ -1,7 +1,18 @@
-"""jaxserve: an LLM serving engine on JAX/XLA."""
+"""jaxserve: an LLM serving engine on JAX/XLA.
 
-from jaxserve.engine import LLM
+`LLM` is imported on first use, so that the host-only parts (`jaxserve.core`, `jaxserve.sim`)
+load without jax (DESIGN.md section 1).
+"""
+
 from jaxserve.request import CompletionOutput, RequestOutput, SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from jaxserve.engine import LLM
+
+        return LLM
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -291,3 +291,12 @@ def test_learned_predictor_learns_the_task_from_the_prompt(tmp_path):
         predicted[task] = predictor(request)
     assert predicted[3] < predicted[10] < predicted[17]
     assert predicted[10] == pytest.approx(64, rel=0.3)
+
+
+def test_the_host_core_and_the_simulator_load_without_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys, jaxserve.core.scheduler, jaxserve.core.buckets, jaxserve.sim.cli; "
+            "sys.exit('jax' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
