@@ -2,7 +2,7 @@
 
 An iteration dispatches one jitted call for the decode rows (one token each, `decode_steps`
 steps in one dispatch) and one or a few for the prompt chunks, grouped by length
-(`core.buckets.prefill_groups`). Rows are padded to buckets so every shape is compiled once, at
+(`core.buckets.prefill_calls`). Rows are padded to buckets so every shape is compiled once, at
 start-up:
 
     decode:  B = smallest row bucket >= rows (powers of two from 2 up to max_num_seqs, or
@@ -29,7 +29,7 @@ import numpy as np
 from jax import monitoring
 
 from jaxserve.config import EngineConfig, ModelConfig, compute_dtype, kv_cache_dtype
-from jaxserve.core.buckets import bucket, prefill_groups, prefill_row_buckets
+from jaxserve.core.buckets import bucket, prefill_calls, prefill_row_buckets
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
@@ -208,7 +208,10 @@ class ModelRunner:
                 out.decode_steps)
             carry_rows |= {c.request.request_id: i for i, c in enumerate(flight.decode_chunks)}
         prefill = [c for c in out.chunks if c.num_tokens > 1]  # row i -> prefill carry[i]
-        for group in self._prefill_calls(prefill):
+        calls = prefill_calls([c.num_tokens for c in prefill],
+                              [c.request.params.prompt_logprobs is not None for c in prefill],
+                              self.prefill_row_buckets, self.chunk_buckets)
+        for group in calls:
             call, carries[1] = self._dispatch_prefill([prefill[i] for i in group], group,
                                                       carries[1])
             flight.prefills.append(call)
@@ -220,19 +223,6 @@ class ModelRunner:
             if array is not None:
                 array.copy_to_host_async()
         return flight
-
-    def _prefill_calls(self, prefill: list[ScheduledChunk]) -> list[list[int]]:
-        """Indices into `prefill`, one list per call. A chunk whose request wants prompt
-        logprobs runs alone: the prompt-logprob step (logits at every position) is compiled
-        for one row only, which keeps start-up short (the demo: 34 shapes instead of 54). The
-        cost falls on workloads where every request wants them (log-likelihood evaluations):
-        their chunks run one row per call, which a chunk of a few hundred tokens nearly pays
-        for by itself. The rest are grouped by length."""
-        alone = [[i] for i, c in enumerate(prefill) if c.request.params.prompt_logprobs is not None]
-        rest = [i for i, c in enumerate(prefill) if c.request.params.prompt_logprobs is None]
-        groups = prefill_groups([prefill[i].num_tokens for i in rest], self.prefill_row_buckets,
-                                self.chunk_buckets)
-        return alone + [[rest[j] for j in group] for group in groups]
 
     def collect(self, flight: Inflight) -> dict[str, Samples]:
         """Wait for an iteration's results: the tokens each request sampled."""
@@ -336,7 +326,7 @@ class ModelRunner:
         shapes = [("decode", b, 1, k) for b in self.row_buckets
                   for k in sorted({1, self.config.decode_steps})]
         shapes += [("prefill", b, c, 1) for b, c in self._prefill_buckets()]
-        if self.config.enable_prompt_logprobs:  # one row: see _prefill_calls
+        if self.config.enable_prompt_logprobs:  # one row: see core.buckets.prefill_calls
             shapes += [("prompt", 1, c, 1) for c in self.chunk_buckets]
         with self._counting():
             for kind, b, c, steps in tqdm(shapes, desc="compiling", disable=not progress):

@@ -4,7 +4,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxserve.core.buckets import CALL_TOKENS, bucket, prefill_groups, prefill_row_buckets
+from jaxserve.core.buckets import (
+    CALL_TOKENS,
+    bucket,
+    prefill_calls,
+    prefill_groups,
+    prefill_row_buckets,
+)
 
 ROWS, CHUNKS = prefill_row_buckets((2, 4, 8, 16, 32)), (16, 64, 256)
 
@@ -40,6 +46,13 @@ def test_chunks_of_one_bucket_share_a_call_in_their_order():
 def test_a_row_joins_its_neighbour_when_that_pads_less():
     # three 70s pad to 4 rows of 256 anyway: the 60 fills the fourth instead of a call of its own
     assert prefill_groups([70, 60, 70, 70], ROWS, CHUNKS) == [[0, 1, 2, 3]]
+
+
+def test_a_chunk_that_wants_prompt_logprobs_runs_alone():
+    # the 40 and 30 would share a call; the 30 wants prompt logprobs, so it runs as one row
+    assert prefill_calls([40, 30, 50, 200], [False, True, False, False], ROWS, CHUNKS) == [
+        [1], [0, 2], [3]]
+    assert prefill_calls([40, 30], [False, False], ROWS, CHUNKS) == [[0, 1]]
 
 
 @given(st.lists(st.integers(2, 256), min_size=1, max_size=32))

@@ -2,7 +2,7 @@
 
 An iteration dispatches a decode call over B_d rows (padded to a row bucket) for K steps, and
 prefill calls, each over B_p rows padded to a chunk bucket C (the runner's grouping of prompt
-chunks by length, `core.buckets.prefill_groups`). Each compiled shape has its own cost, and
+chunks by length, `core.buckets.prefill_calls`). Each compiled shape has its own cost, and
 attention walks the pages of the longest sequence in the call (L) for every row, so:
 
     device = decode[B_d, K](L_d) + sum over calls prefill[B_p, C](L_p)
@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.buckets import prefill_groups, prefill_row_buckets
+from jaxserve.core.buckets import prefill_calls, prefill_row_buckets
 from jaxserve.core.scheduler import SchedulerOutput
 
 # 2: several prefill calls per iteration; 3: one-row prefill calls; 4: factors from steady
@@ -103,7 +103,9 @@ def step_shape(out: SchedulerOutput, row_buckets: tuple[int, ...],
     decode = [c for c in out.chunks if c.num_tokens == 1]
     prompt = [c for c in out.chunks if c.num_tokens > 1]
     calls, prefill_rows = [], prefill_row_buckets(row_buckets)
-    for group in prefill_groups([c.num_tokens for c in prompt], prefill_rows, chunk_buckets):
+    for group in prefill_calls([c.num_tokens for c in prompt],
+                               [c.request.params.prompt_logprobs is not None for c in prompt],
+                               prefill_rows, chunk_buckets):
         chunks = [prompt[i] for i in group]
         calls.append((_bucket(len(chunks), prefill_rows),
                       _bucket(max(c.num_tokens for c in chunks), chunk_buckets),
