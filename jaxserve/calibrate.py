@@ -126,10 +126,12 @@ def profile_runner(engine: LLMEngine, passes: int = 3, progress: bool = False):
 
 def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
               engine: LLMEngine | None = None, progress: bool = True,
-              open_loop_requests: int = 96, freeze: bool = False) -> StepCostModel:
+              open_loop_requests: int = 96, freeze: bool = False,
+              between: Callable[[int], None] | None = None, rounds: int = 1) -> StepCostModel:
     """Profile the runner on this device, fit the cost model, save it (default: the cache).
     `open_loop_requests`: requests per open-loop rate in `measure_engine`. `freeze`: the
-    process is the engine's, as a server's is: `freeze_gc` once the engine is warm."""
+    process is the engine's, as a server's is: `freeze_gc` once the engine is warm.
+    `rounds`, `between`: as in `measure_engine`."""
     if engine is None:
         engine = LLMEngine(model, config, progress=progress)
         if freeze:
@@ -143,7 +145,8 @@ def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
         "num_pages": runner.num_pages, "max_model_len": runner.max_model_len,
         "attention_impl": runner.attention_impl, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     })
-    measure_engine(engine, fit, open_loop_requests=open_loop_requests)
+    measure_engine(engine, fit, open_loop_requests=open_loop_requests, between=between,
+                   rounds=rounds)
     fit.idle_wakeup = measure_wakeup(engine, fit)
     fit.save(path or default_fit_path(model, config))
     return fit
@@ -152,7 +155,8 @@ def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
 def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
                    min_steps: int = 20,
                    open_loop_rates: tuple[float, ...] = (4.0, 12.0, 24.0, 48.0),
-                   open_loop_requests: int = 96) -> None:
+                   open_loop_requests: int = 96,
+                   between: Callable[[int], None] | None = None, rounds: int = 1) -> None:
     """Set the fit's engine factors from steps of the real engine: closed loops keeping 2, 4
     ... max_num_seqs requests in flight, then open loops (Poisson arrivals at a few rates, where
     the engine idles between requests as a server does, and runs slower for a while after).
@@ -165,7 +169,12 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
     heavy-tailed, and the simulator must match their sum. The first WAKE_STEPS iterations after
     the engine woke from idle run slower: they are left out of the factors and give the wake
     factor instead. The open loops' other iterations give the spreads, how each kind scatters
-    around its predicted cost."""
+    around its predicted cost.
+
+    The open loops run in `rounds` rounds of open_loop_requests / rounds requests per rate, and
+    `between(r)` (untimed) runs after round r: validation plays its trace there, so that the
+    engine factors and the runs they are checked against sample the machine over the same
+    minutes (this machine's speed drifts by 10-20% from one minute to the next)."""
     # (start, what the step dispatched, whether it left the engine with nothing to do)
     starts: list[tuple[float, SchedulerOutput | None, bool]] = []
     step = engine.step
@@ -203,13 +212,23 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
                               output_len=64, max_model_len=engine.max_model_len)
             run_closed_loop(engine, specs, concurrency)
             collect_periods(False)
-        for j, rate in enumerate(open_loop_rates):  # as served: arrivals, idle gaps, wake-ups
-            run_on_engine(engine, synthetic(open_loop_requests, rate, seed=seed + 100 + j,
-                                            input_len=96, output_len=64,
-                                            max_model_len=engine.max_model_len))
-            collect_periods(True)
+        per_round = -(-open_loop_requests // max(1, rounds))
+        for r in range(max(1, rounds)):
+            for j, rate in enumerate(open_loop_rates):  # as served: arrivals, idle, wake-ups
+                run_on_engine(engine, synthetic(per_round, rate,
+                                                seed=seed + 100 + j + len(open_loop_rates) * r,
+                                                input_len=96, output_len=64,
+                                                max_model_len=engine.max_model_len))
+                collect_periods(True)
+            if between is not None:
+                del engine.step
+                try:
+                    between(r)
+                finally:
+                    engine.step = timed_step
+                starts.clear()
     finally:
-        del engine.step
+        engine.__dict__.pop("step", None)
     rows, d, p, wall, served, since = [], [], [], [], [], []
     for out, t, open_loop, k in periods:
         shape = step_shape(out, fit.row_buckets, fit.chunk_buckets)
@@ -338,7 +357,7 @@ def validate(model: str, config: EngineConfig,
              workload: Callable[[int], list[RequestSpec]],
              fit_path: str | Path | None = None, progress: bool = True,
              recalibrate: bool = False, repeats: int = 1, freeze: bool = False,
-             sim_seeds: int = 8) -> dict:
+             sim_seeds: int = 8, open_loop_requests: int = 96) -> dict:
     """Run workload(max_model_len) on the engine and in the simulator; metrics of both and the
     relative errors of VALIDATED. Both sides are expectations: the engine's metrics are the
     means over `repeats` runs of the workload (a served engine's speed on this kind of machine
@@ -346,18 +365,27 @@ def validate(model: str, config: EngineConfig,
     `sim_seeds` runs (seeds of its step-time spread). "noise" is how far the engine's single
     runs land from their mean (the floor under any simulator error on this machine), and
     "runs" holds each run's metrics. The saved fit is used unless there is none or
-    `recalibrate`. `freeze`: as in `calibrate`."""
+    `recalibrate`; a fresh calibration interleaves its open loops with the engine runs
+    (`measure_engine`'s rounds), so both see the machine at the same speeds. `freeze` and
+    `open_loop_requests`: as in `calibrate`."""
     engine = LLMEngine(model, config, progress=progress)
     if freeze:
         freeze_gc()
     specs = workload(engine.max_model_len)
     path = Path(fit_path or default_fit_path(model, config))
+    runs: list[dict] = []
+
+    def play(_round: int = 0) -> None:
+        runs.append(compute_metrics(*run_on_engine(engine, specs)))
+
+    run_on_engine(engine, specs[:min(len(specs), 8)])  # warm the host path; not measured
     if path.is_file() and not recalibrate:
         fit = StepCostModel.load(path)
+        for _ in range(max(1, repeats)):
+            play()
     else:
-        fit = calibrate(model, config, path, engine, progress)
-    run_on_engine(engine, specs[:min(len(specs), 8)])  # warm the host path; not measured
-    runs = [compute_metrics(*run_on_engine(engine, specs)) for _ in range(max(1, repeats))]
+        fit = calibrate(model, config, path, engine, progress, open_loop_requests,
+                        between=play, rounds=max(1, repeats))
     real = _mean(runs)
     simulated = simulate_expected(config, fit, specs, sim_seeds)
 

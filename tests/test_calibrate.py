@@ -79,3 +79,27 @@ def test_one_sequence_at_a_time_still_gives_finite_factors(tmp_path):
                        open_loop_requests=6)
     values = [*fitted.decode_factor.values(), fitted.prefill_factor, fitted.wake_factor]
     assert fitted.decode_factor and all(math.isfinite(v) and v > 0 for v in values)
+
+
+def test_a_fresh_calibration_interleaves_its_open_loops_with_the_validation_runs(
+        tmp_path, monkeypatch):
+    import jaxserve.calibrate as calibrate_module
+
+    played = []  # (requests, whether the calibration timed its steps) per workload, in order
+    real_run = calibrate_module.run_on_engine
+
+    def run_on_engine(engine, specs, *args, **kwargs):
+        played.append((len(specs), "step" in engine.__dict__))
+        return real_run(engine, specs, *args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "run_on_engine", run_on_engine)
+    path = tmp_path / "fit.json"
+    report = validate(MODEL, CONFIG, lambda max_len: synthetic(
+        10, 40.0, seed=5, input_len=12, output_len=6, max_model_len=max_len), path,
+        progress=False, recalibrate=True, repeats=2, open_loop_requests=4)
+    assert path.is_file() and len(report["runs"]) == 2
+    # warm-up (8 of the trace); then per round one timed open loop of 2 requests at each of
+    # the four rates, and one untimed run of the 10-request trace
+    round_ = [(2, True)] * 4 + [(10, False)]
+    assert played == [(8, False), *round_, *round_]
+    assert all(math.isfinite(e) for e in report["errors"].values())
