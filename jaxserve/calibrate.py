@@ -168,8 +168,9 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
     steps with prompt chunks then give the prefill factor. Ratios of sums: step times are
     heavy-tailed, and the simulator must match their sum. The first WAKE_STEPS iterations after
     the engine woke from idle run slower: they are left out of the factors and give the wake
-    factor instead. The open loops' other iterations give the spreads, how each kind scatters
-    around its predicted cost.
+    factors instead, one per kind (decode-only, with prompt chunks; a kind seen fewer than
+    min_steps times takes the factor of all woke iterations). The open loops' iterations give
+    the spreads, how each kind scatters around its predicted cost, steady and woke apart.
 
     The open loops run in `rounds` rounds of open_loop_requests / rounds requests per rate, and
     `between(r)` (untimed) runs after round r: validation plays its trace there, so that the
@@ -261,12 +262,18 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
     predicted = np.array([fit.decode_factor_for(int(b)) for b in rows]) * d + (
         fit.prefill_factor * p)
     woke = served & ~steady
-    if woke.sum() >= min_steps:
-        fit.wake_factor = float(wall[woke].sum() / predicted[woke].sum())
-    # the scatter of steady served iterations, decode-only and with prompt chunks apart
+    for name, kind in (("wake_factor", p == 0), ("wake_prefill_factor", p > 0)):
+        pick = woke & kind if (woke & kind).sum() >= min_steps else woke
+        if pick.sum() >= min_steps:
+            setattr(fit, name, float(wall[pick].sum() / predicted[pick].sum()))
+    # the scatter of served iterations: decode-only and with prompt chunks, steady and woke
     for name, kind in (("spread", p == 0), ("prefill_spread", p > 0)):
         pick = served & steady & kind
         setattr(fit, name, spread_quantiles(fit, rows[pick], d[pick], p[pick], wall[pick]))
+        pick = woke & kind
+        if pick.sum() >= min_steps:
+            setattr(fit, "wake_" + name,
+                    spread_quantiles(fit, rows[pick], d[pick], p[pick], wall[pick]))
 
 
 def measure_wakeup(engine: LLMEngine, fit: StepCostModel, num_requests: int = 16,
@@ -274,8 +281,9 @@ def measure_wakeup(engine: LLMEngine, fit: StepCostModel, num_requests: int = 16
     """Mean extra time to first token of a lone request arriving at an idle engine, over what
     the fit (without wake-up, and without its spread: the mean) predicts."""
     rng = np.random.default_rng(seed)
-    mean_fit = dataclasses.replace(fit, spread=(), prefill_spread=(), idle_wakeup=0.0)
-    # the wake factor stays: this is the first-token time it leaves unexplained
+    mean_fit = dataclasses.replace(fit, spread=(), prefill_spread=(), wake_spread=(),
+                                   wake_prefill_spread=(), idle_wakeup=0.0)
+    # the wake factors stay: this is the first-token time it leaves unexplained
     sim = Simulator(engine.config, mean_fit, engine.runner.num_pages, engine.max_model_len)
     excess = []
     for _ in range(num_requests):

@@ -46,9 +46,11 @@ def test_the_fit_has_positive_costs_and_engine_factors_and_round_trips(fit):
     for a, b in [*fitted.decode.values(), *fitted.prefill.values()]:
         assert a > 0 and b >= 0
     assert all(f > 0 and math.isfinite(f) for f in fitted.decode_factor.values())
-    assert fitted.prefill_factor >= 0 and fitted.idle_wakeup >= 0 and fitted.wake_factor > 0
+    assert fitted.prefill_factor >= 0 and fitted.idle_wakeup >= 0
+    assert fitted.wake_factor > 0 and fitted.wake_prefill_factor > 0
     assert len(fitted.spread) == 1000  # decode-only; with prompt chunks there may be too few
-    for spread in (fitted.spread, fitted.prefill_spread):
+    for spread in (fitted.spread, fitted.prefill_spread, fitted.wake_spread,
+                   fitted.wake_prefill_spread):
         assert len(spread) in (0, 1000)
         assert not spread or math.isclose(sum(spread) / len(spread), 1.0)
         assert not spread or (spread[0] > 0 and list(spread) == sorted(spread))
@@ -56,6 +58,8 @@ def test_the_fit_has_positive_costs_and_engine_factors_and_round_trips(fit):
     assert loaded.decode == fitted.decode and loaded.decode_factor == fitted.decode_factor
     assert loaded.spread == fitted.spread and loaded.prefill_spread == fitted.prefill_spread
     assert loaded.wake_factor == fitted.wake_factor
+    assert loaded.wake_prefill_factor == fitted.wake_prefill_factor
+    assert loaded.wake_spread == fitted.wake_spread
 
 
 def test_validate_reports_both_runs_and_every_relative_error(fit):
@@ -77,7 +81,8 @@ def test_one_sequence_at_a_time_still_gives_finite_factors(tmp_path):
     config = dataclasses.replace(CONFIG, max_num_seqs=1)
     fitted = calibrate(MODEL, config, tmp_path / "fit.json", progress=False,
                        open_loop_requests=6)
-    values = [*fitted.decode_factor.values(), fitted.prefill_factor, fitted.wake_factor]
+    values = [*fitted.decode_factor.values(), fitted.prefill_factor, fitted.wake_factor,
+              fitted.wake_prefill_factor]
     assert fitted.decode_factor and all(math.isfinite(v) and v > 0 for v in values)
 
 

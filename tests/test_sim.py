@@ -109,14 +109,28 @@ def test_step_time_spread_is_seeded_and_keeps_the_mean():
     assert times(0)[-1] == pytest.approx(4.0, rel=0.1)
 
 
-def test_the_first_iterations_after_idle_run_at_the_wake_factor():
+def test_the_first_iterations_after_idle_run_at_their_kinds_wake_factor():
     cost = flat_cost(0.01)
-    cost.wake_factor = 2.0  # WAKE_STEPS = 5 iterations of 20 ms, then 10 ms
+    # WAKE_STEPS = 5 iterations: the prefill at 30 ms, four decodes at 20 ms, then 10 ms
+    cost.wake_prefill_factor, cost.wake_factor = 3.0, 2.0
     sim = Simulator(config(), cost, num_pages=64, max_model_len=128)
     (early, late) = sim.run([RequestSpec(0.5, prompt_len=10, output_len=7),
                              RequestSpec(2.0, prompt_len=10, output_len=2)]).records
-    assert early.times == pytest.approx([0.52, 0.54, 0.56, 0.58, 0.60, 0.61, 0.62])
-    assert late.times == pytest.approx([2.02, 2.04])  # woke again
+    assert early.times == pytest.approx([0.53, 0.55, 0.57, 0.59, 0.61, 0.62, 0.63])
+    assert late.times == pytest.approx([2.03, 2.05])  # woke again
+
+
+def test_the_first_iterations_after_idle_draw_from_the_wake_spreads():
+    cost = flat_cost(0.01)
+    cost.spread, cost.prefill_spread = (1.0,), (1.0,)
+    cost.wake_spread, cost.wake_prefill_spread = (2.0,), (4.0,)
+    (record,) = Simulator(config(), cost, num_pages=64, max_model_len=128).run(
+        [RequestSpec(0.5, prompt_len=10, output_len=7)]).records
+    assert record.times == pytest.approx([0.54, 0.56, 0.58, 0.60, 0.62, 0.63, 0.64])
+    cost.wake_prefill_spread = ()  # too few woke prefills measured: the steady table serves
+    (record,) = Simulator(config(), cost, num_pages=64, max_model_len=128).run(
+        [RequestSpec(0.5, prompt_len=10, output_len=2)]).records
+    assert record.times == pytest.approx([0.51, 0.53])
 
 
 def test_spread_quantiles_scale_to_mean_one():
@@ -162,9 +176,13 @@ def test_cost_model_fit_recovers_per_shape_lines_and_round_trips(tmp_path):
     assert loaded.decode == fit.decode and loaded.prefill == fit.prefill
     assert loaded.decode_factor == fit.decode_factor and loaded.prefill_factor == 2.0
     assert loaded.samples == fit.samples and loaded.spread == ()
-    fit.spread = (0.5, 1.5)
+    fit.spread, fit.wake_spread, fit.wake_prefill_spread = (0.5, 1.5), (0.8, 1.2), (0.9, 1.1)
+    fit.wake_factor, fit.wake_prefill_factor = 1.4, 1.2
     fit.save(path)
-    assert StepCostModel.load(path).spread == (0.5, 1.5)
+    loaded = StepCostModel.load(path)
+    assert loaded.spread == (0.5, 1.5) and loaded.wake_spread == (0.8, 1.2)
+    assert loaded.wake_prefill_spread == (0.9, 1.1)
+    assert (loaded.wake_factor, loaded.wake_prefill_factor) == (1.4, 1.2)
 
 
 def test_step_shape_pads_as_the_runner_does():

@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fit", type=Path, help="the fit file (default: the user cache)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="--validate: engine runs of the workload; the simulator is compared "
-                             "with their mean, and their spread is reported as noise")
+                             "with their mean, and their spread is reported as noise (with "
+                             "--calibrate they alternate with the calibration's open loops)")
     w = parser.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=1000)
     w.add_argument("--request-rate", type=float, default=10.0, help="requests/s (inf: all at 0)")

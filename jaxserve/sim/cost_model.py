@@ -16,24 +16,30 @@ also pays for scheduling and outputs, and its calls meet other work (scattered p
 thread on the same cores), so the iteration is
 
     cost = decode_factor[B_d] * decode + prefill_factor * prefill
-           (x wake_factor for the first WAKE_STEPS iterations after the engine sat idle,
+           (x a wake factor for the first WAKE_STEPS iterations after the engine sat idle,
             + idle_wakeup for the first of them)
 
 with the factors measured on the periods of steps in short closed- and open-loop runs of the
 real engine (`calibrate.measure_engine`): the ratio of their summed time to the summed profile
 (step times are heavy-tailed; their sum is what latencies add up). An engine waking from idle
 is slower for a few iterations (threads parked, caches cold; on the CPU the first five
-iterations' periods measured about 1.4x the later ones). The wake factor is their measured /
-predicted time (1.27-1.35 measured), and the wake-up term the mean extra time to first token
-of lone requests beyond that.
+iterations' periods measured about 1.3x the later ones). The wake factors are their measured /
+predicted time, one for iterations with prompt chunks (`wake_prefill_factor`: the first after
+idle nearly always is one, the new request's prefill; about 1.16 measured) and one for
+decode-only iterations (`wake_factor`, about 1.47), and the wake-up term the mean extra time to
+first token of lone requests beyond that.
 
 A served engine's iterations scatter around that mean (the host thread, the OS, the caches),
 and latency percentiles live in that scatter. The fit keeps it as quantiles of measured /
 predicted over the open-loop runs' iterations, scaled to mean 1: `spread` for decode-only
 iterations, `prefill_spread` for those with prompt chunks (longer, and steadier relative to
-their length). A simulator passes `cost` a uniform draw per iteration from a seeded generator
-and gets that quantile's cost; without a draw (or a spread), the deterministic mean. The fit is
-saved as JSON with its samples and what it was measured on.
+their length), and `wake_spread` / `wake_prefill_spread` for the same kinds among the first
+iterations after idle, which scatter wider (a request arriving at an idle engine waits for
+one of those: the tail of time to first token lives there). A wake table measured from too
+few iterations is left empty and the steady one serves. A simulator passes `cost` a uniform
+draw per iteration from a seeded generator and gets that quantile's cost; without a draw (or
+a spread), the deterministic mean. The fit is saved as JSON with its samples and what it was
+measured on.
 """
 
 import hashlib
@@ -50,8 +56,8 @@ from jaxserve.core.buckets import prefill_calls, prefill_row_buckets
 from jaxserve.core.scheduler import SchedulerOutput
 
 # 2: several prefill calls per iteration; 3: one-row prefill calls; 4: factors from steady
-# iterations, with the wake factor and the spreads
-FIT_FORMAT = 4
+# iterations, with the wake factor and the spreads; 5: wake factors and spreads per kind
+FIT_FORMAT = 5
 WAKE_STEPS = 5  # iterations after an idle wait that run at the wake factor
 
 # the engine settings a step's cost depends on; scheduling (policy, window...) and the number
@@ -142,7 +148,11 @@ class StepCostModel:
     # iterations with prompt chunks
     spread: tuple[float, ...] = ()
     prefill_spread: tuple[float, ...] = ()
-    wake_factor: float = 1.0  # the first WAKE_STEPS iterations after idle
+    # the first WAKE_STEPS iterations after idle: decode-only ones, and those with prompt chunks
+    wake_factor: float = 1.0
+    wake_prefill_factor: float = 1.0
+    wake_spread: tuple[float, ...] = ()
+    wake_prefill_spread: tuple[float, ...] = ()
 
     def __post_init__(self):
         self._cache: dict[StepShape, float] = {}
@@ -154,9 +164,12 @@ class StepCostModel:
         shape = step_shape(out, self.row_buckets, self.chunk_buckets)
         d, p = self.parts(shape)
         seconds = self.decode_factor_for(shape.decode_rows) * d + self.prefill_factor * p
-        if since_wake < WAKE_STEPS:
-            seconds *= self.wake_factor
+        woke = since_wake < WAKE_STEPS
+        if woke:
+            seconds *= self.wake_prefill_factor if shape.prefill else self.wake_factor
         spread = self.prefill_spread if shape.prefill else self.spread
+        if woke:
+            spread = (self.wake_prefill_spread if shape.prefill else self.wake_spread) or spread
         if draw is None or not spread:
             return seconds
         return seconds * spread[int(draw * len(spread))]
@@ -238,6 +251,9 @@ class StepCostModel:
                 "decode_factor": self.decode_factor, "prefill_factor": self.prefill_factor,
                 "idle_wakeup": self.idle_wakeup, "spread": list(self.spread),
                 "prefill_spread": list(self.prefill_spread), "wake_factor": self.wake_factor,
+                "wake_prefill_factor": self.wake_prefill_factor,
+                "wake_spread": list(self.wake_spread),
+                "wake_prefill_spread": list(self.wake_prefill_spread),
                 "info": self.info, "samples": self.samples}
         path.write_text(json.dumps(data, indent=None))
 
@@ -251,7 +267,9 @@ class StepCostModel:
                    {int(k): v for k, v in data.get("decode_factor", {}).items()},
                    data.get("prefill_factor", 1.0), data.get("idle_wakeup", 0.0),
                    tuple(data.get("spread", ())), tuple(data.get("prefill_spread", ())),
-                   data.get("wake_factor", 1.0))
+                   data.get("wake_factor", 1.0), data.get("wake_prefill_factor", 1.0),
+                   tuple(data.get("wake_spread", ())),
+                   tuple(data.get("wake_prefill_spread", ())))
 
 
 def spread_quantiles(fit: StepCostModel, rows: np.ndarray, d: np.ndarray, p: np.ndarray,

@@ -6,7 +6,7 @@ iteration t's tokens are read, and the "device" runs iterations back to back:
     step:  arrivals <= now join | schedule() | dispatch: done = max(now, device_free) + cost
            | read the previous iteration: now = max(now, its done) | update() at now
 
-The cost of an iteration comes from a fitted `StepCostModel`: its wake factor for the first
+The cost of an iteration comes from a fitted `StepCostModel`: its wake factors for the first
 iterations after the engine sat idle (and its wake-up term for the first), at a quantile of the
 fit's spread drawn per iteration by a generator seeded with `seed` (a run is reproducible; runs
 over several seeds give the expected metrics, as `calibrate.validate` reports them). A request
