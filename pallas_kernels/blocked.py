@@ -5,10 +5,11 @@ makes a step cost max_model_len whatever the sequences' lengths. These functions
 table a block of pages at a time with an online softmax (as the kernels do), stopping after the
 longest sequence in the batch, so a step costs what its longest sequence needs:
 
-    page_table[b] = [p0 p1 p2 p3 | p4 p5 p6 p7 | ...]     blocks of `pages_per_block` pages
-    loop i = 0 .. ceil(max(seq_lens) / block_tokens) - 1  (data-dependent trip count, no recompile)
+    page_table[b] = [p0 p1 p2 p3 | p4 p5 p6 p7 | p8 p9 .. ..]   used pages 10, pages_per_block 4
+    loop over blocks i = 0 .. ceil(used / 4) - 1  (data-dependent trip count, no recompile)
 
-Decode sorts its slots by length and walks them in tiles, each to its own longest sequence.
+Decode (one query per row) walks the full blocks, then the rest a page at a time (p8 | p9),
+and sorts its slots by length and walks them in tiles, each to its own longest sequence.
 """
 
 import functools
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 _MASKED = -1e30
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "pages_per_block"))
+@functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "page_tail"))
 def prefill_attention_blocked(
     q: jax.Array,  # [B, C, num_heads, head_dim]
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
@@ -29,40 +30,59 @@ def prefill_attention_blocked(
     seq_lens: jax.Array,  # [B] int32
     scale: float,
     pages_per_block: int = 8,
+    page_tail: bool = False,
 ) -> jax.Array:  # [B, C, num_heads, head_dim]
-    """Same contract as `reference.prefill_attention_ref`; rows with no valid key give zeros."""
+    """Same contract as `reference.prefill_attention_ref`; rows with no valid key give zeros.
+
+    page_tail: walk the longest sequence's full blocks of `pages_per_block` pages, then what is
+    left of it a page at a time, so a step reads at most a page past its longest sequence. For
+    one query per row (decode) on the CPU that is as fast or faster at every length measured
+    (64 slots at 16 tokens: 1.49 -> 0.41 ms); with a chunk of queries each step also rescales
+    the chunk's accumulator, and whole blocks stay cheaper."""
     batch, chunk, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     ppb = min(pages_per_block, page_table.shape[1])
     num_blocks = -(-page_table.shape[1] // ppb)
     table = jnp.pad(page_table, ((0, 0), (0, num_blocks * ppb - page_table.shape[1])))
-    block_tokens = ppb * page_size
     qg = q.reshape(batch, chunk, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
 
-    def body(i, carry):
-        m, denom, acc = carry  # [B, KV, G, C], [B, KV, G, C], [B, KV, G, C, D]
-        pages = jax.lax.dynamic_slice_in_dim(table, i * ppb, ppb, axis=1)  # [B, ppb]
-        k = k_pages[pages].reshape(batch, block_tokens, num_kv_heads, head_dim)
-        v = v_pages[pages].reshape(batch, block_tokens, num_kv_heads, head_dim)
-        s = jnp.einsum("bckgd,bjkd->bkgcj", qg, k, preferred_element_type=jnp.float32)
-        key_pos = i * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
-        valid = (key_pos[None, None, :] <= positions[:, :, None]) & (
-            key_pos[None, None, :] < seq_lens[:, None, None])  # [B, C, j]
-        s = jnp.where(valid[:, None, None], s, _MASKED)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(valid[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        denom = denom * alpha + p.sum(-1)
-        pv = jnp.einsum("bkgcj,bjkd->bkgcd", p.astype(v.dtype), v,
-                        preferred_element_type=jnp.float32)
-        return m_new, denom, acc * alpha[..., None] + pv
+    def walk(carry, first_page, num_steps, pages):
+        """Blocks of `pages` pages from `first_page` on (the table is padded to whole blocks)."""
+        tokens = pages * page_size
+
+        def body(i, carry):
+            m, denom, acc = carry  # [B, KV, G, C], [B, KV, G, C], [B, KV, G, C, D]
+            start = first_page + i * pages
+            ids = jax.lax.dynamic_slice_in_dim(table, start, pages, axis=1)  # [B, pages]
+            k = k_pages[ids].reshape(batch, tokens, num_kv_heads, head_dim)
+            v = v_pages[ids].reshape(batch, tokens, num_kv_heads, head_dim)
+            s = jnp.einsum("bckgd,bjkd->bkgcj", qg, k, preferred_element_type=jnp.float32)
+            key_pos = start * page_size + jnp.arange(tokens, dtype=jnp.int32)
+            valid = (key_pos[None, None, :] <= positions[:, :, None]) & (
+                key_pos[None, None, :] < seq_lens[:, None, None])  # [B, C, j]
+            s = jnp.where(valid[:, None, None], s, _MASKED)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(valid[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            denom = denom * alpha + p.sum(-1)
+            pv = jnp.einsum("bkgcj,bjkd->bkgcd", p.astype(v.dtype), v,
+                            preferred_element_type=jnp.float32)
+            return m_new, denom, acc * alpha[..., None] + pv
+
+        return jax.lax.fori_loop(0, num_steps, body, carry)
 
     shape = (batch, num_kv_heads, group, chunk)
-    init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, head_dim), jnp.float32))
-    steps = (jnp.max(seq_lens) + block_tokens - 1) // block_tokens
-    _, denom, acc = jax.lax.fori_loop(0, steps, body, init)
+    carry = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
+             jnp.zeros((*shape, head_dim), jnp.float32))
+    used_pages = (jnp.max(seq_lens) + page_size - 1) // page_size
+    if page_tail and ppb > 1:
+        full_blocks = used_pages // ppb
+        carry = walk(carry, 0, full_blocks, ppb)
+        carry = walk(carry, full_blocks * ppb, used_pages - full_blocks * ppb, 1)
+    else:
+        carry = walk(carry, 0, (used_pages + ppb - 1) // ppb, ppb)
+    _, denom, acc = carry
     out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [B, KV, G, C, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(q.shape).astype(q.dtype)
 
@@ -88,7 +108,7 @@ def decode_attention_blocked(
     def walk(q, page_table, seq_lens):
         out = prefill_attention_blocked(q[:, None], k_pages, v_pages, page_table,
                                         (seq_lens - 1)[:, None], seq_lens, scale=scale,
-                                        pages_per_block=pages_per_block)
+                                        pages_per_block=pages_per_block, page_tail=True)
         return out[:, 0]
 
     if slots <= rows_per_tile:

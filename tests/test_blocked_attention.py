@@ -52,8 +52,9 @@ def test_decode_walks_sorted_tiles_of_slots_and_returns_them_in_order():
     np.testing.assert_allclose(got, np.asarray(untiled), atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_prefill_blocked_equals_reference(dtype):
+@pytest.mark.parametrize(("dtype", "page_tail"), [(jnp.float32, False), (jnp.bfloat16, False),
+                                                 (jnp.float32, True)])
+def test_prefill_blocked_equals_reference(dtype, page_tail):
     rng = np.random.default_rng(7)
     batch, chunk, kv_heads, group, head_dim, page_size, pages_per_seq = 3, 8, 2, 2, 16, 4, 12
     k, v = _pools(rng, 48, page_size, kv_heads, head_dim, dtype)
@@ -66,7 +67,7 @@ def test_prefill_blocked_equals_reference(dtype):
     q = jnp.asarray(rng.standard_normal((batch, chunk, kv_heads * group, head_dim)), dtype)
     want = prefill_attention_ref(q, k, v, table, positions, seq_lens, 0.3)
     got = prefill_attention_blocked(q, k, v, table, positions, seq_lens, scale=0.3,
-                                    pages_per_block=2)
+                                    pages_per_block=5, page_tail=page_tail)
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
     for b in range(batch):
         np.testing.assert_allclose(np.asarray(got[b, :lens[b]], np.float32),
