@@ -26,6 +26,8 @@ from jaxserve.sim.cost_model import (
     WAKE_STEPS,
     StepCostModel,
     default_fit_path,
+    fit_noise_memory,
+    normal_scores,
     spread_quantiles,
     step_shape,
 )
@@ -170,7 +172,8 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
     the engine woke from idle run slower: they are left out of the factors and give the wake
     factors instead, one per kind (decode-only, with prompt chunks; a kind seen fewer than
     min_steps times takes the factor of all woke iterations). The open loops' iterations give
-    the spreads, how each kind scatters around its predicted cost, steady and woke apart.
+    the spreads, how each kind scatters around its predicted cost, steady and woke apart, and
+    how consecutive iterations scatter together (`fit_noise_memory`).
 
     The open loops run in `rounds` rounds of open_loop_requests / rounds requests per rate, and
     `between(r)` (untimed) runs after round r: validation plays its trace there, so that the
@@ -189,22 +192,26 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
         return outputs
 
     engine.step = timed_step
-    # (iteration, period, open loop, iterations since the engine last woke from idle)
-    periods: list[tuple[SchedulerOutput, float, bool, int]] = []
+    # (iteration, period, open loop, iterations since the engine last woke from idle, run,
+    # the iteration's index in its run)
+    periods: list[tuple[SchedulerOutput, float, bool, int, int, int]] = []
+    num_runs = 0
 
     def collect_periods(open_loop: bool):
         # a step that dispatched nothing may be followed by an idle wait: no period across it.
         # The engine woke when the step before left it with nothing to do and an open loop
         # then slept until the next arrival (as the simulator's idle); a closed loop never
         # sleeps, it only starts
+        nonlocal num_runs
         since = 0
         for i in range(len(starts) - 2):
             (_, out, _), read, after = starts[i:i + 3]
             slept = i == 0 or (open_loop and starts[i - 1][2])
             since = 0 if slept else since + 1
             if out is not None and read[1] is not None:
-                periods.append((out, after[0] - read[0], open_loop, since))
+                periods.append((out, after[0] - read[0], open_loop, since, num_runs, i))
         starts.clear()
+        num_runs += 1
 
     try:
         for i, concurrency in enumerate(engine.runner.row_buckets):
@@ -230,8 +237,8 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
                 starts.clear()
     finally:
         engine.__dict__.pop("step", None)
-    rows, d, p, wall, served, since = [], [], [], [], [], []
-    for out, t, open_loop, k in periods:
+    rows, d, p, wall, served, since, run, index = [], [], [], [], [], [], [], []
+    for out, t, open_loop, k, r, i in periods:
         shape = step_shape(out, fit.row_buckets, fit.chunk_buckets)
         rows.append(shape.decode_rows)
         d.append(fit.parts(shape)[0])
@@ -239,7 +246,10 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
         wall.append(t)
         served.append(open_loop)
         since.append(k)
-    rows, d, p, wall, served, since = map(np.array, (rows, d, p, wall, served, since))
+        run.append(r)
+        index.append(i)
+    rows, d, p, wall, served, since, run, index = map(
+        np.array, (rows, d, p, wall, served, since, run, index))
     steady = since >= WAKE_STEPS  # the first iterations after idle: the wake factor's
 
     def prefer_steady(kind: np.ndarray) -> np.ndarray:  # all of a kind if none ran steady
@@ -274,6 +284,17 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
         if pick.sum() >= min_steps:
             setattr(fit, "wake_" + name,
                     spread_quantiles(fit, rows[pick], d[pick], p[pick], wall[pick]))
+    # how consecutive served iterations scatter together: normal scores of measured /
+    # predicted within each of the four kinds, correlated across lags
+    scores = np.zeros(len(wall))
+    wake = np.array([fit.wake_prefill_factor if x > 0 else fit.wake_factor for x in p])
+    ratio = wall / np.maximum(np.where(steady, 1.0, wake) * predicted, 1e-12)
+    for group in (served & steady & (p == 0), served & steady & (p > 0),
+                  served & ~steady & (p == 0), served & ~steady & (p > 0)):
+        if group.sum() >= 2:
+            scores[group] = normal_scores(ratio[group])
+    fit.noise_share, fit.noise_memory = fit_noise_memory(scores[served], run[served],
+                                                         index[served])
 
 
 def measure_wakeup(engine: LLMEngine, fit: StepCostModel, num_requests: int = 16,
@@ -282,7 +303,7 @@ def measure_wakeup(engine: LLMEngine, fit: StepCostModel, num_requests: int = 16
     the fit (without wake-up, and without its spread: the mean) predicts."""
     rng = np.random.default_rng(seed)
     mean_fit = dataclasses.replace(fit, spread=(), prefill_spread=(), wake_spread=(),
-                                   wake_prefill_spread=(), idle_wakeup=0.0)
+                                   wake_prefill_spread=(), noise_share=0.0, idle_wakeup=0.0)
     # the wake factors stay: this is the first-token time it leaves unexplained
     sim = Simulator(engine.config, mean_fit, engine.runner.num_pages, engine.max_model_len)
     excess = []

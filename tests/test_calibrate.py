@@ -48,6 +48,7 @@ def test_the_fit_has_positive_costs_and_engine_factors_and_round_trips(fit):
     assert all(f > 0 and math.isfinite(f) for f in fitted.decode_factor.values())
     assert fitted.prefill_factor >= 0 and fitted.idle_wakeup >= 0
     assert fitted.wake_factor > 0 and fitted.wake_prefill_factor > 0
+    assert 0 <= fitted.noise_share <= 0.9 and 0 <= fitted.noise_memory <= 0.999
     assert len(fitted.spread) == 1000  # decode-only; with prompt chunks there may be too few
     for spread in (fitted.spread, fitted.prefill_spread, fitted.wake_spread,
                    fitted.wake_prefill_spread):
@@ -60,6 +61,7 @@ def test_the_fit_has_positive_costs_and_engine_factors_and_round_trips(fit):
     assert loaded.wake_factor == fitted.wake_factor
     assert loaded.wake_prefill_factor == fitted.wake_prefill_factor
     assert loaded.wake_spread == fitted.wake_spread
+    assert (loaded.noise_share, loaded.noise_memory) == (fitted.noise_share, fitted.noise_memory)
 
 
 def test_validate_reports_both_runs_and_every_relative_error(fit):

@@ -11,7 +11,14 @@ from jaxserve.core.predictors import oracle
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.sim import RequestSpec, Simulator, StepCostModel, synthetic
 from jaxserve.sim.cli import main
-from jaxserve.sim.cost_model import StepShape, spread_quantiles, step_shape
+from jaxserve.sim.cost_model import (
+    StepShape,
+    correlated_draws,
+    fit_noise_memory,
+    normal_scores,
+    spread_quantiles,
+    step_shape,
+)
 from jaxserve.sim.metrics import RequestRecord, compute_metrics, parse_slos
 from jaxserve.sim.workload import Burst, arrival_times, read_trace, write_trace
 
@@ -133,6 +140,38 @@ def test_the_first_iterations_after_idle_draw_from_the_wake_spreads():
     assert record.times == pytest.approx([0.51, 0.53])
 
 
+def test_correlated_draws_are_uniform_and_their_memory_is_fitted_back():
+    rng = np.random.default_rng(0)
+    scores, runs, steps = [], [], []
+    for run in range(4):  # four runs of 5,000 iterations, as calibration's open loops
+        u, _ = correlated_draws(rng, 0.4, 0.95, 5000, rng.standard_normal())
+        assert u.min() >= 0.0 and u.max() < 1.0
+        assert abs(u.mean() - 0.5) < 0.05 and abs(np.mean(u < 0.1) - 0.1) < 0.03
+        scores.append(normal_scores(u))
+        runs.append(np.full(5000, run))
+        steps.append(np.arange(5000))
+    share, memory = fit_noise_memory(*(np.concatenate(x) for x in (scores, runs, steps)))
+    assert share == pytest.approx(0.4, abs=0.1) and memory == pytest.approx(0.95, abs=0.02)
+    independent = normal_scores(rng.random(5000))
+    assert fit_noise_memory(independent, np.zeros(5000), np.arange(5000))[0] < 0.05
+
+
+def test_correlated_step_times_are_seeded_keep_the_mean_and_vary_runs_more():
+    cost = flat_cost(0.01)
+    cost.spread = tuple(np.linspace(0.5, 1.5, 101))
+    spec = [RequestSpec(0.0, prompt_len=10, output_len=400)]
+
+    def durations(share: float) -> list[float]:
+        cost.noise_share, cost.noise_memory = share, 0.9
+        return [Simulator(config(), cost, 256, 512, seed=seed).run(spec).records[0].times[-1]
+                for seed in range(24)]
+
+    independent, correlated = durations(0.0), durations(0.8)
+    assert durations(0.8) == correlated  # seeded
+    assert np.mean(correlated) == pytest.approx(4.0, rel=0.05)  # the spread's mean is 1
+    assert np.std(correlated) > 2 * np.std(independent)  # slow stretches do not average out
+
+
 def test_spread_quantiles_scale_to_mean_one():
     fit = flat_cost(0.01)
     fit.decode_factor, fit.prefill_factor = {0: 2.0}, 1.0
@@ -178,8 +217,10 @@ def test_cost_model_fit_recovers_per_shape_lines_and_round_trips(tmp_path):
     assert loaded.samples == fit.samples and loaded.spread == ()
     fit.spread, fit.wake_spread, fit.wake_prefill_spread = (0.5, 1.5), (0.8, 1.2), (0.9, 1.1)
     fit.wake_factor, fit.wake_prefill_factor = 1.4, 1.2
+    fit.noise_share, fit.noise_memory = 0.4, 0.97
     fit.save(path)
     loaded = StepCostModel.load(path)
+    assert (loaded.noise_share, loaded.noise_memory) == (0.4, 0.97)
     assert loaded.spread == (0.5, 1.5) and loaded.wake_spread == (0.8, 1.2)
     assert loaded.wake_prefill_spread == (0.9, 1.1)
     assert (loaded.wake_factor, loaded.wake_prefill_factor) == (1.4, 1.2)

@@ -8,8 +8,9 @@ iteration t's tokens are read, and the "device" runs iterations back to back:
 
 The cost of an iteration comes from a fitted `StepCostModel`: its wake factors for the first
 iterations after the engine sat idle (and its wake-up term for the first), at a quantile of the
-fit's spread drawn per iteration by a generator seeded with `seed` (a run is reproducible; runs
-over several seeds give the expected metrics, as `calibrate.validate` reports them). A request
+fit's spread drawn per iteration by a generator seeded with `seed`, consecutive draws
+correlated as the fit measured (a run is reproducible; runs over several seeds give the
+expected metrics, as `calibrate.validate` reports them). A request
 produces exactly its spec's output_len tokens (ignore_eos), so outputs need no model; sampled
 tokens are zeros.
 """
@@ -23,7 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.policies import Policy
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, make_scheduler
 from jaxserve.request import Request, SamplingParams
-from jaxserve.sim.cost_model import StepCostModel
+from jaxserve.sim.cost_model import StepCostModel, correlated_draws
 from jaxserve.sim.metrics import RequestRecord, compute_metrics
 from jaxserve.sim.workload import RequestSpec
 
@@ -103,7 +104,17 @@ class Simulator:
         nxt, num_steps, last_token = 0, 0, 0.0
         idle, since_wake = True, 0
         rng = np.random.default_rng(self.seed)
-        draws, drawn = rng.random(4096), 0
+        share, memory = self.cost.noise_share, self.cost.noise_memory
+        state = rng.standard_normal() if share > 0 else 0.0
+
+        def more_draws():
+            nonlocal state
+            if share <= 0:
+                return rng.random(4096)
+            u, state = correlated_draws(rng, share, memory, 4096, state)
+            return u
+
+        draws, drawn = more_draws(), 0
         while nxt < len(specs) or s.has_unfinished_requests() or inflight is not None:
             while nxt < len(specs) and specs[nxt].arrival <= clock.now:
                 self._add(s, str(nxt), specs[nxt], records, seen)
@@ -112,7 +123,7 @@ class Simulator:
             flight = None
             if out.chunks:
                 if drawn == len(draws):
-                    draws, drawn = rng.random(4096), 0
+                    draws, drawn = more_draws(), 0
                 since_wake = 0 if idle else since_wake + 1
                 done = max(clock.now, device_free) + self.cost.cost(out, draws[drawn],
                                                                     since_wake)
