@@ -297,7 +297,7 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
                                                          index[served])
 
 
-def measure_wakeup(engine: LLMEngine, fit: StepCostModel, num_requests: int = 16,
+def measure_wakeup(engine: LLMEngine, fit: StepCostModel, num_requests: int = 64,
                    idle_s: float = 0.05, seed: int = 3) -> float:
     """Mean extra time to first token of a lone request arriving at an idle engine, over what
     the fit (without wake-up, and without its spread: the mean) predicts."""
