@@ -26,8 +26,9 @@ is slower for a few iterations (threads parked, caches cold; on the CPU the firs
 iterations' periods measured about 1.3x the later ones). The wake factors are their measured /
 predicted time, one for iterations with prompt chunks (`wake_prefill_factor`: the first after
 idle nearly always is one, the new request's prefill; about 1.16 measured) and one for
-decode-only iterations (`wake_factor`, about 1.47), and the wake-up term the mean extra time to
-first token of lone requests beyond that.
+decode-only iterations (`wake_factor`, about 1.47), and the wake-up term the mean time to first
+token the simulator still misses on the calibration's served runs, per request arriving at an
+idle engine (`calibrate.measure_wakeup`).
 
 A served engine's iterations scatter around that mean (the host thread, the OS, the caches),
 and latency percentiles live in that scatter. The fit keeps it as quantiles of measured /
