@@ -25,8 +25,8 @@ real engine (`calibrate.measure_engine`): the ratio of their summed time to the 
 is slower for a few iterations (threads parked, caches cold; on the CPU the first five
 iterations' periods measured about 1.3x the later ones). The wake factors are their measured /
 predicted time, one for iterations with prompt chunks (`wake_prefill_factor`: the first after
-idle nearly always is one, the new request's prefill; about 1.16 measured) and one for
-decode-only iterations (`wake_factor`, about 1.47), and the wake-up term the mean time to first
+idle nearly always is one, the new request's prefill; 1.14-1.24 measured) and one for
+decode-only iterations (`wake_factor`, 1.39-1.49), and the wake-up term the mean time to first
 token the simulator still misses on the calibration's served runs, per request arriving at an
 idle engine (`calibrate.measure_wakeup`).
 
@@ -301,7 +301,6 @@ def spread_quantiles(fit: StepCostModel, rows: np.ndarray, d: np.ndarray, p: np.
     ratio = wall[keep] / predicted[keep]
     quantiles = np.quantile(ratio, (np.arange(n) + 0.5) / n)
     return tuple(float(q) for q in quantiles / quantiles.mean())
-
 
 
 def normal_scores(values: np.ndarray) -> np.ndarray:
