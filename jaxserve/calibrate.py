@@ -222,8 +222,9 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
                               output_len=64, max_model_len=engine.max_model_len)
             run_closed_loop(engine, specs, concurrency)
             collect_periods(False)
-        per_round = -(-open_loop_requests // max(1, rounds))
-        for r in range(max(1, rounds)):
+        rounds = max(1, rounds)
+        per_round = -(-open_loop_requests // rounds)
+        for r in range(rounds):
             for j, rate in enumerate(open_loop_rates):  # as served: arrivals, idle, wake-ups
                 specs = synthetic(per_round, rate, seed=seed + 100 + j + len(open_loop_rates) * r,
                                   input_len=96, output_len=64, max_model_len=engine.max_model_len)

@@ -147,7 +147,7 @@ class ModelRunner:
         # into the attention's read, and copy the pool.
         self.row_buckets = config.decode_row_buckets()
         self.prefill_row_buckets = prefill_row_buckets(self.row_buckets)
-        self.chunk_buckets = tuple(c for c in config.prefill_chunk_sizes if c <= self.max_model_len)
+        self.chunk_buckets = config.chunk_buckets(self.max_model_len)
         self.carry_size = self.row_buckets[-1]
         self.weights = jax.tree.leaves(self.state)  # what the jitted steps take
         self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state),
