@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import jaxserve.runner
-from jaxserve.calibrate import _output, _time
+from jaxserve.calibrate import profile_output, time_iteration
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 
@@ -25,7 +25,7 @@ def decode_ms(model: Path, num_pages: int) -> float:
     engine = LLMEngine(model, EngineConfig(load_format="dummy", max_num_seqs=4,
                                            max_num_batched_tokens=256, prefill_chunk_sizes=(256,),
                                            num_pages=num_pages), progress=False)
-    return 1e3 * _time(engine, _output(engine, (2, 200, 1, 0, 0)), budget_s=0.5)
+    return 1e3 * time_iteration(engine, profile_output(engine, (2, 200, 1, 0, 0)), budget_s=0.5)
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from jaxserve.calibrate import _output, _time
+from jaxserve.calibrate import profile_output, time_iteration
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 
@@ -33,8 +33,10 @@ def main() -> None:
                 prefill_chunk_sizes=(256,), num_pages=128, enable_prompt_logprobs=False),
                 progress=False)
             name = f"{dtype} ({engine.runner.dtype.__name__})"
-            decode = 1e3 * _time(engine, _output(engine, (2, 200, 1, 0, 0)), budget_s=1.0)
-            prefill = 1e3 * _time(engine, _output(engine, (0, 0, 1, 1, 256)), budget_s=1.0)
+            decode = 1e3 * time_iteration(engine, profile_output(engine, (2, 200, 1, 0, 0)),
+                                          budget_s=1.0)
+            prefill = 1e3 * time_iteration(engine, profile_output(engine, (0, 0, 1, 1, 256)),
+                                           budget_s=1.0)
             print(f"{name:<22}{decode:>16.1f}{prefill:>20.1f}", flush=True)
 
 

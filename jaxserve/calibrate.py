@@ -51,7 +51,8 @@ def _row(pool: PagePool, page_size: int, rid: str, start: int, num_tokens: int,
     return ScheduledChunk(request, start, num_tokens, num_samples)
 
 
-def _time(engine: LLMEngine, out: SchedulerOutput, budget_s: float = 0.1) -> float:
+def time_iteration(engine: LLMEngine, out: SchedulerOutput,
+                   budget_s: float = 0.1) -> float:
     """Seconds per iteration with one iteration in flight, as the engine runs (about budget_s
     of iterations, at least 2)."""
     runner = engine.runner
@@ -88,7 +89,8 @@ def profile_shapes(engine: LLMEngine) -> list[tuple[int, int, int, int, int]]:
     return shapes
 
 
-def _output(engine: LLMEngine, shape: tuple[int, int, int, int, int]) -> SchedulerOutput:
+def profile_output(engine: LLMEngine,
+                   shape: tuple[int, int, int, int, int]) -> SchedulerOutput:
     num_decode, ctx, k, num_prefill, chunk = shape
     page_size, budget = engine.config.page_size, engine.config.max_num_batched_tokens
     pool = PagePool(engine.runner.num_pages)
@@ -114,13 +116,13 @@ def profile_runner(engine: LLMEngine, passes: int = 3, progress: bool = False):
     from tqdm import tqdm
 
     runner = engine.runner
-    outs = [_output(engine, shape) for shape in profile_shapes(engine)]
+    outs = [profile_output(engine, shape) for shape in profile_shapes(engine)]
     times: list[list[float]] = [[] for _ in outs]
     rng = np.random.default_rng(0)
     with tqdm(total=passes * len(outs), desc="profiling", disable=not progress) as bar:
         for _ in range(passes):
             for i in rng.permutation(len(outs)):
-                times[i].append(_time(engine, outs[i]))
+                times[i].append(time_iteration(engine, outs[i]))
                 bar.update(1)
     return [(step_shape(out, runner.row_buckets, runner.chunk_buckets), float(np.median(t)))
             for out, t in zip(outs, times, strict=True)]
