@@ -7,11 +7,12 @@ import math
 import pytest
 from conftest import HF_FIXTURES
 
-from jaxserve.calibrate import VALIDATED, calibrate, profile_shapes, validate
+from jaxserve.calibrate import VALIDATED, calibrate, measure_wakeup, profile_shapes, validate
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sim.cost_model import StepCostModel
-from jaxserve.sim.workload import synthetic
+from jaxserve.sim.simulator import Simulator
+from jaxserve.sim.workload import RequestSpec, synthetic
 
 MODEL = str(HF_FIXTURES / "llama")
 CONFIG = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, prefill_chunk_sizes=(16, 32),
@@ -75,6 +76,23 @@ def test_validate_reports_both_runs_and_every_relative_error(fit):
     first, second = report["runs"]  # the engine side is the mean of its runs
     assert report["real"]["mean_ttft_ms"] == pytest.approx(
         (first["mean_ttft_ms"] + second["mean_ttft_ms"]) / 2)
+
+
+def test_the_wake_up_term_is_what_idle_arrivals_miss_and_ignores_queueing(engine, fit):
+    # "measured" runs made by the simulator itself (no spread: deterministic) with every time
+    # of a request that arrived at an idle engine 5 ms late, and of one that queued behind
+    # another 40 ms late (as queueing compounds a step-cost error): the term is the 5 ms
+    fitted = dataclasses.replace(fit[0], idle_wakeup=0.0, spread=(), prefill_spread=(),
+                                 wake_spread=(), wake_prefill_spread=())
+    specs = [RequestSpec(t, 12, 4) for t in (0.0, 1.0, 1.0, 1.0, 2.0, 3.0, 3.0)]
+    records = Simulator(CONFIG, fitted, CONFIG.num_pages, 64).run(specs).records
+    finish, idle = float("-inf"), []
+    for record in records:
+        idle.append(record.arrival > finish)
+        finish = max(finish, record.arrival + record.e2el)
+        record.times = [t + (0.005 if idle[-1] else 0.040) for t in record.times]
+    assert idle == [True, True, False, False, True, True, False]
+    assert measure_wakeup(engine, fitted, [(specs, records)]) == pytest.approx(0.005)
 
 
 def test_one_sequence_at_a_time_still_gives_finite_factors(tmp_path):

@@ -26,9 +26,9 @@ is slower for a few iterations (threads parked, caches cold; on the CPU the firs
 iterations' periods measured about 1.3x the later ones). The wake factors are their measured /
 predicted time, one for iterations with prompt chunks (`wake_prefill_factor`: the first after
 idle nearly always is one, the new request's prefill; 1.14-1.24 measured) and one for
-decode-only iterations (`wake_factor`, 1.39-1.49), and the wake-up term the mean time to first
-token the simulator still misses on the calibration's served runs, per request arriving at an
-idle engine (`calibrate.measure_wakeup`).
+decode-only iterations (`wake_factor`, 1.39-1.49), and the wake-up term the time to first
+token the simulator still misses on the calibration's served runs, on average over the requests
+arriving at an idle engine (`calibrate.measure_wakeup`).
 
 A served engine's iterations scatter around that mean (the host thread, the OS, the caches),
 and latency percentiles live in that scatter. The fit keeps it as quantiles of measured /
@@ -68,8 +68,8 @@ from jaxserve.core.scheduler import SchedulerOutput
 
 # 2: several prefill calls per iteration; 3: one-row prefill calls; 4: factors from steady
 # iterations, with the wake factor and the spreads; 5: wake factors and spreads per kind;
-# 6: correlated draws (noise_share, noise_memory)
-FIT_FORMAT = 6
+# 6: correlated draws (noise_share, noise_memory); 7: the wake-up term from idle arrivals alone
+FIT_FORMAT = 7
 WAKE_STEPS = 5  # iterations after an idle wait that run at the wake factor
 
 # the engine settings a step's cost depends on; scheduling (policy, window...) and the number
