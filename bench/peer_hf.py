@@ -104,6 +104,17 @@ def run_jaxserve(model: Path, samples: list[Sample], options: dict) -> dict:
     return _row("jaxserve", setting, elapsed, ids)
 
 
+def row_buckets_x15(max_num_seqs: int) -> tuple[int, ...]:
+    """Decode row buckets 2, 4, then powers of two from 8 each with its 1.5x between them, up to
+    max_num_seqs (64: 2 4 8 12 16 24 32 48 64). On the CPU a padded row costs as much as a real
+    one, and rows between 33 and 63 pad to 64 with powers of two."""
+    top, sizes, p = max(2, max_num_seqs), [2, 4], 8
+    while p < top:
+        sizes += [p, p * 3 // 2]
+        p *= 2
+    return (*(b for b in sizes if b < top), top)
+
+
 def _row(name: str, setting: str, elapsed: float, ids: list[list[int]]) -> dict:
     out = sum(len(x) for x in ids)
     print(f"{name:<9} {setting:<36} {elapsed:7.2f} s {out / elapsed:8.1f} out tok/s", flush=True)
@@ -189,6 +200,9 @@ def main() -> None:
                         default=[32, 48, 64, 96, 128, 192, 256],
                         help="jaxserve's prefill buckets (steps of 1.5x pad this workload's "
                              "prompts 14%% where powers of two pad them 32%%)")
+    parser.add_argument("--row-buckets", type=int, nargs="+", default=None,
+                        help="jaxserve's decode row buckets (default: steps of 1.5x from 8, "
+                             "row_buckets_x15: 5-8%% faster here than powers of two)")
     parser.add_argument("--decode-steps", type=int, default=1, help="jaxserve")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", type=Path)
@@ -211,6 +225,7 @@ def main() -> None:
         options = dict(max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        prefill_chunk_sizes=tuple(args.prefill_chunk_sizes),
+                       row_buckets=tuple(args.row_buckets or row_buckets_x15(args.max_num_seqs)),
                        decode_steps=args.decode_steps, enable_prompt_logprobs=False)
         rows = [run_jaxserve(model, samples, options)]
         hf = _hf_model(model)

@@ -107,6 +107,9 @@ def test_peer_pure_parts():
     r = peer.ratios(rows)
     assert r["hf-cb"] == {"best_setting": "1024", "peer_tokens_per_s": 200.0, "ratio": 3.0}
     assert r["hf-static"]["ratio"] == 12.0
+    assert peer.row_buckets_x15(64) == (2, 4, 8, 12, 16, 24, 32, 48, 64)
+    assert peer.row_buckets_x15(40) == (2, 4, 8, 12, 16, 24, 32, 40)
+    assert peer.row_buckets_x15(4) == (2, 4) and peer.row_buckets_x15(1) == (2,)
 
 
 # -- the commands -------------------------------------------------------------------------------
