@@ -56,10 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--validate", action="store_true",
                         help="run the workload on the real engine and in the simulator; compare")
     parser.add_argument("--fit", type=Path, help="the fit file (default: the user cache)")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="--validate: engine runs of the workload; the simulator is compared "
                              "with their mean, and their spread is reported as noise (with "
-                             "--calibrate they alternate with the calibration's open loops)")
+                             "--calibrate they alternate with the calibration's open loops; a "
+                             "single run's mean TPOT drifts 5-18%% on a shared CPU)")
     w = parser.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=1000)
     w.add_argument("--request-rate", type=float, default=10.0, help="requests/s (inf: all at 0)")
