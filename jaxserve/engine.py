@@ -5,6 +5,7 @@ Overlap: iteration t+1 is dispatched before iteration t's tokens are read, so th
 bookkeeping runs while the device computes. Tokens sampled past a stop are discarded.
 """
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -113,6 +114,10 @@ class LLMEngine:
                     arrival_time: float | None = None) -> Request:
         """Validate and queue a request; bad input is a ValueError naming the field."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"n {params.n}: a request to the engine is one sample; add n "
+                             "requests with params.for_sample(i) (LLM.generate and the server "
+                             "do this)")
         text, ids = self._prompt_ids(prompt)
         limit = self.max_model_len
         if len(ids) >= limit:
@@ -288,7 +293,10 @@ class LLM:
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in input order."""
+        """Run every prompt to completion; outputs in input order. A prompt whose params ask
+        for n > 1 samples runs as n requests (`SamplingParams.for_sample`); its output holds
+        the n completions in `outputs`, indexed 0..n-1, with the first request's id and
+        metrics."""
         from tqdm import tqdm
 
         if isinstance(prompts, str | dict):
@@ -298,22 +306,30 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} "
                              "prompts")
-        ids = []
+        ids: list[list[str]] = []  # per prompt, its samples' request ids
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(None, prompt, p).request_id)
+                ids.append([])
+                for i in range(p.n):
+                    ids[-1].append(self.engine.add_request(None, prompt,
+                                                           p.for_sample(i)).request_id)
         except ValueError:
-            for rid in ids:
+            for rid in (r for group in ids for r in group):
                 self.engine.abort(rid)
             raise
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
+        with tqdm(total=sum(map(len, ids)), desc="generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
-        return [finished[rid] for rid in ids]
+        results = []
+        for group in ids:
+            completions = [dataclasses.replace(finished[rid].outputs[0], index=i)
+                           for i, rid in enumerate(group)]
+            results.append(dataclasses.replace(finished[group[0]], outputs=completions))
+        return results
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -1,5 +1,6 @@
 """What a user asks for and what they get back: SamplingParams, RequestOutput (a leaf module)."""
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # 0: the logprob of each prompt token
     priority: int = 0  # lower first; the priority policy treats <= 0 as realtime, > 0 as batch
     slo_ms: float | None = None  # time-to-first-token target; the edf policy's deadline
+    n: int = 1  # samples per prompt (LLM.generate and the server run n requests: `for_sample`)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -38,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be a positive integer, -1 or None, got {self.top_k!r}")
         if self.slo_ms is not None and not (isinstance(self.slo_ms, int | float) and self.slo_ms > 0):
             raise ValueError(f"slo_ms must be a positive number or None, got {self.slo_ms!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -52,6 +56,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The params of sample `index` of n: one sample each, the seed (if any) + index, so the
+        samples differ and a seeded request still reproduces all of them."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
 
 @dataclass

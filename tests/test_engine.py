@@ -178,3 +178,26 @@ def test_freeze_gc_takes_the_warm_heap_out_of_full_collections():
             "assert gc.get_freeze_count() > 10_000, gc.get_freeze_count(); "
             "assert sum(gc.get_count()) < 1_000")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_n_samples_of_a_prompt_are_its_seeded_requests(workload):
+    """SamplingParams(n=3, seed=11): three completions, sample j the request seeded 11 + j alone
+    would give; the engine itself takes one sample per request and says so."""
+    prompts, _ = workload
+    llm = LLM(MODEL, **BASE)
+    three = SamplingParams(max_tokens=6, temperature=1.0, seed=11, ignore_eos=True, n=3)
+    outs = llm.generate([prompts[0], prompts[1]], [three, three.for_sample(0)])
+    assert [len(o.outputs) for o in outs] == [3, 1]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    for j, completion in enumerate(outs[0].outputs):
+        alone = llm.generate(prompts[0], SamplingParams(max_tokens=6, temperature=1.0,
+                                                        seed=11 + j, ignore_eos=True))[0]
+        assert completion.token_ids == alone.outputs[0].token_ids
+    assert outs[1].outputs[0].token_ids == llm.generate(prompts[1], three.for_sample(0))[0] \
+        .outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+    with pytest.raises(ValueError, match=r"^n must be a positive integer"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match=r"^n 2: a request to the engine is one sample"):
+        llm.engine.add_request(None, prompts[0], SamplingParams(n=2))
+    _all_pages_free(llm)

@@ -212,6 +212,33 @@ def test_prompt_lists_token_ids_echo_and_logprobs(client, reference):
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
 
 
+def test_n_samples_per_prompt_numbered_as_openai(client, reference):
+    # choice i is sample i % n of prompt i // n, the request seeded seed + i % n; the usage
+    # counts each prompt once
+    prompts = [PROMPT, "The little dog"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=1.0,
+                                  seed=3, n=2)
+    choices = sorted(r.choices, key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    completion_tokens = 0
+    for choice in choices:
+        prompt, sample = divmod(choice.index, 2)
+        want = reference.generate(prompts[prompt], SamplingParams(
+            max_tokens=6, temperature=1.0, seed=3 + sample))[0].outputs[0]
+        assert choice.text == want.text
+        completion_tokens += len(want.token_ids)
+    tokenizer = reference.get_tokenizer()
+    assert r.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert r.usage.completion_tokens == completion_tokens
+    texts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+            temperature=0, n=3, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 1 and texts[0]
+
+
 def test_models_health_and_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200  # open without the key
@@ -232,7 +259,8 @@ def test_models_health_and_metrics(client, server):
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": "two"}, "n"),
     ("/v1/completions", {"prompt": PROMPT, "stop": 5}, "stop"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 1000}, "logprobs"),
     ("/v1/completions", {"prompt": [], "max_tokens": 4}, "prompt"),

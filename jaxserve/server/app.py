@@ -214,10 +214,13 @@ class _API:
         info["id"] = request_id
         arrival = time.monotonic()
         streams: list[RequestStream] = []
+        n = req.params.n  # choice i: sample i % n of prompt i // n
+        texts = [text for text in texts for _ in range(n)]
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt,
-                                                             req.params, arrival))
+                for j in range(n):
+                    streams.append(await self.engine.add_request(
+                        f"{request_id}-{i * n + j}", prompt, req.params.for_sample(j), arrival))
         except BaseException as error:
             for stream in streams:
                 stream.abort()
@@ -237,7 +240,7 @@ class _API:
         finally:
             for stream in streams:
                 stream.abort()
-            self._ended(streams, last, info)
+            self._ended(streams, last, info, n)
         if not done:
             info["error"] = "client disconnected"
             return Response(status_code=499)  # nginx's "client closed request": for the log only
@@ -264,14 +267,14 @@ class _API:
         finally:  # also when the client went away: the task is cancelled at an await
             for stream in streams:
                 stream.abort()
-            self._ended(streams, last, info)
+            self._ended(streams, last, info, fmt.req.params.n)
 
     def _ended(self, streams: list[RequestStream], last: list[RequestOutput | None],
-               info: dict) -> None:
+               info: dict, n: int = 1) -> None:
         for stream, out in zip(streams, last, strict=True):
             self.metrics.observe(out, stream.inter_token_latencies, aborted=not stream.finished)
         outs = [o for o in last if o is not None]
-        info["prompt_tokens"] = sum(len(o.prompt_token_ids) for o in outs)
+        info["prompt_tokens"] = sum(len(o.prompt_token_ids) for o in last[::n] if o is not None)
         info["completion_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
         info["finish"] = ",".join(
             o.outputs[0].finish_reason if s.finished and o else "abort"

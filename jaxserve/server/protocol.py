@@ -116,10 +116,6 @@ def _common(body: dict, default_max_tokens: int | None, max_tokens_name: str,
         if body.get(name) is not None and body[name] not in off:
             raise APIError(400, f"{name} is not supported by jaxserve (got {_show(body[name])})",
                            param=name)
-    n = _get(body, "n", _is_int, "an integer", 1)
-    if n != 1:
-        raise APIError(400, f"n must be 1 (n > 1 is not supported yet; send {n} requests)"
-                       if n > 1 else f"n must be >= 1, got {n}", param="n")
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object")
     if options is not None and not stream:
@@ -149,6 +145,7 @@ def _common(body: dict, default_max_tokens: int | None, max_tokens_name: str,
         ignore_eos=_get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
         logprobs=logprobs,
         priority=_get(body, "priority", _is_int, "an integer", 0),
+        n=_get(body, "n", _is_int, "an integer", 1),
     )
     if body.get("slo_ms") is not None:  # the edf policy's time-to-first-token target
         kwargs["slo_ms"] = _get(body, "slo_ms", _is_number, "a number")
@@ -232,7 +229,8 @@ class _Sent:
 class Formatter:
     """Builds the response bodies (or SSE chunks) of one request: `kind` "completion" or "chat".
 
-    `prompt_texts[i]` is choice i's prompt text, echoed when `echo`.
+    `prompt_texts[i]` is choice i's prompt text, echoed when `echo`. With n samples per
+    prompt, choice i is sample i % n of prompt i // n (OpenAI's numbering).
     """
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, tokenizer,
@@ -261,7 +259,8 @@ class Formatter:
                 choices.append({"index": i, "text": text, "logprobs": lps,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return self._head(obj) | {"choices": choices, "usage": usage(outputs)}
+        return self._head(obj) | {"choices": choices,
+                                  "usage": usage(outputs, self.req.params.n)}
 
     def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
         """The SSE chunk carrying what `out` adds to choice `index` (None: nothing new)."""
@@ -291,7 +290,7 @@ class Formatter:
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return self._head(obj) | {"choices": [], "usage": usage(outputs)}
+        return self._head(obj) | {"choices": [], "usage": usage(outputs, self.req.params.n)}
 
     # -- logprobs ----------------------------------------------------------------------------
 
@@ -342,8 +341,10 @@ class Formatter:
         return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode())}
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+def usage(outputs: list[RequestOutput], n: int = 1) -> dict[str, int]:
+    """Token counts of a response: `outputs` holds n samples per prompt, prompt by prompt, and
+    each prompt counts once (as in vLLM and OpenAI)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
