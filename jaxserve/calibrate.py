@@ -31,7 +31,7 @@ from jaxserve.sim.cost_model import (
     spread_quantiles,
     step_shape,
 )
-from jaxserve.sim.metrics import RequestRecord, compute_metrics
+from jaxserve.sim.metrics import RequestRecord, compute_metrics, idle_arrivals
 from jaxserve.sim.simulator import Simulator
 from jaxserve.sim.workload import RequestSpec, synthetic
 
@@ -319,11 +319,9 @@ def measure_wakeup(engine: LLMEngine, fit: StepCostModel,
     for specs, records in served_runs:
         sims = [Simulator(engine.config, no_wakeup, engine.runner.num_pages, engine.max_model_len,
                           seed=s).run(specs).records for s in range(sim_seeds)]
-        finish = float("-inf")
-        for i, record in enumerate(records):
-            if record.arrival > finish:  # every earlier request had finished
+        for i, (record, idle) in enumerate(zip(records, idle_arrivals(records), strict=True)):
+            if idle:
                 missing.append(record.ttft - float(np.mean([sim[i].ttft for sim in sims])))
-            finish = max(finish, record.arrival + record.e2el)
     return float(max(0.0, np.mean(missing))) if missing else 0.0
 
 

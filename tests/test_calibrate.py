@@ -11,6 +11,7 @@ from jaxserve.calibrate import VALIDATED, calibrate, measure_wakeup, profile_sha
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sim.cost_model import StepCostModel
+from jaxserve.sim.metrics import idle_arrivals
 from jaxserve.sim.simulator import Simulator
 from jaxserve.sim.workload import RequestSpec, synthetic
 
@@ -86,12 +87,10 @@ def test_the_wake_up_term_is_what_idle_arrivals_miss_and_ignores_queueing(engine
                                  wake_spread=(), wake_prefill_spread=())
     specs = [RequestSpec(t, 12, 4) for t in (0.0, 1.0, 1.0, 1.0, 2.0, 3.0, 3.0)]
     records = Simulator(CONFIG, fitted, CONFIG.num_pages, 64).run(specs).records
-    finish, idle = float("-inf"), []
-    for record in records:
-        idle.append(record.arrival > finish)
-        finish = max(finish, record.arrival + record.e2el)
-        record.times = [t + (0.005 if idle[-1] else 0.040) for t in record.times]
+    idle = idle_arrivals(records)
     assert idle == [True, True, False, False, True, True, False]
+    for record, alone in zip(records, idle, strict=True):
+        record.times = [t + (0.005 if alone else 0.040) for t in record.times]
     assert measure_wakeup(engine, fitted, [(specs, records)]) == pytest.approx(0.005)
 
 

@@ -69,6 +69,16 @@ def is_good(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
     return all(values[k] * 1000.0 <= v for k, v in targets.items())
 
 
+def idle_arrivals(records: list[RequestRecord]) -> list[bool]:
+    """Per record (in arrival order): whether every earlier request had finished when it
+    arrived, so that it met an idle engine."""
+    idle, finish = [], float("-inf")
+    for record in records:
+        idle.append(record.arrival > finish)
+        finish = max(finish, record.arrival + record.e2el)
+    return idle
+
+
 def compute_metrics(records: list[RequestRecord], duration: float,
                     slos_ms: dict[str, float] | None = None,
                     percentiles: tuple[float, ...] = (50, 90, 99)) -> dict:
