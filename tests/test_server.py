@@ -1,26 +1,21 @@
 """The OpenAI-compatible server against a real uvicorn on 127.0.0.1, driven by the official
 `openai` client and by httpx: outputs equal to `LLM.generate`, every error path (each followed by
-a request that succeeds), disconnects, a bounded load test, and the `jaxserve` CLI."""
+a request that succeeds), disconnects and a bounded load test (the CLI: test_cli.py)."""
 
 import asyncio
 import contextlib
 import json
-import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 import uvicorn
-import yaml
+from conftest import SERVER_ENGINE
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.async_engine import AsyncEngine
@@ -28,18 +23,11 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.server import ServerConfig, build_app
 
-# few buckets, so start-up compiles little; the CLI tests pass the same flags, so their
-# subprocesses find every step in the persistent compilation cache
-CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_sizes=(32,),
-              page_size=8, num_pages=256, enable_prompt_logprobs=False)
-FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--prefill-chunk-sizes", "32",
-         "--page-size", "8", "--num-pages", "256", "--no-enable-prompt-logprobs"]
 MODEL = "stories"
 KEY = "sk-jaxserve-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "Once upon a time"
 BODY_LIMIT = 64 << 10
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
@@ -65,12 +53,12 @@ def _uvicorn(app):
 def reference(stories_dir):
     # Built before the server's engine: the runner counts compilations process-wide, and the
     # server must show none after its own warm-up.
-    return LLM(stories_dir, **CONFIG)
+    return LLM(stories_dir, **SERVER_ENGINE)
 
 
 @pytest.fixture(scope="module")
 def server(stories_dir, reference):
-    engine = AsyncEngine(LLMEngine(stories_dir, EngineConfig.from_overrides(**CONFIG)))
+    engine = AsyncEngine(LLMEngine(stories_dir, EngineConfig.from_overrides(**SERVER_ENGINE)))
     app = build_app(engine, ServerConfig(api_key=KEY, max_body_bytes=BODY_LIMIT), MODEL)
     with _uvicorn(app) as url:
         yield SimpleNamespace(url=url, engine=engine)
@@ -441,66 +429,3 @@ def test_load_256_streams_32_dropped(server, http):
     assert metrics["jaxserve:num_compilations_total"] == 0
     assert metrics['jaxserve:request_success_total{finished_reason="abort"}'] == aborted + 32
     _succeeds(http)
-
-
-# -- configs and the CLI -----------------------------------------------------------------------
-
-
-def test_config_files_hold_engine_and_server_keys():
-    server_keys = set(ServerConfig.__dataclass_fields__)
-    for path in (ROOT / "configs").glob("*.yaml"):
-        data = yaml.safe_load(path.read_text())
-        server = ServerConfig(**{k: v for k, v in data.items() if k in server_keys})
-        engine = EngineConfig.from_overrides(**{k: v for k, v in data.items()
-                                                if k not in server_keys})
-        if path.name == "default.yaml":  # it documents the defaults
-            assert (server, engine) == (ServerConfig(), EngineConfig())
-
-
-def _free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return s.getsockname()[1]
-
-
-def test_cli_serve_answers_then_exits_0_on_sigterm(stories_dir):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "serve", str(stories_dir), "--port", str(port),
-         "--served-model-name", MODEL, "--shutdown-grace-s", "20", *FLAGS],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-        env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            time.sleep(0.2)
-        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
-        body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            proc.send_signal(signal.SIGTERM)  # in flight: finished within the grace period
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == 300
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = proc.stdout.read()
-    assert f"http://127.0.0.1:{port}/v1" in out and '"POST /v1/completions" 200' in out
-
-
-def test_cli_generate_streams_the_completion(stories_dir, reference):
-    want = _greedy(reference, PROMPT, 12).text
-    out = subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli", "generate", str(stories_dir), "--prompt", PROMPT,
-         "--max-tokens", "12", *FLAGS], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout == PROMPT + want + "\n"

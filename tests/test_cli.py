@@ -1,0 +1,96 @@
+"""The `jaxserve` CLI as a user runs it (subprocesses on stories260K): `serve` answers and exits 0
+on SIGTERM after finishing what is in flight, `generate` streams the greedy completion; and the
+configs/ files hold only engine and server keys."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from conftest import SERVER_ENGINE, SERVER_ENGINE_FLAGS
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.server import ServerConfig
+
+MODEL = "stories"
+PROMPT = "Once upon a time"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def reference(stories_dir):
+    return LLM(stories_dir, **SERVER_ENGINE)
+
+
+def _greedy(reference, prompt, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return reference.generate(prompt, params)[0].outputs[0]
+
+
+def test_config_files_hold_engine_and_server_keys():
+    server_keys = set(ServerConfig.__dataclass_fields__)
+    for path in (ROOT / "configs").glob("*.yaml"):
+        data = yaml.safe_load(path.read_text())
+        server = ServerConfig(**{k: v for k, v in data.items() if k in server_keys})
+        engine = EngineConfig.from_overrides(**{k: v for k, v in data.items()
+                                                if k not in server_keys})
+        if path.name == "default.yaml":  # it documents the defaults
+            assert (server, engine) == (ServerConfig(), EngineConfig())
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def test_cli_serve_answers_then_exits_0_on_sigterm(stories_dir):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "serve", str(stories_dir), "--port", str(port),
+         "--served-model-name", MODEL, "--shutdown-grace-s", "20", *SERVER_ENGINE_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)  # in flight: finished within the grace period
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == 300
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert f"http://127.0.0.1:{port}/v1" in out and '"POST /v1/completions" 200' in out
+
+
+def test_cli_generate_streams_the_completion(stories_dir, reference):
+    want = _greedy(reference, PROMPT, 12).text
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "generate", str(stories_dir), "--prompt", PROMPT,
+         "--max-tokens", "12", *SERVER_ENGINE_FLAGS], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == PROMPT + want + "\n"
