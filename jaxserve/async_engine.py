@@ -188,6 +188,8 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ones are ignored); thread-safe, returns at once."""
+        if not isinstance(request_id, str):  # the engine thread takes any other command for an add
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
         with self._cond:
             if self._error is None:
                 self._commands.append(request_id)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from jaxserve.checks import is_finite, is_int, show
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -277,14 +279,27 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "min_batch_size",
                      "decode_steps", "kv_cache_bytes_cpu"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, "
+                                 f"got {show(getattr(self, name))}")
         for name in ("max_model_len", "num_pages", "max_batch_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+            if value is not None and (not is_int(value) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {show(value)}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is the null page), got {self.num_pages}")
+        if not is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {show(self.seed)}")
+        if not is_int(self.max_top_logprobs) or self.max_top_logprobs < 0:
+            raise ValueError(f"max_top_logprobs must be an integer >= 0, "
+                             f"got {show(self.max_top_logprobs)}")
+        for name in ("adaptive_window", "length_bucketing", "enable_prompt_logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {show(getattr(self, name))}")
+        for name in ("kv_cache_memory_fraction", "window_ms", "window_ms_min", "window_ms_max",
+                     "slo_ms"):  # NaN or inf would stall the window or the edf order
+            if not is_finite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {show(getattr(self, name))}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
@@ -296,14 +311,12 @@ class EngineConfig:
                              f"({self.window_ms_max})")
         if not self.slo_ms > 0:
             raise ValueError(f"slo_ms must be > 0, got {self.slo_ms}")
-        if self.max_top_logprobs < 0:
-            raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
         sizes = self.prefill_chunk_sizes
-        if (not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes)
+        if (not sizes or any(not is_int(s) or s <= 0 for s in sizes)
                 or list(sizes) != sorted(set(sizes))):
             raise ValueError(f"prefill_chunk_sizes must be increasing positive sizes, got {sizes!r}")
         rows = self.row_buckets
-        if rows is not None and (not rows or any(not isinstance(r, int) for r in rows)
+        if rows is not None and (not rows or any(not is_int(r) for r in rows)
                                  or list(rows) != sorted(set(rows)) or rows[0] < 2
                                  or rows[-1] < self.max_num_seqs):
             raise ValueError(f"row_buckets must be increasing sizes of at least 2, the last >= "

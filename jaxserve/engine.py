@@ -151,7 +151,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise ValueError("prompt encodes to no tokens: give it some text")
+            return prompt, ids
         if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
             raise ValueError("prompt must be a string or a dict with 'prompt_token_ids'")
         ids = prompt["prompt_token_ids"]
@@ -193,14 +196,15 @@ class LLMEngine:
 
     def _process(self, out: SchedulerOutput, results: dict[str, Samples]) -> list[RequestOutput]:
         sampled = {rid: s.tokens for rid, s in results.items()}
-        for rid, samples in results.items():
-            tracker = self._trackers.get(rid)
-            if tracker is not None and samples.prompt_logprobs is not None:
+        for chunk in out.chunks:
+            tracker = self._tracker(chunk.request)
+            samples = results.get(chunk.request.request_id)
+            if tracker is not None and samples is not None and samples.prompt_logprobs is not None:
                 self._record_prompt_logprobs(tracker, samples)
         touched = self.scheduler.update(out, sampled)
         outputs = []
         for request in touched:
-            tracker = self._trackers.get(request.request_id)
+            tracker = self._tracker(request)
             if tracker is None:
                 continue
             self._record_logprobs(tracker, results[request.request_id])
@@ -209,6 +213,12 @@ class LLMEngine:
             if request.status.finished:
                 del self._trackers[request.request_id]
         return outputs
+
+    def _tracker(self, request: Request) -> _Tracker | None:
+        """The request's tracker; None once it was aborted, even if a new request reuses its id
+        while its step is still in flight."""
+        tracker = self._trackers.get(request.request_id)
+        return tracker if tracker is not None and tracker.request is request else None
 
     def _record_prompt_logprobs(self, tracker: _Tracker, samples: Samples) -> None:
         request, num_top = tracker.request, tracker.request.params.prompt_logprobs
@@ -313,7 +323,7 @@ class LLM:
                 for i in range(p.n):
                     ids[-1].append(self.engine.add_request(None, prompt,
                                                            p.for_sample(i)).request_id)
-        except ValueError:
+        except Exception:  # nothing of this call stays queued
             for rid in (r for group in ids for r in group):
                 self.engine.abort(rid)
             raise

@@ -4,6 +4,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
+from jaxserve.checks import is_finite, is_int, show
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,34 +26,47 @@ class SamplingParams:
     n: int = 1  # samples per prompt (LLM.generate and the server run n requests: `for_sample`)
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.top_k is not None and self.top_k in (-1, 0):
+        stop = () if self.stop is None else self.stop
+        stop = (stop,) if isinstance(stop, str) else stop
+        stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop, list | tuple):
+            raise ValueError(f"stop must be a string or a list of strings, got {show(self.stop)}")
+        if not isinstance(stop_ids, list | tuple):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {show(stop_ids)}")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
+        if is_int(self.top_k) and self.top_k in (-1, 0):
             object.__setattr__(self, "top_k", None)
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive integer, -1 or None, got {self.top_k!r}")
-        if self.slo_ms is not None and not (isinstance(self.slo_ms, int | float) and self.slo_ms > 0):
-            raise ValueError(f"slo_ms must be a positive number or None, got {self.slo_ms!r}")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"n must be a positive integer, got {self.n!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None and not (is_int(self.max_tokens) and self.max_tokens >= 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {show(self.max_tokens)}")
+        if not (is_finite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError("temperature must be a finite number >= 0, "
+                             f"got {show(self.temperature)}")
+        if not (is_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be a number in (0, 1], got {show(self.top_p)}")
+        if self.top_k is not None and not (is_int(self.top_k) and self.top_k >= 1):
+            raise ValueError("top_k must be a positive integer, -1 or None, "
+                             f"got {show(self.top_k)}")
+        if self.slo_ms is not None and not (is_finite(self.slo_ms) and self.slo_ms > 0):
+            raise ValueError(f"slo_ms must be a positive finite number or None, "
+                             f"got {show(self.slo_ms)}")
+        if not (is_int(self.n) and self.n >= 1):
+            raise ValueError(f"n must be a positive integer, got {show(self.n)}")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {show(self.seed)}")
+        if not is_int(self.priority):
+            raise ValueError(f"priority must be an integer, got {show(self.priority)}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {show(self.ignore_eos)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+            if value is not None and not (is_int(value) and value >= 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {show(value)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop must be non-empty strings, got {show(self.stop)}")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers, "
+                             f"got {show(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:

@@ -297,7 +297,8 @@ class ModelRunner:
         query_lens = np.zeros((b,), np.int32)
         page_table = np.zeros((b, self.pages_per_seq), np.int32)
         temperature = np.zeros((b,), np.float32)
-        top_k = np.full((b,), self.model_config.vocab_size, np.int32)
+        vocab = self.model_config.vocab_size
+        top_k = np.full((b,), vocab, np.int32)
         top_p = np.ones((b,), np.float32)
         seeds = np.zeros((b,), np.uint32)
         for i, chunk in enumerate(chunks):
@@ -306,7 +307,7 @@ class ModelRunner:
             query_lens[i] = chunk.num_tokens
             page_table[i, :len(request.pages)] = request.pages
             temperature[i] = p.temperature
-            top_k[i] = p.top_k or self.model_config.vocab_size
+            top_k[i] = min(p.top_k or vocab, vocab)  # a top_k past the vocabulary is off
             top_p[i] = p.top_p
             seeds[i] = request.seed % 2**32
         seq_lens = positions[:, 0] + query_lens

@@ -47,6 +47,18 @@ def test_config_files_hold_engine_and_server_keys():
             assert (server, engine) == (ServerConfig(), EngineConfig())
 
 
+@pytest.mark.parametrize(("key", "value"), [
+    ("window_ms", float("nan")), ("window_ms", float("inf")), ("window_ms", "5"),
+    ("slo_ms", "x"), ("kv_cache_memory_fraction", "0.9"), ("max_top_logprobs", None),
+    ("max_num_seqs", True), ("adaptive_window", "yes"),
+])
+def test_engine_config_rejects_values_that_would_stall_or_break_it(key, value):
+    """A NaN or infinite window never opens; a string where a number belongs fails deep inside.
+    Both are a ValueError naming the key, as a config file or a flag would give them."""
+    with pytest.raises(ValueError, match=rf"^{key} must be"):
+        EngineConfig.from_overrides(**{key: value})
+
+
 def _free_port() -> int:
     with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]

@@ -14,6 +14,7 @@ from fake_runner import (
     small_scheduler,
 )
 
+from jaxserve.core.policies import FCFS
 from jaxserve.core.scheduler import BATCHING_MODES
 
 # -- outputs by hand ------------------------------------------------------------------------------
@@ -51,6 +52,28 @@ def test_limits_are_validated():
         small_scheduler(max_chunk_tokens=1)
     with pytest.raises(ValueError, match="batching"):
         small_scheduler(batching="eager")
+
+
+def test_a_request_the_policy_cannot_order_leaves_no_trace():
+    """add_request raises and the scheduler holds nothing of it: nothing unfinished, nothing to
+    abort, and the others run as before."""
+
+    class Refuses(FCFS):
+        def key(self, request, now):
+            if request.request_id == "bad":
+                raise TypeError("cannot order this request")
+            return super().key(request, now)
+
+    s = small_scheduler()
+    s.policy = Refuses()
+    a = make_request("a", 5)
+    s.add_request(a)
+    with pytest.raises(TypeError):
+        s.add_request(make_request("bad", 5))
+    assert list(s.requests) == ["a"] and s.abort("bad") is None
+    run(s, [])
+    assert a.output_ids == expected([make_request("a", 5)])["a"]
+    assert not s.has_unfinished_requests()
 
 
 # -- slots: insertion and eviction ----------------------------------------------------------------

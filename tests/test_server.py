@@ -262,9 +262,21 @@ def test_models_health_and_metrics(client, server):
                               "max_completion_tokens": -1}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                               "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": 10**400}, "temperature"),
+    ("/v1/completions", {"prompt": "\ud800"}, "prompt"),  # a lone surrogate: valid JSON
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("/v1/completions", {"prompt": [99999], "echo": True}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": ["x"] * 65}, "stop"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 129}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT * 200}]},
+     "messages"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_invalid_field_is_400_naming_it(http, path, body, param):
-    _assert_error(http.post(path, json=body), 400, param)
+    content = json.dumps(body)  # ASCII: a lone surrogate travels escaped, as JSON allows
+    _assert_error(http.post(path, content=content, headers={"Content-Type": "application/json"}),
+                  400, param)
     _succeeds(http)
 
 
@@ -273,6 +285,36 @@ def test_invalid_json_is_400(http):
                   headers={"Content-Type": "application/json"})
     _assert_error(r, 400, None, "JSON")
     _assert_error(http.post("/v1/completions", json=[1, 2]), 400, None, "object")
+    r = http.post("/v1/completions", content=b"[" * 20_000,  # nested past Python's recursion
+                  headers={"Content-Type": "application/json"})
+    _assert_error(r, 400, None, "JSON")
+    _succeeds(http)
+
+
+def test_errors_speak_the_clients_field_names(http):
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                "max_completion_tokens": 0})
+    _assert_error(r, 400, "max_completion_tokens", "max_completion_tokens must be")
+    _succeeds(http)
+
+
+def test_a_failing_chat_template_is_400_messages(server, http, monkeypatch):
+    def broken(messages, add_generation_prompt=True):  # as a template's tojson of Undefined
+        raise TypeError("Object of type Undefined is not JSON serializable")
+
+    monkeypatch.setattr(server.engine.engine.tokenizer, "apply_chat_template", broken)
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+    _assert_error(r, 400, "messages", "chat template")
+    _succeeds(http)
+
+
+def test_top_k_past_the_vocabulary_is_no_cut(http):
+    """top_k 2**31 does not fit the step's int32 array; it means no cut, and the engine lives."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 7}
+    plain = http.post("/v1/completions", json=body)
+    huge = http.post("/v1/completions", json=body | {"top_k": 2**31})
+    assert plain.status_code == huge.status_code == 200, huge.text
+    assert huge.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
     _succeeds(http)
 
 
@@ -374,6 +416,12 @@ def test_dead_engine_is_503_and_touches_no_other_server(http):
 
 
 # -- disconnects and load ----------------------------------------------------------------------
+
+
+def test_abort_of_a_non_string_id_is_refused_and_the_engine_lives(server, http):
+    with pytest.raises(ValueError, match="request_id must be a string"):
+        server.engine.abort(5)
+    _succeeds(http)
 
 
 def test_non_streaming_client_disconnect_aborts(server, http):

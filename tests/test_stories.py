@@ -80,9 +80,28 @@ def test_bad_requests_are_value_errors_naming_the_field(stories):
         llm.generate({"prompt_token_ids": [1, 99999]})
     with pytest.raises(ValueError, match="logprobs 50 exceeds max_top_logprobs 20"):
         llm.generate("hi", SamplingParams(logprobs=50))
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ValueError, match=r"top_p must be a number in \(0, 1\]"):
         SamplingParams(top_p=0.0)
+    for field, value in [("temperature", 10**400), ("temperature", "0.5"), ("priority", "high"),
+                         ("slo_ms", float("inf")), ("max_tokens", True), ("ignore_eos", "yes"),
+                         ("stop_token_ids", 5)]:
+        with pytest.raises(ValueError, match=rf"^{field} must be"):
+            SamplingParams(**{field: value})
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == ()
     # nothing was left behind by the rejected requests
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+
+
+def test_a_prompt_that_encodes_to_nothing_is_a_value_error(stories, monkeypatch):
+    """A tokenizer without BOS encodes "" to no tokens: an error, not a request that never runs
+    (and the call's earlier prompt, already queued, is withdrawn)."""
+    llm, _ = stories
+    encode = llm.engine.tokenizer.encode
+    monkeypatch.setattr(llm.engine.tokenizer, "encode",
+                        lambda text, **kwargs: [] if text == "" else encode(text, **kwargs))
+    with pytest.raises(ValueError, match="prompt encodes to no tokens"):
+        llm.generate(["Once", ""])
     assert not llm.engine.has_unfinished_requests()
     assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
 
@@ -99,3 +118,30 @@ def test_abort_frees_everything_at_once(stories):
         for out in engine.step():
             assert out.request_id not in (ids[1], ids[3])
     assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+
+
+def test_a_request_id_reused_while_its_aborted_step_is_in_flight(stories):
+    """The aborted request's prompt logprobs and tokens, read one step later, never land on the
+    new request with the same id."""
+    llm, cases = stories
+    engine = llm.engine
+    engine.add_request("x", cases[0]["prompt"], SamplingParams(max_tokens=4, prompt_logprobs=0))
+    engine.step()  # its first prompt chunk is in flight
+    assert engine.abort("x")
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("x", {"prompt_token_ids": [1, 2, 3]}, short)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.prompt_token_ids for o in outs] == [[1, 2, 3]]
+    assert outs[0].outputs[0].token_ids == llm.generate(
+        {"prompt_token_ids": [1, 2, 3]}, short)[0].outputs[0].token_ids
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+
+
+def test_top_k_past_the_vocabulary_is_no_cut(stories):
+    llm, cases = stories
+    params = dict(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    huge, plain = (llm.generate(cases[0]["prompt"], SamplingParams(**params, top_k=k))[0]
+                   for k in (2**31, None))
+    assert huge.outputs[0].token_ids == plain.outputs[0].token_ids

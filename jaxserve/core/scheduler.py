@@ -93,8 +93,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self._enqueue(request)  # first: a policy that cannot order it leaves no trace
         self.requests[request.request_id] = request
-        self._enqueue(request)
         self.window.observe_arrival(request.arrival_time)
 
     def _enqueue(self, request: Request) -> None:

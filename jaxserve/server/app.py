@@ -86,7 +86,7 @@ def _api_error(error: Exception, req: GenerateRequest | None = None) -> APIError
     if isinstance(error, RequestTimeoutError):
         return APIError(504, str(error))
     if isinstance(error, ValueError):
-        return APIError(400, str(error), param=protocol.param_of(error, req.names if req else {}))
+        return protocol.client_error(error, req.names if req else {})
     raise error
 
 
@@ -140,7 +140,7 @@ class _API:
                 texts.append(p)
             else:
                 prompts.append({"prompt_token_ids": p})
-                texts.append(self.tokenizer.decode(p) if self.tokenizer and req.echo else "")
+                texts.append(self._decode(p) if self.tokenizer and req.echo else "")
         return await self._generate(request, "completion", req, prompts, texts)
 
     async def chat(self, request: Request) -> Response:
@@ -153,6 +153,9 @@ class _API:
             text = self.tokenizer.apply_chat_template(req.messages, req.add_generation_prompt)
         except ValueError as error:
             raise APIError(400, str(error), param="messages") from None
+        except Exception as error:  # the model's own template, fed what the client sent
+            raise APIError(400, f"messages: the model's chat template failed on them: {error!r}",
+                           param="messages") from None
         prompt = {"prompt_token_ids": self._encode(text, "messages"), "prompt": text}
         return await self._generate(request, "chat", req, [prompt], [text])
 
@@ -191,7 +194,7 @@ class _API:
                            "(max_body_bytes)")
         try:
             data = json.loads(body)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
@@ -205,7 +208,25 @@ class _API:
     def _encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send prompt token ids", param=param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # valid JSON can carry a lone surrogate
+            raise APIError(400, f"{param} is not valid Unicode text: {error}",
+                           param=param) from None
         return self.tokenizer.encode(text)
+
+    def _decode(self, ids: list[int]) -> str:
+        """Prompt token ids as text for echo; ids outside the vocabulary are a 400."""
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
+                           param="prompt")
+        try:
+            return self.tokenizer.decode(ids)
+        except Exception as error:  # an id the model has but its tokenizer lacks
+            raise APIError(400, f"prompt token ids cannot be decoded for echo: {error}",
+                           param="prompt") from None
 
     async def _generate(self, request: Request, kind: str, req: GenerateRequest,
                         prompts: list[dict], texts: list[str]) -> Response:

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.checks import is_finite, is_int, show
 from jaxserve.request import Logprob, RequestOutput, SamplingParams
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -57,12 +58,8 @@ class GenerateRequest:
     names: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> request field
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+MAX_STOP = 64  # stop strings per request: each is searched for on every step
+MAX_N = 128  # samples per prompt, as OpenAI allows
 
 
 def _get(body: dict, name: str, check, what: str, default: Any = None) -> Any:
@@ -70,21 +67,16 @@ def _get(body: dict, name: str, check, what: str, default: Any = None) -> Any:
     if value is None:
         return default
     if not check(value):
-        raise APIError(400, f"{name} must be {what}, got {_show(value)}", param=name)
+        raise APIError(400, f"{name} must be {what}, got {show(value)}", param=name)
     return value
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def parse_completion(body: dict[str, Any]) -> GenerateRequest:
     """A /v1/completions body -> GenerateRequest; APIError(400) naming the field otherwise."""
     if "prompt" not in body or body["prompt"] is None:
         raise APIError(400, "prompt is required", param="prompt")
-    logprobs = _get(body, "logprobs", _is_int, "an integer")
-    req = _common(body, default_max_tokens=16, max_tokens_name="max_tokens", logprobs=logprobs)
+    logprobs = _get(body, "logprobs", is_int, "an integer")
+    req = _common(body, default_max_tokens=16, logprobs=logprobs, names={})
     req.prompts = _prompts(body["prompt"])
     req.echo = _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
     return req
@@ -95,26 +87,27 @@ def parse_chat(body: dict[str, Any]) -> GenerateRequest:
     if "messages" not in body:
         raise APIError(400, "messages is required", param="messages")
     wants = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
-    top = _get(body, "top_logprobs", _is_int, "an integer")
+    top = _get(body, "top_logprobs", is_int, "an integer")
     if top is not None and not wants:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if body.get("echo"):
         raise APIError(400, "echo is supported by /v1/completions only", param="echo")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    req = _common(body, default_max_tokens=None, max_tokens_name=name,
-                  logprobs=(top or 0) if wants else None)
-    req.names["logprobs"] = "top_logprobs"
+    # the engine's errors name the prompt, the token limit and the top logprobs by its words
+    names = {"max_tokens": name, "logprobs": "top_logprobs", "prompt": "messages"}
+    req = _common(body, default_max_tokens=None, logprobs=(top or 0) if wants else None,
+                  names=names)
     req.messages = _messages(body["messages"])
     req.add_generation_prompt = _get(body, "add_generation_prompt", lambda v: isinstance(v, bool),
                                      "a boolean", True)
     return req
 
 
-def _common(body: dict, default_max_tokens: int | None, max_tokens_name: str,
-            logprobs: int | None) -> GenerateRequest:
+def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
+            names: dict[str, str]) -> GenerateRequest:
     for name, off in _UNSUPPORTED.items():
         if body.get(name) is not None and body[name] not in off:
-            raise APIError(400, f"{name} is not supported by jaxserve (got {_show(body[name])})",
+            raise APIError(400, f"{name} is not supported by jaxserve (got {show(body[name])})",
                            param=name)
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object")
@@ -124,35 +117,41 @@ def _common(body: dict, default_max_tokens: int | None, max_tokens_name: str,
     include_usage = (options or {}).get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise APIError(400, f"stream_options.include_usage must be a boolean, got "
-                       f"{_show(include_usage)}", param="stream_options")
+                       f"{show(include_usage)}", param="stream_options")
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise APIError(400, f"stop must be a string or a list of strings, got {_show(stop)}",
+        raise APIError(400, f"stop must be a string or a list of strings, got {show(stop)}",
                        param="stop")
-    names = {"max_tokens": max_tokens_name}
+    if stop is not None and len(stop) > MAX_STOP:
+        raise APIError(400, f"stop has {len(stop)} strings; at most {MAX_STOP} are allowed",
+                       param="stop")
+    n = _get(body, "n", is_int, "an integer", 1)
+    if n > MAX_N:
+        raise APIError(400, f"n must be at most {MAX_N}, got {n}", param="n")
+    names = {"max_tokens": "max_tokens"} | names
     kwargs = dict(
-        max_tokens=_get(body, max_tokens_name, _is_int, "an integer", default_max_tokens),
-        temperature=_get(body, "temperature", _is_number, "a number", 1.0),
-        top_p=_get(body, "top_p", _is_number, "a number", 1.0),
-        top_k=_get(body, "top_k", _is_int, "an integer"),
-        seed=_get(body, "seed", _is_int, "an integer"),
+        max_tokens=_get(body, names["max_tokens"], is_int, "an integer", default_max_tokens),
+        temperature=_get(body, "temperature", is_finite, "a number", 1.0),
+        top_p=_get(body, "top_p", is_finite, "a number", 1.0),
+        top_k=_get(body, "top_k", is_int, "an integer"),
+        seed=_get(body, "seed", is_int, "an integer"),
         stop=tuple(stop or ()),
         stop_token_ids=tuple(_get(body, "stop_token_ids",
-                                  lambda v: isinstance(v, list) and all(map(_is_int, v)),
+                                  lambda v: isinstance(v, list) and all(map(is_int, v)),
                                   "a list of integers", [])),
         ignore_eos=_get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
         logprobs=logprobs,
-        priority=_get(body, "priority", _is_int, "an integer", 0),
-        n=_get(body, "n", _is_int, "an integer", 1),
+        priority=_get(body, "priority", is_int, "an integer", 0),
+        n=n,
     )
     if body.get("slo_ms") is not None:  # the edf policy's time-to-first-token target
-        kwargs["slo_ms"] = _get(body, "slo_ms", _is_number, "a number")
+        kwargs["slo_ms"] = _get(body, "slo_ms", is_finite, "a number")
     try:
         params = SamplingParams(**kwargs)
     except ValueError as error:
-        raise APIError(400, str(error), param=param_of(error, names)) from None
+        raise client_error(error, names) from None
     return GenerateRequest(model=_get(body, "model", lambda v: isinstance(v, str), "a string"),
                            prompts=[], params=params, stream=stream, include_usage=include_usage,
                            names=names)
@@ -170,24 +169,35 @@ def param_of(error: Exception, names: dict[str, str]) -> str | None:
     return names.get(word, word) if word else None
 
 
+def client_error(error: Exception, names: dict[str, str]) -> APIError:
+    """A ValueError from SamplingParams or the engine as a 400 in the client's words: the field
+    it names, and the message, with jaxserve's field names replaced by the request's (chat's
+    "max_completion_tokens", "top_logprobs", "messages")."""
+    message = str(error)
+    for ours, theirs in names.items():
+        if ours != theirs:
+            message = re.sub(rf"\b{ours}\b", theirs, message)
+    return APIError(400, message, param=param_of(error, names))
+
+
 def _prompts(value: Any) -> list[str | list[int]]:
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value:
         if all(isinstance(p, str) for p in value):
             return list(value)
-        if all(_is_int(t) for t in value):
+        if all(is_int(t) for t in value):
             return [list(value)]
-        if all(isinstance(p, list) and p and all(map(_is_int, p)) for p in value):
+        if all(isinstance(p, list) and p and all(map(is_int, p)) for p in value):
             return [list(p) for p in value]
     raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a "
-                   f"list of token-id lists, none of them empty; got {_show(value)}",
+                   f"list of token-id lists, none of them empty; got {show(value)}",
                    param="prompt")
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
-        raise APIError(400, f"messages must be a non-empty list, got {_show(value)}",
+        raise APIError(400, f"messages must be a non-empty list, got {show(value)}",
                        param="messages")
     out = []
     for i, message in enumerate(value):
