@@ -8,16 +8,20 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 import yaml
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.benchmarks.datasets import batching_samples, get_samples, load_samples
+from jaxserve.benchmarks.metrics import peak_output_rate
+from jaxserve.benchmarks.serve import serve_arrivals, set_output_len
 from jaxserve.benchmarks.sweep import knee, largest_meeting, recommend
 from jaxserve.cli import main
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.server import ServerConfig, build_app
+from jaxserve.sim.metrics import RequestRecord, parse_slos
 
 # the server tests' engine shape: every step is already in the persistent compilation cache
 CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_sizes=(32,),
@@ -71,6 +75,29 @@ def test_workloads(tmp_path):
         assert len(loaded) == 5
         assert {(str(s.prompt), s.output_len) for s in loaded} == {
             ("hi there", 3), ("[5, 6, 7]", 3), ("a plain prompt", 9)}
+
+
+def test_serving_arithmetic_as_vllm_does_it():
+    # send times: gamma gaps scaled so the last goes out at n / rate; inf burstiness is regular
+    times = serve_arrivals(200, 10.0, 1.0, seed=3)
+    assert times[-1] == pytest.approx(20.0) and np.all(np.diff(times) >= 0)
+    assert np.array_equal(times, serve_arrivals(200, 10.0, 1.0, seed=3))
+    assert np.allclose(serve_arrivals(4, 2.0, float("inf"), seed=0), [0.5, 1.0, 1.5, 2.0])
+    assert not serve_arrivals(5, float("inf"), 1.0, seed=0).any()
+    # the server's usage is the output length, whatever the chunks held
+    record = RequestRecord(0.0, 4)
+    for t in (1.0, 2.0, 3.0):
+        record.deliver(t, 1)
+    set_output_len(record, 5)
+    assert record.counts == [1, 1, 3]
+    set_output_len(record, 1)
+    assert record.counts == [1, 0, 0] and record.output_len == 1
+    # peak concurrency: a request leaving as another arrives does not overlap it
+    a, b, c = RequestRecord(0.0, 1), RequestRecord(1.0, 1), RequestRecord(1.5, 1)
+    a.deliver(1.0, 1), b.deliver(2.0, 1), c.deliver(2.5, 1)
+    assert peak_output_rate([a, b])[1] == 1 and peak_output_rate([a, b, c])[1] == 2
+    with pytest.raises(ValueError, match="non-negative"):
+        parse_slos(["ttft:-5"])
 
 
 def test_knee_and_recommendation():
@@ -160,16 +187,19 @@ def server(stories_dir):
 def test_bench_serve(server, stories_dir, tmp_path):
     assert main(["bench", "serve", "--base-url", server, "--tokenizer", str(stories_dir),
                  "--num-prompts", "10", "--max-concurrency", "4", "--request-rate", "50",
-                 "--random-input-len", "16", "--random-output-len", "8", "--ignore-eos",
+                 "--random-input-len", "16", "--random-output-len", "8",  # EOS ignored: random
                  "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
-                 "50,90,99", "--goodput", "ttft:60000", "--save-result", "--result-dir",
-                 str(tmp_path), "--result-filename", "serve.json", "--disable-tqdm"]) == 0
+                 "50,90,99", "--goodput", "ttft:60000", "--save-result", "--save-detailed",
+                 "--result-dir", str(tmp_path), "--result-filename", "serve.json",
+                 "--temperature", "0", "--disable-tqdm"]) == 0
     r = json.loads((tmp_path / "serve.json").read_text())
     _check_serving(r, 10)
     assert r["model_id"] == "stories" and r["max_concurrency"] == 4
     assert r["total_output_tokens"] == sum(r["output_lens"]) == 10 * 8
     assert r["request_goodput"] > 0
     assert len(r["ttfts"]) == len(r["itls"]) == len(r["generated_texts"]) == 10
+    assert len(r["start_times"]) == len(r["latencies"]) == 10
+    assert all(lat >= ttft > 0 for lat, ttft in zip(r["latencies"], r["ttfts"], strict=True))
 
 
 def test_bench_sweep_offline(stories_dir, tmp_path):

@@ -2,8 +2,8 @@
 
 The per-request arithmetic (TTFT, TPOT, ITL, E2EL, goodput) is the simulator's
 (`jaxserve.sim.metrics`), so simulated and measured runs are computed alike. This adds what a
-real run has besides: failed requests, the per-request lists, the peak output rate, and vLLM's
-choice of which metrics and percentiles to keep.
+real run has besides: failed requests, the per-request lists (`--save-detailed`), the peaks,
+and vLLM's choice of which metrics and percentiles to keep.
 """
 
 import numpy as np
@@ -26,24 +26,39 @@ def parse_percentile_metrics(text: str) -> list[str]:
 
 def parse_percentiles(text: str) -> list[float]:
     values = [float(p) for p in text.split(",") if p.strip()]
-    if not values or any(not 0 < p <= 100 for p in values):
-        raise ValueError(f"--metric-percentiles must be in (0, 100], got {text!r}")
+    if not values or any(not 0 <= p <= 100 for p in values):
+        raise ValueError(f"--metric-percentiles must be in [0, 100], got {text!r}")
     return values
 
 
 def peak_output_rate(records: list[RequestRecord]) -> tuple[float, int]:
-    """(most output tokens in any one-second bucket, requests in flight in that second's peak)."""
+    """(most output tokens in any one-second bucket, most requests in flight at once: each from
+    its send to its last token, a departure before an arrival at the same instant)."""
     done = [r for r in records if r.times]
     if not done:
         return 0.0, 0
     start = min(r.arrival for r in done)
     buckets = int(np.ceil(max(r.times[-1] for r in done) - start)) + 1
-    tokens, active = np.zeros(buckets), np.zeros(buckets)
+    tokens = np.zeros(buckets)
     for r in done:
         for t, n in zip(r.times, r.counts, strict=True):
             tokens[int(t - start)] += n
-        active[int(r.arrival - start):int(r.times[-1] - start) + 1] += 1
+    events = sorted([(r.arrival, 1) for r in done] + [(r.times[-1], -1) for r in done])
+    active = np.cumsum([step for _, step in events])
     return float(tokens.max()), int(active.max())
+
+
+def detailed(records: list[RequestRecord], errors: list[str | None]) -> dict:
+    """The per-request lists `vllm bench serve --save-detailed` saves (failed: 0 and "")."""
+    ok = [e is None and bool(r.times) for r, e in zip(records, errors, strict=True)]
+    return {"input_lens": [r.prompt_len for r in records],
+            "output_lens": [r.output_len if good else 0 for r, good in zip(records, ok,
+                                                                           strict=True)],
+            "ttfts": [r.ttft if r.times else 0.0 for r in records],
+            "itls": [r.itls for r in records],
+            "start_times": [r.arrival for r in records],
+            "latencies": [r.e2el if good else 0.0 for r, good in zip(records, ok, strict=True)],
+            "errors": [e or "" for e in errors]}
 
 
 def serving_result(records: list[RequestRecord], errors: list[str | None], duration: float,
@@ -65,12 +80,6 @@ def serving_result(records: list[RequestRecord], errors: list[str | None], durat
         "output_throughput": full["output_throughput"],
         "total_token_throughput": full["total_token_throughput"],
         "max_output_tokens_per_s": peak, "max_concurrent_requests": peak_requests,
-        "input_lens": [r.prompt_len for r in records],
-        "output_lens": [r.output_len if e is None else 0 for r, e in zip(records, errors,
-                                                                          strict=True)],
-        "ttfts": [r.ttft if r.times else 0.0 for r in records],
-        "itls": [r.itls for r in records],
-        "errors": [e or "" for e in errors],
     }
     for name in percentile_metrics:
         result |= {k: v for k, v in full.items() if k.endswith(f"_{name}_ms")}

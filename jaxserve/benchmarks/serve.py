@@ -3,12 +3,16 @@
 
     jaxserve serve &                       # or any OpenAI-compatible server
     jaxserve bench serve --num-prompts 200 --request-rate 8 --max-concurrency 32 \\
-        --random-input-len 128 --random-output-len 64 --ignore-eos --save-result
+        --random-input-len 128 --random-output-len 64 --save-result
 
 Synthetic prompts are sent as token ids (the completions API takes them), so their lengths are
 exact; their ids need the model's vocabulary size: from --tokenizer (a local model directory),
 or from the served model's name when it is a local directory or "demo". The output length of a
-request is the server's `usage.completion_tokens`.
+request is the server's `usage.completion_tokens` (without usage: its text's tokens, else its
+chunks). As vLLM's: the random dataset always ignores EOS; no temperature is sent unless
+--temperature is given (the server's default applies); arrivals are gamma gaps scaled so the
+last request is sent at num_prompts / request_rate; the per-request lists are saved with
+--save-detailed.
 """
 
 import asyncio
@@ -22,13 +26,13 @@ import numpy as np
 
 from jaxserve.benchmarks.datasets import Sample, add_dataset_arguments, get_samples
 from jaxserve.benchmarks.metrics import (
+    detailed,
     format_result,
     parse_percentile_metrics,
     parse_percentiles,
     serving_result,
 )
 from jaxserve.sim.metrics import RequestRecord, parse_slos
-from jaxserve.sim.workload import arrival_times
 
 
 def add_arguments(parser) -> None:
@@ -42,12 +46,20 @@ def add_arguments(parser) -> None:
     add_load_arguments(parser)
     add_dataset_arguments(parser, "--random-input-len", "--random-output-len")
     parser.add_argument("--ignore-eos", action="store_true",
-                        help="every request generates its full output length")
+                        help="every request generates its full output length (always on for "
+                             "the random dataset, as in vLLM)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sent only when given (else the server's default)")
+    parser.add_argument("--top-p", type=float, default=None, help="sent only when given")
+    parser.add_argument("--top-k", type=int, default=None, help="sent only when given")
     parser.add_argument("--goodput", nargs="+", metavar="NAME:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl")
     parser.add_argument("--metric-percentiles", default="99")
     parser.add_argument("--save-result", action="store_true")
+    parser.add_argument("--save-detailed", action="store_true",
+                        help="also save the per-request lists (input_lens, output_lens, ttfts, "
+                             "itls, start_times, latencies, generated_texts, errors)")
     parser.add_argument("--result-dir", type=Path, default=Path("."))
     parser.add_argument("--result-filename", default=None)
     parser.add_argument("--disable-tqdm", action="store_true")
@@ -63,11 +75,13 @@ def add_load_arguments(parser) -> None:
 
 
 async def _one(client, url: str, model: str, sample: Sample, ignore_eos: bool,
-               start: float) -> tuple[RequestRecord, str | None, str]:
-    """One streamed completion; the record's times are seconds since `start`."""
+               start: float, sampling: dict | None = None, tokenizer=None
+               ) -> tuple[RequestRecord, str | None, str]:
+    """One streamed completion; the record's times are seconds since `start`. `sampling`:
+    fields sent as given (temperature, top_p, top_k)."""
     body = {"model": model, "prompt": sample.prompt, "max_tokens": sample.output_len,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": ignore_eos}
+            "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": ignore_eos} | (sampling or {})
     record = RequestRecord(time.perf_counter() - start, sample.prompt_len)
     text, usage = [], None
     try:
@@ -90,16 +104,33 @@ async def _one(client, url: str, model: str, sample: Sample, ignore_eos: bool,
         return record, f"{type(err).__name__}: {err}", "".join(text)
     if not record.times:
         return record, "no tokens received", ""
-    if usage:  # the server's counts are exact (a chunk may hold several tokens)
+    generated = "".join(text)
+    if usage:  # the server's counts are exact (a chunk may hold several tokens, or none)
         record.prompt_len = usage.get("prompt_tokens", record.prompt_len)
-        record.counts[-1] += max(0, usage.get("completion_tokens", 0) - record.output_len)
-    return record, None, "".join(text)
+        set_output_len(record, usage.get("completion_tokens", record.output_len))
+    elif tokenizer is not None:  # as vLLM without usage: the text's tokens
+        set_output_len(record, len(tokenizer.encode(generated, add_special_tokens=False)))
+    return record, None, generated
+
+
+def set_output_len(record: RequestRecord, n: int) -> None:
+    """Make the record's deliveries hold n tokens in all: the difference goes to (or comes off)
+    the last ones, never below zero."""
+    diff = n - record.output_len
+    for i in range(len(record.counts) - 1, -1, -1):
+        if diff >= 0:
+            record.counts[i] += diff
+            return
+        take = min(record.counts[i], -diff)
+        record.counts[i] -= take
+        diff += take
 
 
 async def benchmark(base_url: str, endpoint: str, model: str, samples: list[Sample], *,
                     request_rate: float = float("inf"), burstiness: float = 1.0,
                     max_concurrency: int | None = None, ignore_eos: bool = False,
-                    api_key: str | None = None, seed: int = 0, progress: bool = False
+                    api_key: str | None = None, seed: int = 0, progress: bool = False,
+                    sampling: dict | None = None, tokenizer=None
                     ) -> tuple[list[RequestRecord], list[str | None], list[str], float]:
     """Send every sample at its arrival time (at most max_concurrency in flight)."""
     import httpx
@@ -107,20 +138,22 @@ async def benchmark(base_url: str, endpoint: str, model: str, samples: list[Samp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    arrivals = arrival_times(len(samples), request_rate, np.random.default_rng(seed), burstiness)
+    arrivals = serve_arrivals(len(samples), request_rate, burstiness, seed)
     semaphore = asyncio.Semaphore(max_concurrency or len(samples))
     url = base_url.rstrip("/") + endpoint
     bar = tqdm(total=len(samples), desc="requests", disable=not progress)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits,
                                  headers=headers) as client:
         probe = Sample(samples[0].prompt, samples[0].prompt_len, 2)
-        _, error, _ = await _one(client, url, model, probe, ignore_eos, time.perf_counter())
+        _, error, _ = await _one(client, url, model, probe, ignore_eos, time.perf_counter(),
+                                 sampling)
         if error is not None:
             raise ValueError(f"the first test request to {url} failed: {error}")
 
         async def limited(sample: Sample, start: float):
             async with semaphore:
-                out = await _one(client, url, model, sample, ignore_eos, start)
+                out = await _one(client, url, model, sample, ignore_eos, start, sampling,
+                                 tokenizer)
             bar.update(1)
             return out
 
@@ -134,6 +167,23 @@ async def benchmark(base_url: str, endpoint: str, model: str, samples: list[Samp
     bar.close()
     records, errors, texts = (list(x) for x in zip(*outs, strict=True))
     return records, errors, texts, duration
+
+
+def serve_arrivals(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """vLLM's send times: gamma gaps (shape `burstiness`, mean 1/rate; constant 1/rate at
+    burstiness inf) from numpy's legacy generator seeded with `seed`, scaled so the last request
+    goes out at n / rate. Everything at 0 when the rate is inf."""
+    if rate == float("inf"):
+        return np.zeros(n)
+    if not (rate > 0 and burstiness > 0):
+        raise ValueError(f"request rate and burstiness must be > 0, got {rate}, {burstiness}")
+    if burstiness == float("inf"):
+        gaps = np.full(n, 1.0 / rate)
+    else:
+        gaps = np.random.RandomState(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness),
+                                                  size=n)
+    times = np.cumsum(gaps)
+    return times * (n / rate / times[-1]) if n else times
 
 
 def first_model(base_url: str, api_key: str | None) -> str:
@@ -178,15 +228,19 @@ def run(args, engine_options: dict | None = None) -> dict:
                           output_len=args.output_len, range_ratio=args.random_range_ratio,
                           vocab_size=vocab, seed=args.seed, tokenizer=tokenizer,
                           max_model_len=max_len)
+    ignore_eos = args.ignore_eos or (args.dataset or "random") == "random"
+    sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
+                                  ("top_k", args.top_k)) if v is not None}
     print(f"Traffic request rate: {args.request_rate}\nBurstiness factor: {args.burstiness}"
           f"\nMaximum request concurrency: {args.max_concurrency}")
     records, errors, texts, duration = asyncio.run(benchmark(
         args.base_url, args.endpoint, model, samples, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-        ignore_eos=args.ignore_eos, api_key=args.api_key, seed=args.seed,
-        progress=not args.disable_tqdm))
+        ignore_eos=ignore_eos, api_key=args.api_key, seed=args.seed,
+        progress=not args.disable_tqdm, sampling=sampling, tokenizer=tokenizer))
     result = serving_result(records, errors, duration, goodput, metrics, percentiles)
-    result["generated_texts"] = texts
+    if args.save_detailed:
+        result |= detailed(records, errors) | {"generated_texts": texts}
     extra = {"Maximum request concurrency:": args.max_concurrency} if args.max_concurrency else {}
     print(format_result(result, metrics, extra=extra))
     if args.save_result:

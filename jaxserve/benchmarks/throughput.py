@@ -60,6 +60,8 @@ def run(args, engine_options: dict) -> dict:
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
           f"{result['tokens_per_second']:.2f} total tokens/s, "
           f"{result['output_tokens_per_second']:.2f} output tokens/s")
+    print(f"Total num prompt tokens:  {sum(prompt_lens)}")
+    print(f"Total num output tokens:  {sum(output_lens)}")
     print(f"Model FLOPs: {flops / 1e9:.1f} GFLOP, achieved "
           f"{result['achieved_gflops_per_second']:.1f} GFLOP/s")
     if args.output_json:

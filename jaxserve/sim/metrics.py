@@ -111,6 +111,8 @@ def parse_slos(items: list[str] | None) -> dict[str, float]:
         if name not in ("ttft", "tpot", "e2el") or not value:
             raise ValueError(f"goodput targets are ttft:MS, tpot:MS or e2el:MS, got {item!r}")
         slos[name] = float(value)
+        if not slos[name] >= 0:
+            raise ValueError(f"goodput target {item!r} must be non-negative")
     return slos
 
 

@@ -54,7 +54,10 @@ def arrival_times(n: int, rate: float, rng: np.random.Generator, burstiness: flo
         raise ValueError(f"rate and burstiness must be > 0, got {rate}, {burstiness}")
     if rate == float("inf"):
         return np.zeros(n)
-    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    if burstiness == float("inf"):  # the gamma's limit: evenly spaced
+        gaps = np.full(n, 1.0 / rate)
+    else:
+        gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
     op = np.cumsum(gaps)  # arrival times were the rate constant
     if not bursts:
         return op
