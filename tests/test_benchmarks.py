@@ -6,6 +6,7 @@ of bench/peer_hf.py (which itself needs torch, so it runs by hand) are right."""
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -13,7 +14,12 @@ import pytest
 import yaml
 
 from jaxserve.async_engine import AsyncEngine
-from jaxserve.benchmarks.datasets import batching_samples, get_samples, load_samples
+from jaxserve.benchmarks.datasets import (
+    batching_samples,
+    dataset_of,
+    get_samples,
+    load_samples,
+)
 from jaxserve.benchmarks.metrics import peak_output_rate
 from jaxserve.benchmarks.serve import serve_arrivals, set_output_len
 from jaxserve.benchmarks.sweep import knee, largest_meeting, recommend
@@ -65,8 +71,11 @@ def test_workloads(tmp_path):
     ours = batching_samples(16, 4096, 3)
     assert [s.prompt for s in ours] == [p["prompt_token_ids"] for p in prompts]
     assert [s.output_len for s in ours] == [p.max_tokens for p in params]
-    rows = [{"conversations": [{"from": "human", "value": "hi there"},
-                               {"from": "gpt", "value": "hello to you"}]},
+    story = "tell me a story about a dragon"  # ~7 tokens at 4 characters a token
+    rows = [{"conversations": [{"from": "human", "value": story},
+                               {"from": "gpt", "value": "once upon a time, a dragon"}]},
+            {"conversations": [{"from": "human", "value": "hi"},  # under 4 tokens: skipped
+                               {"from": "gpt", "value": "hello to you, and a good day"}]},
             {"prompt": [5, 6, 7], "output_len": 3}, "a plain prompt"]
     (tmp_path / "d.json").write_text(json.dumps(rows))
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -74,7 +83,10 @@ def test_workloads(tmp_path):
         loaded = load_samples(tmp_path / name, 5, default_output_len=9)
         assert len(loaded) == 5
         assert {(str(s.prompt), s.output_len) for s in loaded} == {
-            ("hi there", 3), ("[5, 6, 7]", 3), ("a plain prompt", 9)}
+            (story, 6), ("[5, 6, 7]", 3), ("a plain prompt", 9)}
+    vllm_flags = SimpleNamespace(dataset="sharegpt", dataset_path=str(tmp_path / "d.json"))
+    assert dataset_of(vllm_flags) == str(tmp_path / "d.json")
+    assert dataset_of(SimpleNamespace(dataset="random")) == "random"
 
 
 def test_serving_arithmetic_as_vllm_does_it():

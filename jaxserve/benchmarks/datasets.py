@@ -5,7 +5,9 @@
     batching     the engine issue's workload: prompts uniform in [32, 256] tokens, outputs
                  lognormal with median 48, capped at 256 (bench/batching.py, bench/peer_hf.py)
     FILE         JSON or JSONL: strings, {"prompt": text | ids, "output_len": n}, or ShareGPT
-                 records ({"conversations": [{"from": "human", "value": ...}, {"from": "gpt"...}]})
+                 records ({"conversations": [{"from": "human", "value": ...}, {"from": "gpt"...}]};
+                 as vLLM's sharegpt dataset, pairs with a prompt or reply under 4 tokens, a
+                 prompt over 1024 or both over 2048 are skipped)
 
 Synthetic prompts are random ids in [3, vocab_size): never the usual pad/bos/eos ids 0-2.
 """
@@ -109,13 +111,21 @@ def _from_row(row, default_output_len: int, tokenizer) -> Sample | None:
         if len(turns) < 2 or not turns[0].get("value") or not turns[1].get("value"):
             return None
         prompt, reply = turns[0]["value"], turns[1]["value"]
-        return Sample(prompt, count(prompt), max(1, count(reply)))
+        prompt_len, reply_len = count(prompt), count(reply)
+        if prompt_len < 4 or reply_len < 4 or prompt_len > 1024 or prompt_len + reply_len > 2048:
+            return None  # vLLM's is_valid_sequence
+        return Sample(prompt, prompt_len, reply_len)
     prompt = row.get("prompt")
     if prompt is None:
         return None
     output_len = int(row.get("output_len") or row.get("max_tokens") or default_output_len)
     length = len(prompt) if isinstance(prompt, list) else count(prompt)
     return Sample(prompt, length, output_len)
+
+
+def dataset_of(args) -> str:
+    """The dataset the flags name: --dataset-path if given, else --dataset."""
+    return getattr(args, "dataset_path", None) or args.dataset or "random"
 
 
 def get_samples(dataset: str | None, n: int, *, input_len: int, output_len: int,
@@ -156,8 +166,10 @@ def add_dataset_arguments(parser, input_flag: str = "--input-len",
                           output_len: int = 64) -> None:
     """--dataset, the length flags, --random-range-ratio and --seed."""
     group = parser.add_argument_group("workload")
-    group.add_argument("--dataset", default="random",
+    group.add_argument("--dataset", "--dataset-name", dest="dataset", default="random",
                        help=f"one of {', '.join(SYNTHETIC)}, or a JSON/JSONL file of prompts")
+    group.add_argument("--dataset-path", default=None,
+                       help="a JSON/JSONL file of prompts (vLLM's spelling; wins over --dataset)")
     group.add_argument(input_flag, type=int, default=input_len, dest="input_len",
                        help="prompt tokens (random: the centre; sharegpt: the median)")
     group.add_argument(output_flag, type=int, default=output_len, dest="output_len",

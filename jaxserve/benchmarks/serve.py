@@ -24,7 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.benchmarks.datasets import Sample, add_dataset_arguments, get_samples
+from jaxserve.benchmarks.datasets import (
+    Sample,
+    add_dataset_arguments,
+    dataset_of,
+    get_samples,
+)
 from jaxserve.benchmarks.metrics import (
     detailed,
     format_result,
@@ -224,11 +229,11 @@ def run(args, engine_options: dict | None = None) -> dict:
     goodput = parse_slos(args.goodput)
     model = args.model or first_model(args.base_url, args.api_key)
     vocab, tokenizer, max_len = model_info(args.tokenizer, model)
-    samples = get_samples(args.dataset, args.num_prompts, input_len=args.input_len,
+    samples = get_samples(dataset_of(args), args.num_prompts, input_len=args.input_len,
                           output_len=args.output_len, range_ratio=args.random_range_ratio,
                           vocab_size=vocab, seed=args.seed, tokenizer=tokenizer,
                           max_model_len=max_len)
-    ignore_eos = args.ignore_eos or (args.dataset or "random") == "random"
+    ignore_eos = args.ignore_eos or dataset_of(args) == "random"
     sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
                                   ("top_k", args.top_k)) if v is not None}
     print(f"Traffic request rate: {args.request_rate}\nBurstiness factor: {args.burstiness}"

@@ -32,7 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.benchmarks.datasets import Sample, add_dataset_arguments, get_samples
+from jaxserve.benchmarks.datasets import (
+    Sample,
+    add_dataset_arguments,
+    dataset_of,
+    get_samples,
+)
 from jaxserve.benchmarks.metrics import serving_result
 from jaxserve.sim.metrics import LATENCIES, format_table, parse_slos
 
@@ -277,7 +282,7 @@ def run(args, engine_options: dict) -> dict:
     target, vocab, tokenizer, max_len = _target(args, engine_options, largest, kinds)
     n_max = max(num_points(args.num_prompts, args.prompts_per_concurrency, largest),
                 args.num_prompts or 64)
-    samples = get_samples(args.dataset, n_max, input_len=args.input_len,
+    samples = get_samples(dataset_of(args), n_max, input_len=args.input_len,
                           output_len=args.output_len, range_ratio=args.random_range_ratio,
                           vocab_size=vocab, seed=args.seed, tokenizer=tokenizer,
                           max_model_len=max_len)

@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from jaxserve.benchmarks.datasets import add_dataset_arguments, get_samples
+from jaxserve.benchmarks.datasets import add_dataset_arguments, dataset_of, get_samples
 from jaxserve.benchmarks.roofline import workload_flops
 from jaxserve.request import SamplingParams
 
@@ -33,7 +33,7 @@ def run(args, engine_options: dict) -> dict:
     llm = LLM(args.model, **engine_options)
     engine = llm.engine
     print(f"loaded {engine.model_path} and compiled in {time.perf_counter() - start:.1f} s")
-    samples = get_samples(args.dataset, args.num_prompts, input_len=args.input_len,
+    samples = get_samples(dataset_of(args), args.num_prompts, input_len=args.input_len,
                           output_len=args.output_len, range_ratio=args.random_range_ratio,
                           vocab_size=engine.model_config.vocab_size, seed=args.seed,
                           tokenizer=engine.tokenizer, max_model_len=engine.max_model_len)
