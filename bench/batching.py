@@ -8,6 +8,7 @@ modes capped at the same number of concurrent sequences. Warm-up (compilation) i
 """
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -42,13 +43,44 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.nbytes / min(times) / 1e9
 
 
+@contextlib.contextmanager
+def loop_profile(engine):
+    """Seconds the engine loop spends in each part, summed: scheduling, dispatching (building
+    the step's arrays and launching it), collecting (mostly waiting for the device to finish the
+    step before; the copy of its tokens) and processing outputs (stops, detokenizing). With one
+    step in flight, a loop whose collect time is small is bound by the host, not the device."""
+    totals = dict.fromkeys(("schedule", "dispatch", "collect", "outputs"), 0.0)
+    parts = {"schedule": (engine.scheduler, "schedule"), "dispatch": (engine.runner, "dispatch"),
+             "collect": (engine.runner, "collect"), "outputs": (engine, "_process")}
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return call
+
+    for name, (owner, attr) in parts.items():
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    try:
+        yield totals
+    finally:
+        for owner, attr in parts.values():
+            owner.__dict__.pop(attr, None)
+
+
 def run_mode(llm: LLM, config: EngineConfig, prompts, params) -> dict:
     engine = llm.engine
     engine.scheduler = make_scheduler(config, engine.runner.num_pages,
                                       engine.runner.chunk_buckets[-1])
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    steps_before = engine.num_steps
+    with loop_profile(engine) as loop:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    iterations = max(1, engine.num_steps - steps_before)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
     return {"batching": config.batching, "elapsed_s": elapsed, "num_requests": len(outs),
@@ -56,6 +88,8 @@ def run_mode(llm: LLM, config: EngineConfig, prompts, params) -> dict:
             "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
             "requests_per_s": len(outs) / elapsed,
             "compilations_after_warmup": engine.stats()["num_compilations_after_warmup"],
+            "iterations": iterations,
+            "loop_ms_per_iteration": {k: 1e3 * v / iterations for k, v in loop.items()},
             "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
@@ -117,6 +151,12 @@ def main() -> None:
         print(f"{r['batching']:<12}{r['elapsed_s']:>10.2f}{r['requests_per_s']:>9.2f}"
               f"{r['output_tokens_per_s']:>11.1f}{r['total_tokens_per_s']:>13.1f}"
               f"{r['compilations_after_warmup']:>10}")
+    print("engine loop, ms per iteration (collect is mostly waiting for the device):")
+    for r in rows:
+        ms = r["loop_ms_per_iteration"]
+        print(f"  {r['batching']:<12}{r['iterations']:>6} iterations, "
+              f"{1e3 * r['elapsed_s'] / r['iterations']:6.2f} ms each: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
     ratio = rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
     print(f"continuous / static throughput: {ratio:.2f}x; greedy ids identical: {same}")
     line = f"batch-1 decode: {tps1:.1f} tok/s"
