@@ -235,34 +235,58 @@ class LLMEngine:
             tracker.logprobs.append(_logprob_dict(lp, token, request.params.logprobs))
 
     def _detokenize(self, tracker: _Tracker) -> None:
-        """New text, and stop strings: the text ends before the stop string."""
+        """New text, and stop strings: the text ends before the stop string. The new tokens are
+        read one at a time (a multi-step decode delivers several at once): the first whose text
+        completes a stop string ends the output, and the tokens after it are dropped, as the
+        scheduler drops those after a stop token, so the output never depends on how tokens
+        were grouped into steps. A stop token's text (EOS or one of stop_token_ids) is left
+        out, as vLLM leaves it out."""
         request = tracker.request
         if tracker.detok is None:
             return
         ids = request.output_ids
-        new_ids = ids[tracker.num_detokenized:]
+        first = tracker.num_detokenized
+        new_ids = ids[first:]
         tracker.num_detokenized = len(ids)
-        if request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None:
-            new_ids = new_ids[:-1]  # the EOS token is not text
-        before = len(tracker.text)
-        tracker.text += tracker.detok.push(new_ids)
-        if request.status.finished:
-            tracker.text += tracker.detok.finish()
+        if request.status == RequestStatus.FINISHED_STOPPED and not isinstance(
+                request.stop_reason, str):
+            new_ids = new_ids[:-1]  # EOS or a stop token ended it: not text
         stops = request.params.stop
         if not stops:
+            tracker.text += tracker.detok.push(new_ids)
+            if request.status.finished:
+                tracker.text += tracker.detok.finish()
             return
-        longest = max(len(s) for s in stops)
-        search_from = max(0, before - longest + 1)
+        for j, token in enumerate(new_ids):
+            before = len(tracker.text)
+            tracker.text += tracker.detok.push([token])
+            if self._stop_string(tracker, before, keep=first + j + 1):
+                return
+        if request.status.finished:  # what the detokenizer held back may complete one too
+            before = len(tracker.text)
+            tracker.text += tracker.detok.finish()
+            self._stop_string(tracker, before, keep=len(ids))
+
+    def _stop_string(self, tracker: _Tracker, before: int, keep: int) -> bool:
+        """Whether text added past `before` completed a stop string; if so, end the text before
+        it, keep the first `keep` output tokens (and their logprobs) and finish the request."""
+        request, stops = tracker.request, tracker.request.params.stop
+        search_from = max(0, before - max(len(s) for s in stops) + 1)
         hits = [(i, s) for s in stops if (i := tracker.text.find(s, search_from)) >= 0]
-        if hits:
-            index, stop = min(hits)
-            tracker.text = tracker.text[:index]
-            if not request.status.finished:
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, stop)
-            else:  # the tokens that finished it also completed a stop string
-                if request.status != RequestStatus.FINISHED_STOPPED:
-                    request.set_status(RequestStatus.FINISHED_STOPPED)
-                request.stop_reason = stop
+        if not hits:
+            return False
+        index, stop = min(hits)
+        tracker.text = tracker.text[:index]
+        del request.output_ids[keep:]
+        del tracker.logprobs[keep:]
+        tracker.num_detokenized = len(request.output_ids)
+        if not request.status.finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, stop)
+        else:  # the tokens that finished it (length, a stop token) also completed a stop string
+            if request.status != RequestStatus.FINISHED_STOPPED:
+                request.set_status(RequestStatus.FINISHED_STOPPED)
+            request.stop_reason = stop
+        return True
 
     def _output(self, tracker: _Tracker) -> RequestOutput:
         request = tracker.request

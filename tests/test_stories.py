@@ -71,6 +71,30 @@ def test_stop_strings_and_stop_tokens(stories):
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
 
 
+def test_stop_strings_end_the_same_token_whatever_the_steps(stories, stories_dir):
+    """Four decode steps per dispatch deliver tokens in fours: the first token completing a
+    stop string still ends the output, the tokens after it are dropped, and a stop token's text
+    is left out, as one step at a time gives."""
+    llm, cases = stories
+    four = LLM(stories_dir, page_size=4, prefill_chunk_sizes=(8,), max_num_seqs=8,
+               max_num_batched_tokens=32, num_pages=512, decode_steps=4)
+    params = [SamplingParams(max_tokens=60, temperature=0.0, stop=["Lily", "little", "was a"],
+                             logprobs=1),
+              SamplingParams(max_tokens=60, temperature=0.0, stop=["zzz"],
+                             stop_token_ids=[cases[0]["generated_ids"][5]])]
+    for p in params:
+        prompts = [c["prompt"] for c in cases]
+        one_step, four_steps = (m.generate(prompts, p) for m in (llm, four))
+        for a, b in zip(one_step, four_steps, strict=True):
+            a, b = a.outputs[0], b.outputs[0]
+            assert (a.text, a.token_ids, a.stop_reason) == (b.text, b.token_ids, b.stop_reason)
+            assert len(b.token_ids) == len(b.logprobs or b.token_ids)
+    tokenizer = llm.get_tokenizer()
+    out = one_step[0].outputs[0]  # ended by the stop token: its text is not in the output
+    assert out.stop_reason == out.token_ids[-1]
+    assert tokenizer.decode(out.token_ids[:-1]).strip() == out.text.strip()
+
+
 def test_bad_requests_are_value_errors_naming_the_field(stories):
     llm, _ = stories
     limit = llm.engine.max_model_len
