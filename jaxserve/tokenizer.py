@@ -328,6 +328,19 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which templates for assistant-only training
+    use to mark the assistant's text: rendered as its body (transformers tracks the marked
+    spans; serving needs none of that)."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 @functools.cache
 def _compile_template(source: str) -> jinja2.Template:
     # As transformers: sandboxed, trim_blocks/lstrip_blocks, the same helpers.
@@ -338,7 +351,8 @@ def _compile_template(source: str) -> jinja2.Template:
         return json.dumps(x, ensure_ascii=ensure_ascii, **kwargs)
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception

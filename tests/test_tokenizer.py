@@ -280,6 +280,13 @@ def test_chat_template_helpers_and_sandbox() -> None:
     escape = ByteTokenizer(chat_template="{{ ''.__class__.__mro__ }}")
     with pytest.raises(SecurityError):
         escape.apply_chat_template(MESSAGES)
+    # templates for assistant-only training mark the assistant's text; it renders as its body
+    marked = ByteTokenizer(chat_template=(
+        "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}{% generation %}"
+        "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %};{% endfor %}"))
+    assert marked.apply_chat_template([{"role": "user", "content": "Hi"},
+                                       {"role": "assistant", "content": "Yo"}]) == (
+        "user: Hi;assistant: Yo;")
 
 
 @pytest.mark.parametrize(
