@@ -11,6 +11,7 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +26,24 @@ from jaxserve.request import (
     SamplingParams,
 )
 from jaxserve.runner import Inflight, ModelRunner, Samples, TokenLogprobs
-from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
+from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer, token_text
 
 log = logging.getLogger("jaxserve")
 PromptType = str | dict[str, Any]
 DEMO = "demo"
 
 
-def _logprob_dict(lp: TokenLogprobs, token: int, num_top: int) -> dict[int, Logprob]:
-    out = {token: Logprob(lp.logprob, lp.rank)}
+def _logprob_dict(lp: TokenLogprobs, token: int, num_top: int,
+                  name: Callable[[int], str] | None = None) -> dict[int, Logprob]:
+    """The token's logprob and the top `num_top`, each with its text when `name` gives it."""
+    def entry(tid: int, value: float, rank: int | None) -> Logprob:
+        return Logprob(value, rank, None if name is None else name(tid))
+
+    out = {token: entry(token, lp.logprob, lp.rank)}
     for rank, (tid, value) in enumerate(zip(lp.top_ids[:num_top].tolist(),
                                             lp.top_logprobs[:num_top].tolist(), strict=True), 1):
-        out.setdefault(tid, Logprob(value, rank))
+        if tid not in out:
+            out[tid] = entry(tid, value, rank)
     return out
 
 
@@ -214,6 +221,10 @@ class LLMEngine:
                 del self._trackers[request.request_id]
         return outputs
 
+    def _token_name(self, token_id: int) -> str | None:
+        """A token's text for Logprob.decoded_token (`tokenizer.token_text`)."""
+        return None if self.tokenizer is None else token_text(self.tokenizer, token_id)
+
     def _tracker(self, request: Request) -> _Tracker | None:
         """The request's tracker; None once it was aborted, even if a new request reuses its id
         while its step is still in flight."""
@@ -224,7 +235,8 @@ class LLMEngine:
         request, num_top = tracker.request, tracker.request.params.prompt_logprobs
         for j, lp in enumerate(samples.prompt_logprobs):
             pos = samples.prompt_start + 1 + j
-            tracker.prompt_logprobs[pos] = _logprob_dict(lp, request.prompt_ids[pos], num_top)
+            tracker.prompt_logprobs[pos] = _logprob_dict(lp, request.prompt_ids[pos], num_top,
+                                                         self._token_name)
 
     def _record_logprobs(self, tracker: _Tracker, samples: Samples) -> None:
         request = tracker.request
@@ -232,7 +244,8 @@ class LLMEngine:
             return
         new = request.output_ids[len(tracker.logprobs):]
         for token, lp in zip(new, samples.logprobs, strict=False):
-            tracker.logprobs.append(_logprob_dict(lp, token, request.params.logprobs))
+            tracker.logprobs.append(_logprob_dict(lp, token, request.params.logprobs,
+                                                  self._token_name))
 
     def _detokenize(self, tracker: _Tracker) -> None:
         """New text, and stop strings: the text ends before the stop string. The new tokens are

@@ -59,6 +59,11 @@ class BaseTokenizer:
         """Text of `ids`; incomplete or invalid UTF-8 becomes U+FFFD."""
         raise NotImplementedError
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for inside a text (its leading space included; a byte
+        piece as its one byte; a special token as its text): what logprobs report per token."""
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
@@ -116,8 +121,12 @@ class Tokenizer(BaseTokenizer):
 
         added = hf_tokenizer.get_added_tokens_decoder()
         self.all_special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self._added_ids = frozenset(added)
+        decoders = _decoder_types(hf_tokenizer)
+        self._byte_level = "ByteLevel" in decoders
+        self._metaspace = bool(decoders & {"Metaspace", "Replace"})
         self.byte_fallback_ids = frozenset()
-        if "ByteFallback" in _decoder_types(hf_tokenizer):
+        if "ByteFallback" in decoders:
             vocab = hf_tokenizer.get_vocab(with_added_tokens=False)
             self.byte_fallback_ids = frozenset(
                 i for tok, i in vocab.items() if _BYTE_TOKEN.fullmatch(tok)
@@ -155,6 +164,26 @@ class Tokenizer(BaseTokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` through the tokenizer's decoder."""
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """From the vocabulary piece, not a decode of the token alone (which drops a
+        SentencePiece token's leading space and turns a byte piece into U+FFFD): byte-level
+        BPE pieces map back through GPT-2's byte alphabet ("Ġit" -> b" it"), byte-fallback
+        pieces are their byte ("<0xE4>" -> b"\\xe4"), "▁" is a space."""
+        piece = self._tk.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode("utf-8")
+        if token_id in self.byte_fallback_ids:
+            return bytes([int(piece[3:5], 16)])
+        if self._byte_level:
+            alphabet = _byte_level_alphabet()
+            if all(ch in alphabet for ch in piece):
+                return bytes(alphabet[ch] for ch in piece)
+        if self._metaspace:
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return super().token_bytes(token_id)
 
     def _token_id(self, token: Any) -> int | None:
         text = _token_text(token)
@@ -196,6 +225,11 @@ class ByteTokenizer(BaseTokenizer):
         """The UTF-8 bytes of `text`, after BOS when `add_special_tokens` and `add_bos_token`."""
         bos = [self.BOS_ID] if add_special_tokens and self.add_bos_token else []
         return bos + list(text.encode("utf-8"))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if 0 <= token_id < self.NUM_BYTES:
+            return bytes([token_id])
+        return self.SPECIAL_TEXT.get(token_id, "").encode("utf-8")
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special ids are dropped or shown as `SPECIAL_TEXT`."""
@@ -393,6 +427,32 @@ def _as_id(value: Any, name: str) -> int | None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
         raise ValueError(f"generation_config.json: {name} must be an int, got {value!r}")
     return value
+
+
+def token_text(tokenizer: BaseTokenizer, token_id: int) -> str:
+    """A token as logprobs name it: its bytes as text, or, when they are not whole UTF-8 (a
+    piece of a character), "bytes:" and their escapes ("bytes:\\xe4\\xbd"), as OpenAI's API
+    writes them."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _decoder_types(hf_tokenizer: HFTokenizer) -> set[str]:

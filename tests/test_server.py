@@ -200,6 +200,29 @@ def test_prompt_lists_token_ids_echo_and_logprobs(client, reference):
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
 
 
+def test_logprob_tokens_spell_the_text_streamed_or_not(http):
+    """Each token carries its leading space, so the tokens join into the text; offsets point
+    into it, the same streamed as not; chat's bytes rebuild the content."""
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    lps = http.post("/v1/completions", json=body).json()["choices"][0]
+    tokens, text = lps["logprobs"]["tokens"], lps["text"]
+    assert "".join(tokens) == text
+    assert lps["logprobs"]["text_offset"] == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    for top, token in zip(lps["logprobs"]["top_logprobs"], tokens, strict=True):
+        assert len(top) >= 3 and token in top  # distinct tokens keep distinct names
+    with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        chunks = [json.loads(line[5:]) for line in r.iter_lines()
+                  if line.startswith("data:") and line != "data: [DONE]"]
+    offsets = [o for c in chunks if c["choices"][0]["logprobs"]
+               for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == lps["logprobs"]["text_offset"]
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2}).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert bytes(b for t in content for b in t["bytes"]).decode() == chat["message"]["content"]
+
+
 def test_n_samples_per_prompt_numbered_as_openai(client, reference):
     # choice i is sample i % n of prompt i // n, the request seeded seed + i % n; the usage
     # counts each prompt once

@@ -54,6 +54,12 @@ def test_prompt_logprobs_agree_with_generation_logprobs(stories):
         assert lp[token].rank == 1 == gen[token].rank  # greedy: the top token
         np.testing.assert_allclose(lp[token].logprob, gen[token].logprob, atol=1e-4)
         assert len(lp) == 3 and len(gen) == 2
+    # each entry names its token, leading space included, as the text spells it
+    names = [gen[token].decoded_token for token, gen in zip(first.outputs[0].token_ids,
+                                                            first.outputs[0].logprobs, strict=True)]
+    assert "".join(names).strip() == first.outputs[0].text.strip()
+    assert all(isinstance(x.decoded_token, str) for gen in first.outputs[0].logprobs
+               for x in gen.values())
 
 
 def test_stop_strings_and_stop_tokens(stories):

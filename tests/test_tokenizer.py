@@ -17,6 +17,7 @@ from jaxserve.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
     load_tokenizer,
+    token_text,
 )
 
 MIXED_TEXT = "Héllo wörld 😀 naïve café, 日本語のテキスト 🎉🧠 Ωμέγα ﬁn."
@@ -287,6 +288,32 @@ def test_chat_template_helpers_and_sandbox() -> None:
     assert marked.apply_chat_template([{"role": "user", "content": "Hi"},
                                        {"role": "assistant", "content": "Yo"}]) == (
         "user: Hi;assistant: Yo;")
+
+
+def test_token_bytes_spell_the_text(stories: Tokenizer) -> None:
+    """Joined, the tokens' bytes are the text: SentencePiece's "▁" as a space, byte-fallback
+    pieces as their bytes, byte-level BPE through GPT-2's alphabet; a piece of a character is
+    named by its bytes, so two such pieces never share a name."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    bpe = HFTokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["Hello world, hello there"] * 4, trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    text = "Hello world, 你好 é"
+    for tok in (stories, Tokenizer(bpe), ByteTokenizer()):
+        ids = tok.encode(text, add_special_tokens=False)
+        joined = b"".join(tok.token_bytes(i) for i in ids).decode()
+        assert joined in (text, " " + text)  # SentencePiece writes the dummy prefix space
+        names = [token_text(tok, i) for i in ids]
+        assert any(n.startswith("bytes:\\x") for n in names)
+        assert all(n == tok.token_bytes(i).decode() for n, i in zip(names, ids, strict=True)
+                   if not n.startswith("bytes:"))
+    ids = stories.encode("Once upon a time", add_special_tokens=False)
+    assert [token_text(stories, i) for i in ids] == [" Once", " upon", " a", " time"]
+    assert token_text(ByteTokenizer(), ByteTokenizer.BOS_ID) == "<s>"
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ fields are ignored (as vLLM does); known ones that jaxserve does not implement a
 they hold their no-op value.
 """
 
+import codecs
 import math
 import re
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any
 
 from jaxserve.checks import is_finite, is_int, show
 from jaxserve.request import Logprob, RequestOutput, SamplingParams
+from jaxserve.tokenizer import token_text
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
@@ -234,6 +236,23 @@ class _Sent:
     num_tokens: int = 0
     text_len: int = 0
     started: bool = False
+    offsets: "_Offsets" = field(default_factory=lambda: _Offsets())
+
+
+class _Offsets:
+    """Running text_offset of logprob tokens: the characters before each token, counted from
+    the tokens' bytes (a character split over several tokens counts once its last byte is in;
+    special tokens, which the text leaves out, count none)."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The offset of a token of bytes `raw`; moves past it."""
+        at = self.offset
+        self.offset += len(self._chars.decode(raw))
+        return at
 
 
 class Formatter:
@@ -259,7 +278,7 @@ class Formatter:
         choices = []
         for i, out in enumerate(outputs):
             c = out.outputs[0]
-            lps = self._logprobs(out, 0, echo=self.req.echo)
+            lps = self._logprobs(out, 0, _Offsets(), echo=self.req.echo)
             if self.kind == "chat":
                 choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": lps, "finish_reason": c.finish_reason,
@@ -281,7 +300,7 @@ class Formatter:
         if not (text or new_tokens or out.finished or first):
             return None
         echo = first and self.req.echo and self.kind == "completion"
-        lps = self._logprobs(out, sent.num_tokens, echo=echo, text_offset=sent.text_len)
+        lps = self._logprobs(out, sent.num_tokens, sent.offsets, echo=echo)
         sent.num_tokens, sent.text_len, sent.started = len(c.token_ids), len(c.text), True
         finish = c.finish_reason if out.finished else None
         stop_reason = c.stop_reason if out.finished else None
@@ -305,12 +324,25 @@ class Formatter:
     # -- logprobs ----------------------------------------------------------------------------
 
     def _token(self, token_id: int) -> str:
+        """The token's text with its leading space; a piece of a character as "bytes:\\x..",
+        so that different tokens never share a name in top_logprobs."""
         if self.tokenizer is None:
             return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return token_text(self.tokenizer, token_id)
 
-    def _logprobs(self, out: RequestOutput, start: int, echo: bool = False,
-                  text_offset: int = 0) -> dict[str, Any] | None:
+    def _bytes(self, token_id: int) -> bytes:
+        if self.tokenizer is None:
+            return b""
+        return self.tokenizer.token_bytes(token_id)
+
+    def _text_bytes(self, token_id: int) -> bytes:
+        """What the token adds to the response's text: nothing for a special token."""
+        if self.tokenizer is None or token_id in self.tokenizer.all_special_ids:
+            return b""
+        return self.tokenizer.token_bytes(token_id)
+
+    def _logprobs(self, out: RequestOutput, start: int, offsets: _Offsets,
+                  echo: bool = False) -> dict[str, Any] | None:
         c = out.outputs[0]
         if c.logprobs is None:
             return None
@@ -318,23 +350,21 @@ class Formatter:
         entries = c.logprobs[start:start + len(ids)]
         if self.kind == "chat":
             return {"content": [self._chat_entry(t, d) for t, d in zip(ids, entries, strict=False)]}
-        tokens, token_lps, tops, offsets = [], [], [], []
+        tokens, token_lps, tops, text_offsets = [], [], [], []
         if echo:  # the prompt's tokens first: their logprobs when the engine computed them
             prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
             for t, d in zip(out.prompt_token_ids, prompt_lps, strict=False):
                 tokens.append(self._token(t))
                 token_lps.append(None if d is None else _finite(d[t].logprob))
                 tops.append(None if d is None else self._top_dict(d))
-                offsets.append(text_offset)
-                text_offset += len(tokens[-1])
+                text_offsets.append(offsets.advance(self._text_bytes(t)))
         for t, d in zip(ids, entries, strict=False):
             tokens.append(self._token(t))
             token_lps.append(_finite(d[t].logprob))
             tops.append(self._top_dict(d))
-            offsets.append(text_offset)
-            text_offset += len(tokens[-1])
+            text_offsets.append(offsets.advance(self._text_bytes(t)))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}
+                "text_offset": text_offsets}
 
     def _top_dict(self, d: dict[int, Logprob]) -> dict[str, float]:
         return {self._token(t): _finite(lp.logprob) for t, lp in d.items()}
@@ -347,8 +377,8 @@ class Formatter:
             "top_logprobs": [self._chat_token(t, lp) for t, lp in top]}
 
     def _chat_token(self, token_id: int, lp: Logprob) -> dict[str, Any]:
-        text = self._token(token_id)
-        return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode())}
+        return {"token": self._token(token_id), "logprob": _finite(lp.logprob),
+                "bytes": list(self._bytes(token_id)) if self.tokenizer is not None else None}
 
 
 def usage(outputs: list[RequestOutput], n: int = 1) -> dict[str, int]:
