@@ -68,7 +68,10 @@ class PriorityPolicy(Policy):
         batch    (1)                       b1  1     b2  2   ...
 
     Admitting from c advances pass_c by 1 / weight_c, and lifts a class with nothing waiting to
-    pass_c, so an idle class banks no credit. Lower `priority` first within a class.
+    pass_c, so an idle class banks no credit. Lower `priority` first within a class. When pages
+    run short the request admitted last is preempted, whatever its class: a batch request
+    admitted on its share keeps its pages against realtime work admitted after it (preempting
+    the batch class first would starve it under any realtime load that fills the pool).
     """
 
     name = "priority"
@@ -81,6 +84,8 @@ class PriorityPolicy(Policy):
         self.realtime_max_priority = realtime_max_priority
         self._pass = [0.0, 0.0]  # per class: realtime, batch
         self._idle: set[int] = set()  # classes with nothing waiting at the last admission order
+        self._admissions = 0
+        self._admitted: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
 
     def qos_class(self, request: Request) -> int:
         """0: realtime, 1: batch."""
@@ -112,6 +117,13 @@ class PriorityPolicy(Policy):
         self._pass[c] += 1.0 / self.weights[c]
         for idle in self._idle:
             self._pass[idle] = max(self._pass[idle], self._pass[c])
+        self._admissions += 1
+        self._admitted[request] = self._admissions
+
+    def victim(self, running: list[Request], now: float) -> Request:
+        """The request admitted last (one never admitted through this policy counts as
+        admitted before every other, then by key)."""
+        return max(running, key=lambda r: (self._admitted.get(r, 0), self.key(r, now)))
 
     def allows_multi_step(self, request: Request) -> bool:
         # a realtime row streams a token per dispatch: K steps would delay each token K-fold
@@ -149,8 +161,10 @@ class MLFQ(Policy):
     [q (2^i - 1), q (2^(i+1) - 1)), q = quantum_tokens, so quanta double per level. Service is
     output tokens served plus the prompt counted at `prompt_token_cost` each: the prompt alone
     decides the entry level (skip-join: a long prompt skips the top queues). A request waiting
-    `starvation_s` since arrival or its last preemption is promoted to level 0. FCFS within a
-    level."""
+    `starvation_s` since arrival or its last preemption is promoted to level 0, and once
+    admitted keeps level 0 until served `quantum_tokens` more (FastServe's promotion), so it is
+    not the first victim when pages run short and makes progress. A preemption after which it
+    made no progress does not restart its wait. FCFS within a level."""
 
     name = "mlfq"
 
@@ -160,15 +174,32 @@ class MLFQ(Policy):
         self.quantum_tokens = quantum_tokens
         self.prompt_token_cost = prompt_token_cost
         self.starvation_s = starvation_s
+        # promoted requests once admitted: the output length up to which they stay at level 0
+        self._boost: weakref.WeakKeyDictionary[Request, float] = weakref.WeakKeyDictionary()
+        # per request: its output length when its wait began, and when that was
+        self._wait: weakref.WeakKeyDictionary[Request, tuple[int, float]] = (
+            weakref.WeakKeyDictionary())
 
     def level(self, request: Request, now: float) -> int:
-        if request.status == RequestStatus.WAITING:
-            queued = request.metrics.last_preempted_time
-            queued = request.arrival_time if queued is None else queued
-            if now - queued >= self.starvation_s:
-                return 0
+        if request.status == RequestStatus.WAITING and self._starving(request, now):
+            return 0
+        if len(request.output_ids) < self._boost.get(request, -1.0):
+            return 0
         service = len(request.prompt_ids) * self.prompt_token_cost + len(request.output_ids)
         return min(self.num_levels - 1, int(math.log2(1.0 + service / self.quantum_tokens)))
+
+    def _starving(self, request: Request, now: float) -> bool:
+        preempted = request.metrics.last_preempted_time
+        n = len(request.output_ids)
+        wait = self._wait.get(request)
+        if wait is None or n > wait[0]:  # first seen, or served since: the wait starts anew
+            wait = self._wait[request] = (n, request.arrival_time if preempted is None
+                                          else preempted)
+        return now - wait[1] >= self.starvation_s
+
+    def on_admit(self, request: Request, now: float) -> None:
+        if self._starving(request, now):
+            self._boost[request] = len(request.output_ids) + self.quantum_tokens
 
     def key(self, request: Request, now: float) -> Any:
         return (self.level(request, now), request.arrival_time, request.request_id)

@@ -93,6 +93,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        pages = -(-request.max_len // self.kv.page_size)
+        if pages > self.kv.pool.num_usable:  # it would preempt itself for ever
+            raise ValueError(f"request {request.request_id!r} needs {pages} KV pages at its "
+                             f"max length {request.max_len}; the KV cache has "
+                             f"{self.kv.pool.num_usable}")
         self._enqueue(request)  # first: a policy that cannot order it leaves no trace
         self.requests[request.request_id] = request
         self.window.observe_arrival(request.arrival_time)
@@ -138,6 +143,7 @@ class Scheduler:
         # a request whose pending tokens reach max_len only waits for update() to finish it
         decoding = [r for r in running if r.num_to_compute == 1 and r.remaining_tokens > 0]
         chunking = [r for r in running if r.num_to_compute > 1]
+        runs_on = set(decoding) | set(chunking)  # the rest only wait to be finished
         will_admit = bool(admissible) and len(running) < self.max_num_seqs
         # several decode steps per dispatch only when nobody waits to join and every row can
         # take them all (so K is 1 or decode_steps: two compiled shapes, no overshoot)
@@ -152,13 +158,22 @@ class Scheduler:
             if n == 0:
                 continue
             positions = out.decode_steps if n == 1 else n
-            while self.kv.allocate(request, positions) is None:
-                victim = self.policy.victim([request, *queue], now)
-                self._preempt(victim, out)
-                if victim is request:
+            allocated = True
+            while allocated and self.kv.allocate(request, positions) is None:
+                # as vLLM V1: the policy's last of every running request that runs on, even
+                # one already given its tokens this iteration (its row is taken back). Those
+                # that only wait for update() to finish them free their pages then: rather
+                # than preempt itself, the request waits an iteration for them
+                candidates = [r for r in self.running if r in runs_on]
+                victim = self.policy.victim(candidates, now)
+                allocated = victim is not request
+                if victim is request and len(candidates) < len(self.running):
                     break
-                queue.remove(victim)
-            if request.status == RequestStatus.RUNNING:
+                budget += self._uncommit(victim, out)
+                self._preempt(victim, out)
+                if victim in queue:
+                    queue.remove(victim)
+            if allocated:
                 budget -= n
                 self._commit(request, n, out)
         if out.preempted:
@@ -214,6 +229,17 @@ class Scheduler:
         request.num_pending += samples
         out.chunks.append(ScheduledChunk(request, start, n, samples))
 
+    def _uncommit(self, request: Request, out: SchedulerOutput) -> int:
+        """Take back the request's row of this iteration (before preempting it): the tokens
+        it had been given, 0 if none."""
+        for i, chunk in enumerate(out.chunks):
+            if chunk.request is request:
+                del out.chunks[i]
+                request.num_computed_tokens = chunk.start
+                request.num_pending -= chunk.num_samples
+                return chunk.num_tokens
+        return 0
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute later: free the pages, back to the waiting queue (its policy key is kept)."""
         self.running.remove(request)
@@ -239,7 +265,10 @@ class Scheduler:
         if not ready:
             return []
         if self.batching == "continuous":
-            return ready if self._window_open(now, idle=not self.running) else []
+            if self._window_open(now, idle=not self.running):
+                return ready
+            # the window gates arrivals; a preempted request was admitted once already
+            return [r for r in ready if r.metrics.num_preemptions]
         if self.batching == "dynamic" and not self._window_open(now, idle=True):
             return []
         batch = ready[:self.window.max_batch_size]
