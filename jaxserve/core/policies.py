@@ -69,19 +69,21 @@ class PriorityPolicy(Policy):
 
     Admitting from c advances pass_c by 1 / weight_c, and lifts a class with nothing waiting to
     pass_c, so an idle class banks no credit. Lower `priority` first within a class. When pages
-    run short the request admitted last is preempted, whatever its class: a batch request
-    admitted on its share keeps its pages against realtime work admitted after it (preempting
-    the batch class first would starve it under any realtime load that fills the pool).
+    run short the batch class gives its pages up first, the request admitted last first; but a
+    batch request preempted `batch_preemptions` times already counts as realtime there, so
+    realtime load that keeps the pool full cannot starve it (it would recompute for ever).
     """
 
     name = "priority"
     static_order = True
 
-    def __init__(self, weights: tuple[float, float] = (3.0, 1.0), realtime_max_priority: int = 0):
+    def __init__(self, weights: tuple[float, float] = (3.0, 1.0), realtime_max_priority: int = 0,
+                 batch_preemptions: int = 2):
         if min(weights) <= 0:
             raise ValueError(f"priority weights must be positive, got {weights}")
         self.weights = weights
         self.realtime_max_priority = realtime_max_priority
+        self.batch_preemptions = batch_preemptions
         self._pass = [0.0, 0.0]  # per class: realtime, batch
         self._idle: set[int] = set()  # classes with nothing waiting at the last admission order
         self._admissions = 0
@@ -121,9 +123,13 @@ class PriorityPolicy(Policy):
         self._admitted[request] = self._admissions
 
     def victim(self, running: list[Request], now: float) -> Request:
-        """The request admitted last (one never admitted through this policy counts as
-        admitted before every other, then by key)."""
-        return max(running, key=lambda r: (self._admitted.get(r, 0), self.key(r, now)))
+        """Batch before realtime (a batch request preempted `batch_preemptions` times counts
+        as realtime), then the one admitted last (never admitted here: before all others)."""
+        def rank(r: Request):
+            batch = self.qos_class(r) == 1 and r.metrics.num_preemptions < self.batch_preemptions
+            return (batch, self._admitted.get(r, 0), self.key(r, now))
+
+        return max(running, key=rank)
 
     def allows_multi_step(self, request: Request) -> bool:
         # a realtime row streams a token per dispatch: K steps would delay each token K-fold
