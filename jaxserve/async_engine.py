@@ -80,7 +80,11 @@ class RequestStream:
                 if self._last_token_time is not None:  # a multi-step output spreads its gap
                     self.inter_token_latencies += [(now - self._last_token_time) / new] * new
                 self._last_token_time, self._num_tokens = now, self._num_tokens + new
-        self._items.append(item)
+        if (isinstance(item, RequestOutput) and self._items
+                and isinstance(self._items[-1], RequestOutput)):
+            self._items[-1] = item  # cumulative: a reader that stopped reading holds one output
+        else:
+            self._items.append(item)
         self._ready.set()
 
     def __aiter__(self) -> "RequestStream":
@@ -174,17 +178,31 @@ class AsyncEngine:
         Raises ValueError (bad input, naming the field), QueueFullError, EngineDeadError or
         EngineStoppedError, and nothing is left queued. Cancelled while waiting: aborted.
         """
+        return (await self.add_requests([(request_id, prompt, params)], arrival_time))[0]
+
+    async def add_requests(self, requests: list[tuple[str, PromptType, SamplingParams | None]],
+                           arrival_time: float | None = None) -> list[RequestStream]:
+        """Queue several requests together (a prompt's n samples, a list of prompts): the
+        engine takes them all in one iteration, so they start together (one at a time, each
+        would wait for an engine step, and a static batch would form without the rest). All
+        or none: on any error every one of them is aborted and the first error raised."""
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self, loop)
-        ack = loop.create_future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._send(_Add(request_id, prompt, params, arrival, stream, ack))
+        adds = [_Add(rid, prompt, params, arrival, RequestStream(rid, self, loop),
+                     loop.create_future()) for rid, prompt, params in requests]
+        self._send(*adds)
         try:
-            await ack
+            results = await asyncio.gather(*(a.ack for a in adds), return_exceptions=True)
         except asyncio.CancelledError:
-            self.abort(request_id)
+            for a in adds:
+                self.abort(a.request_id)
             raise
-        return stream
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for a in adds:
+                self.abort(a.request_id)
+            raise errors[0]
+        return [a.stream for a in adds]
 
     def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ones are ignored); thread-safe, returns at once."""
@@ -204,13 +222,13 @@ class AsyncEngine:
             self._cond.notify()
         await asyncio.to_thread(self._thread.join)
 
-    def _send(self, command: _Add) -> None:
+    def _send(self, *commands: _Add) -> None:
         with self._cond:
             if self._error is not None:
                 raise EngineDeadError(f"the engine is dead: {self._error!r}")
             if self._stop_at is not None:
                 raise EngineStoppedError("the engine is shutting down")
-            self._commands.append(command)
+            self._commands.extend(commands)
             self._cond.notify()
 
     # -- the engine thread ---------------------------------------------------------------------
@@ -257,7 +275,7 @@ class AsyncEngine:
             self._deadlines.pop(command, None)
             return
         limit = self.max_waiting_requests
-        if limit is not None and len(self.engine.scheduler.waiting) >= limit:
+        if limit is not None and self._num_waiting_for_a_slot() >= limit:
             self._reply(command, QueueFullError(
                 f"the waiting queue is full ({limit} requests wait); retry later"))
             return
@@ -271,6 +289,12 @@ class AsyncEngine:
         if self.request_timeout_s is not None:
             self._deadlines[command.request_id] = command.arrival_time + self.request_timeout_s
         self._reply(command, None)
+
+    def _num_waiting_for_a_slot(self) -> int:
+        """Waiting requests the free slots will not take in the next iteration."""
+        scheduler = self.engine.scheduler
+        free = max(0, scheduler.max_num_seqs - len(scheduler.running))
+        return len(scheduler.waiting) - free
 
     def _expire(self, now: float) -> None:
         for request_id, deadline in list(self._deadlines.items()):

@@ -1,9 +1,14 @@
-"""Shared fixtures: where the shared test models live."""
+"""Shared fixtures: where the shared test models live, and the test server (module-scoped: a
+module that asks for it gets its own)."""
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
+import openai
 import pytest
+from served import AUTH, BODY_LIMIT, KEY, MODEL, uvicorn_url
 
 
 def shared_dir() -> Path:
@@ -34,3 +39,36 @@ SERVER_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_s
 SERVER_ENGINE_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128",
                        "--prefill-chunk-sizes", "32", "--page-size", "8", "--num-pages", "256",
                        "--no-enable-prompt-logprobs"]
+
+
+@pytest.fixture(scope="module")
+def reference(stories_dir):
+    """`LLM` on the server's engine settings. Built before the server's engine: the runner
+    counts compilations process-wide, and the server must show none after its own warm-up."""
+    from jaxserve import LLM
+
+    return LLM(stories_dir, **SERVER_ENGINE)
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir, reference):
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+    from jaxserve.server import ServerConfig, build_app
+
+    engine = AsyncEngine(LLMEngine(stories_dir, EngineConfig.from_overrides(**SERVER_ENGINE)))
+    app = build_app(engine, ServerConfig(api_key=KEY, max_body_bytes=BODY_LIMIT), MODEL)
+    with uvicorn_url(app) as url:
+        yield SimpleNamespace(url=url, engine=engine)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as c:
+        yield c

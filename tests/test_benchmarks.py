@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from served import uvicorn_url
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.benchmarks.datasets import (
@@ -189,10 +190,8 @@ def test_bench_throughput(stories_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    from test_server import _uvicorn
-
     engine = AsyncEngine(LLMEngine(stories_dir, EngineConfig.from_overrides(**CONFIG)))
-    with _uvicorn(build_app(engine, ServerConfig(), "stories")) as url:
+    with uvicorn_url(build_app(engine, ServerConfig(), "stories")) as url:
         yield url
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -102,6 +102,9 @@ def _handler(fn):
             return await fn(request)
         except APIError as error:
             return _error_response(request, error)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            _info(request)["error"] = "client disconnected"
+            return Response(status_code=499)  # nginx's "client closed request": for the log
         except Exception as error:
             log.exception("error serving %s", request.url.path)
             return _error_response(request, APIError(500, f"internal error: {error!r}"))
@@ -234,20 +237,14 @@ class _API:
         info = _info(request)
         info["id"] = request_id
         arrival = time.monotonic()
-        streams: list[RequestStream] = []
         n = req.params.n  # choice i: sample i % n of prompt i // n
         texts = [text for text in texts for _ in range(n)]
-        try:
-            for i, prompt in enumerate(prompts):
-                for j in range(n):
-                    streams.append(await self.engine.add_request(
-                        f"{request_id}-{i * n + j}", prompt, req.params.for_sample(j), arrival))
-        except BaseException as error:
-            for stream in streams:
-                stream.abort()
-            if isinstance(error, _ENGINE_ERRORS):
-                raise _api_error(error, req) from None
-            raise
+        try:  # all together: they start in one engine iteration, or none of them does
+            streams = await self.engine.add_requests(
+                [(f"{request_id}-{i * n + j}", prompt, req.params.for_sample(j))
+                 for i, prompt in enumerate(prompts) for j in range(n)], arrival)
+        except _ENGINE_ERRORS as error:
+            raise _api_error(error, req) from None
         fmt = protocol.Formatter(kind, request_id, int(time.time()), self.model_name,
                                  self.tokenizer, req, texts)
         if req.stream:
@@ -316,27 +313,37 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # the newest output per choice (outputs are cumulative: a slow reader skips the ones between,
+    # and holds one output per choice however far it falls behind)
+    latest: dict[int, RequestOutput] = {}
+    ended: set[int] = set()
+    errors: list[Exception] = []
+    changed = asyncio.Event()
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for out in stream:
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, None))
+                latest[i] = out
+                changed.set()
         except Exception as error:
-            queue.put_nowait((i, error))
+            errors.append(error)
+        ended.add(i)
+        changed.set()
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item is None:
-                remaining -= 1
-            else:
-                yield i, item
+        while True:
+            await changed.wait()
+            changed.clear()
+            if errors:
+                raise errors[0]
+            while latest:
+                i = next(iter(latest))
+                yield i, latest.pop(i)
+            if len(ended) == len(streams) and not latest:
+                if errors:
+                    raise errors[0]
+                return
     finally:
         for task in tasks:
             task.cancel()

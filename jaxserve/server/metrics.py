@@ -71,22 +71,24 @@ class Metrics:
 
     def observe(self, output: RequestOutput | None, inter_token_latencies: list[float],
                 aborted: bool) -> None:
-        """One request ended: finished (with its last output) or aborted (client gone, timeout)."""
+        """One request ended: finished (with its last output) or aborted (client gone, timeout).
+        An aborted request's first-token and inter-token latencies count too (it is often one
+        of the slow ones); only the end-to-end latency needs a finished request."""
         name = self.model_name
+        m = None if output is None else output.metrics
         if output is not None:
             self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
             self.generation_tokens.labels(name).inc(len(output.outputs[0].token_ids))
+        if m is not None and m.first_token_time is not None:
+            self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
+        for gap in inter_token_latencies:
+            self.itl.labels(name).observe(gap)
         if aborted or output is None or not output.finished:
             self.success.labels(name, "abort").inc()
             return
         self.success.labels(name, output.outputs[0].finish_reason).inc()
-        m = output.metrics
-        if m is not None and m.first_token_time is not None:
-            self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
         if m is not None and m.finished_time is not None:
             self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
-        for gap in inter_token_latencies:
-            self.itl.labels(name).observe(gap)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

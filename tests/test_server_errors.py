@@ -1,0 +1,213 @@
+"""Every error path of the server: status, envelope and the field it names, each followed by a
+request that succeeds."""
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from served import (
+    AUTH,
+    BODY_LIMIT,
+    KEY,
+    MODEL,
+    PROMPT,
+    assert_error,
+    succeeds,
+    uvicorn_url,
+    wait_idle,
+)
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.server import ServerConfig, build_app
+
+# -- errors: status and envelope, then a request that succeeds ---------------------------------
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": "two"}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": 5}, "stop"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 1000}, "logprobs"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [999999]]}, "prompt"),
+    ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "max_completion_tokens": -1}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": 10**400}, "temperature"),
+    ("/v1/completions", {"prompt": "\ud800"}, "prompt"),  # a lone surrogate: valid JSON
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("/v1/completions", {"prompt": [99999], "echo": True}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": ["x"] * 65}, "stop"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 129}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT * 200}]},
+     "messages"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_invalid_field_is_400_naming_it(http, path, body, param):
+    content = json.dumps(body)  # ASCII: a lone surrogate travels escaped, as JSON allows
+    assert_error(http.post(path, content=content, headers={"Content-Type": "application/json"}),
+                  400, param)
+    succeeds(http)
+
+
+def test_invalid_json_is_400(http):
+    r = http.post("/v1/completions", content=b'{"prompt": "Once',
+                  headers={"Content-Type": "application/json"})
+    assert_error(r, 400, None, "JSON")
+    assert_error(http.post("/v1/completions", json=[1, 2]), 400, None, "object")
+    r = http.post("/v1/completions", content=b"[" * 20_000,  # nested past Python's recursion
+                  headers={"Content-Type": "application/json"})
+    assert_error(r, 400, None, "JSON")
+    succeeds(http)
+
+
+def test_errors_speak_the_clients_field_names(http):
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                "max_completion_tokens": 0})
+    assert_error(r, 400, "max_completion_tokens", "max_completion_tokens must be")
+    succeeds(http)
+
+
+def test_a_failing_chat_template_is_400_messages(server, http, monkeypatch):
+    def broken(messages, add_generation_prompt=True):  # as a template's tojson of Undefined
+        raise TypeError("Object of type Undefined is not JSON serializable")
+
+    monkeypatch.setattr(server.engine.engine.tokenizer, "apply_chat_template", broken)
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert_error(r, 400, "messages", "chat template")
+    succeeds(http)
+
+
+def test_top_k_past_the_vocabulary_is_no_cut(http):
+    """top_k 2**31 does not fit the step's int32 array; it means no cut, and the engine lives."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 7}
+    plain = http.post("/v1/completions", json=body)
+    huge = http.post("/v1/completions", json=body | {"top_k": 2**31})
+    assert plain.status_code == huge.status_code == 200, huge.text
+    assert huge.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    succeeds(http)
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_is_400_with_the_numbers(http, client):
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 600})
+    assert_error(r, 400, "max_tokens", "max_tokens (600) exceeds max_model_len 512")
+    with pytest.raises(openai.BadRequestError) as err:  # as the openai client sees it
+        client.chat.completions.create(model=MODEL, max_tokens=600,
+                                       messages=[{"role": "user", "content": "Hi"}])
+    assert err.value.status_code == 400 and "512" in str(err.value)
+    succeeds(http)
+
+
+def test_unknown_model_is_404(http):
+    assert_error(http.post("/v1/completions", json={"model": "gpt-9", "prompt": PROMPT}),
+                  404, "model", "gpt-9")
+    assert_error(http.get("/v1/nothing"), 404)
+    succeeds(http)
+
+
+def test_api_key_is_401_when_missing_or_wrong_and_open_paths_stay_open(server, http):
+    body = {"prompt": PROMPT, "max_tokens": 4}
+    assert_error(httpx.post(server.url + "/v1/completions", json=body), 401)
+    assert_error(httpx.post(server.url + "/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {KEY}x"}), 401)
+    assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": KEY}), 401)
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    succeeds(http)
+
+
+def test_body_over_limit_is_413(http):
+    assert_error(http.post("/v1/completions", json={"prompt": "a" * (BODY_LIMIT + 1)}), 413)
+    succeeds(http)
+
+
+def test_full_waiting_queue_is_429_with_retry_after(server, http):
+    """max_waiting_requests counts the requests that would wait for a slot: with the limit 0 a
+    free slot still takes a request at once, and with every slot busy one more is a 429."""
+    server.engine.max_waiting_requests = 0
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+    try:
+        succeeds(http)
+        with ThreadPoolExecutor(8) as pool:
+            busy = [pool.submit(httpx.post, server.url + "/v1/completions", json=body,
+                                headers=AUTH, timeout=60) for _ in range(8)]
+            deadline = time.monotonic() + 30
+            while server.engine.stats()["num_requests_running"] < 8:
+                assert time.monotonic() < deadline, server.engine.stats()
+                time.sleep(0.002)
+            r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+            assert_error(r, 429)
+            assert int(r.headers["Retry-After"]) >= 1
+            assert [f.result().status_code for f in busy] == [200] * 8
+    finally:
+        server.engine.max_waiting_requests = None
+    succeeds(http)
+
+
+def test_request_timeout_is_504_and_frees_the_request(server, http):
+    server.engine.request_timeout_s = 0.05
+    try:
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 490,
+                                               "ignore_eos": True})
+        assert_error(r, 504, None, "request_timeout_s")
+    finally:
+        server.engine.request_timeout_s = None
+    stats = wait_idle(server)
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    succeeds(http)
+
+
+class _BrokenEngine:
+    """Just enough of an LLMEngine for AsyncEngine and the app: its first step raises."""
+
+    tokenizer = None
+    max_model_len = 64
+    model_path = "broken"
+    num_steps = 0
+    scheduler = SimpleNamespace(waiting=[])
+
+    def __init__(self):
+        self.pending = False
+
+    def stats(self):
+        return dict(num_requests_running=0, num_requests_waiting=0, kv_cache_usage=0.0,
+                    num_preemptions=0, num_compilations_after_warmup=0)
+
+    def add_request(self, *args):
+        self.pending = True
+
+    def abort(self, request_id):
+        return False
+
+    def has_unfinished_requests(self):
+        return self.pending
+
+    def step(self):
+        raise RuntimeError("device lost")
+
+
+def test_dead_engine_is_503_and_touches_no_other_server(http):
+    engine = AsyncEngine(_BrokenEngine())
+    with uvicorn_url(build_app(engine, ServerConfig(), "broken")) as url:
+        assert httpx.get(url + "/health").status_code == 200
+        body = {"prompt": [1, 2, 3], "max_tokens": 4}
+        assert_error(httpx.post(url + "/v1/completions", json=body), 503, None, "dead")
+        assert_error(httpx.get(url + "/health"), 503, None, "device lost")
+        assert_error(httpx.post(url + "/v1/completions", json=body | {"stream": True}), 503)
+    succeeds(http)
+
+
