@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +132,9 @@ class AsyncEngine:
     `max_waiting_requests`: at most this many requests wait for a slot; one more raises
     `QueueFullError` (None: unbounded). `request_timeout_s`: a request still unfinished this long
     after its arrival is aborted and its stream raises `RequestTimeoutError` (None: no limit).
-    Both are plain attributes, read when a request is added.
+    Both are plain attributes, read when a request is added. `on_death(error)`, if set, is
+    called on the engine thread once the engine died and every client was told (a server
+    exits then, so that its supervisor restarts it).
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
@@ -143,6 +146,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.request_timeout_s = request_timeout_s
+        self.on_death: Callable[[BaseException], None] | None = None
         self._cond = threading.Condition()
         self._commands: list[_Add | str] = []  # guarded by _cond; a str is an abort
         self._stop_at: float | None = None  # guarded by _cond: shutting down, deadline
@@ -216,11 +220,16 @@ class AsyncEngine:
     async def shutdown(self, grace_s: float = 0.0) -> None:
         """Accept nothing new, let running requests finish for up to `grace_s`, abort the rest
         (their streams raise EngineStoppedError) and stop the thread."""
+        self.begin_shutdown(grace_s)
+        await asyncio.to_thread(self._thread.join)
+
+    def begin_shutdown(self, grace_s: float = 0.0) -> None:
+        """`shutdown` without waiting for the thread (any thread; a signal handler may call
+        it). A shutdown already begun keeps its deadline."""
         with self._cond:
             if self._stop_at is None:
                 self._stop_at = time.monotonic() + grace_s
             self._cond.notify()
-        await asyncio.to_thread(self._thread.join)
 
     def _send(self, *commands: _Add) -> None:
         with self._cond:
@@ -346,6 +355,10 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._reply(command, dead)
         self._fail_streams(dead)
+        self._stats = {k: 0 if isinstance(v, int | float) and k.startswith(
+            ("num_requests", "kv_cache_usage")) else v for k, v in self._stats.items()}
+        if self.on_death is not None:
+            self.on_death(error)
 
     @staticmethod
     def _reply(command: _Add, error: BaseException | None) -> None:

@@ -74,8 +74,7 @@ def _serve(args) -> int:
     print(f"jaxserve: loading {model} (weights, then a compile for every step shape)", flush=True)
     engine = LLMEngine(model, engine_config, progress=True)
     freeze_gc()  # this process serves one engine until it exits
-    serve(engine, server_config, model_name=str(model))
-    return 0
+    return serve(engine, server_config, model_name=str(model))
 
 
 def _bench(args) -> int:

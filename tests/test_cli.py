@@ -99,6 +99,39 @@ def test_cli_serve_answers_then_exits_0_on_sigterm(stories_dir):
     assert f"http://127.0.0.1:{port}/v1" in out and '"POST /v1/completions" 200' in out
 
 
+def test_cli_serve_ends_open_streams_with_an_error_event_past_the_grace(stories_dir):
+    """A stream still running when the grace period ends gets the engine's 503 as an error
+    event and [DONE] (not a cut connection), and the server exits 0."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "serve", str(stories_dir), "--port", str(port),
+         "--shutdown-grace-s", "0", *SERVER_ENGINE_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] == 503 and "shut" in error["message"]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_cli_generate_streams_the_completion(stories_dir, reference):
     want = _greedy(reference, PROMPT, 12).text
     out = subprocess.run(

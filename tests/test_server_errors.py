@@ -201,13 +201,19 @@ class _BrokenEngine:
 
 
 def test_dead_engine_is_503_and_touches_no_other_server(http):
+    """Every client of a dead engine gets a 503, its gauges read zero, and `on_death` hears of
+    it (`serve` then exits 1, for a supervisor to restart it)."""
     engine = AsyncEngine(_BrokenEngine())
+    deaths = []
+    engine.on_death = deaths.append
     with uvicorn_url(build_app(engine, ServerConfig(), "broken")) as url:
         assert httpx.get(url + "/health").status_code == 200
         body = {"prompt": [1, 2, 3], "max_tokens": 4}
         assert_error(httpx.post(url + "/v1/completions", json=body), 503, None, "dead")
         assert_error(httpx.get(url + "/health"), 503, None, "device lost")
         assert_error(httpx.post(url + "/v1/completions", json=body | {"stream": True}), 503)
+    assert [str(e) for e in deaths] == ["device lost"]
+    assert engine.stats()["num_requests_running"] == 0
     succeeds(http)
 
 

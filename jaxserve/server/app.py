@@ -399,10 +399,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Sta
                      middleware=[Middleware(AccessLog), Middleware(APIKey, key=config.api_key)])
 
 
-def serve(engine: LLMEngine, config: ServerConfig, model_name: str) -> None:
+def serve(engine: LLMEngine, config: ServerConfig, model_name: str) -> int:
     """Serve until SIGTERM or SIGINT: then stop accepting, give in-flight requests
-    `shutdown_grace_s`, abort the rest, stop the engine, and return."""
+    `shutdown_grace_s`, abort the rest (a stream gets a 503 error event and [DONE], a request
+    a 503), stop the engine, and return 0. If the engine dies, clients get 503s and this
+    returns 1, so that a supervisor restarts the server."""
     import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # the engine's grace starts now and ends before uvicorn's (which then cancels
+            # handlers outright): requests still running at its end get the engine's 503s
+            async_engine.begin_shutdown(config.shutdown_grace_s)
+            super().handle_exit(sig, frame)
 
     async_engine = AsyncEngine(engine, max_waiting_requests=config.max_waiting_requests,
                                request_timeout_s=config.request_timeout_s)
@@ -414,9 +423,12 @@ def serve(engine: LLMEngine, config: ServerConfig, model_name: str) -> None:
     print(f"jaxserve: serving {name!r} at http://{host}:{sock.getsockname()[1]}/v1 "
           "(Ctrl+C to stop)", flush=True)
     uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                               timeout_graceful_shutdown=config.shutdown_grace_s)
+                               timeout_graceful_shutdown=config.shutdown_grace_s + 5)
     # uvicorn handles SIGINT/SIGTERM while it runs, then re-raises the signal to the handler it
     # found: these absorb it, so a graceful stop exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(uv_config).run(sockets=[sock])
+    server = Server(uv_config)
+    async_engine.on_death = lambda error: setattr(server, "should_exit", True)
+    server.run(sockets=[sock])
+    return 0 if async_engine.error is None else 1
