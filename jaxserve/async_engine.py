@@ -259,8 +259,13 @@ class AsyncEngine:
                 self._cond.wait()
             commands, self._commands = self._commands, []
             stop_at = self._stop_at
-        for command in commands:
-            self._apply(command)
+        for i, command in enumerate(commands):
+            try:
+                self._apply(command)
+            except BaseException:  # the engine dies: the commands not applied get its answer
+                with self._cond:
+                    self._commands[:0] = commands[i + 1:]
+                raise
         now = time.monotonic()
         self._expire(now)
         if stop_at is not None and (now >= stop_at or not engine.has_unfinished_requests()):
