@@ -17,17 +17,20 @@ from jaxserve.config import EngineConfig
 
 
 def _convert(args) -> int:
+    import dataclasses
+
     import jax.numpy as jnp
 
     from jaxserve.config import ModelConfig
     from jaxserve.model.loader import load_hf_state, save_orbax
 
     cfg = ModelConfig.from_hf_dir(args.hf_dir)
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[
-        cfg.dtype if args.dtype == "auto" else args.dtype
-    ]
+    name = cfg.dtype if args.dtype == "auto" else args.dtype
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
     _, state = load_hf_state(args.hf_dir, cfg, dtype)
-    save_orbax(args.out_dir, cfg, state, extra_files_from=args.hf_dir)
+    # the saved config.json names the dtype the weights were written in
+    save_orbax(args.out_dir, dataclasses.replace(cfg, dtype=name), state,
+               extra_files_from=args.hf_dir)
     print(f"wrote {args.out_dir} ({cfg.architecture}, {cfg.num_params / 1e6:.1f}M parameters)")
     return 0
 

@@ -4,6 +4,7 @@ Every engine override, config-file key and CLI flag shares one name (CLI flags u
 by `EngineConfig`'s fields. Derived values are computed by properties, never written back.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -107,8 +108,9 @@ class ModelConfig:
             )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, "
+                                 f"got {show(getattr(self, name))}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_heads} is not a multiple of "
@@ -125,7 +127,24 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path}")
-        return cls.from_hf_dict(json.loads(config_file.read_text()))
+        try:
+            hf = json.loads(config_file.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{config_file}: not valid JSON ({error})") from None
+        # generation_config.json's stop ids stop generation too (Llama-3's <|eot_id|>), with or
+        # without a tokenizer in the directory
+        generation = path / "generation_config.json"
+        if generation.is_file():
+            with contextlib.suppress(json.JSONDecodeError):
+                extra = json.loads(generation.read_text()).get("eos_token_id")
+                hf = hf | {"eos_token_id": _id_list(hf.get("eos_token_id")) + [
+                    i for i in _id_list(extra) if i not in _id_list(hf.get("eos_token_id"))]}
+        try:
+            return cls.from_hf_dict(hf)
+        except KeyError as error:
+            raise ValueError(f"{config_file}: missing {error.args[0]!r}") from None
+        except ValueError as error:
+            raise ValueError(f"{config_file}: {error}") from None
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -149,13 +168,12 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         theta, scaling = _read_rope(hf)
-        attention_bias = bool(hf.get("attention_bias", False))
+        # as transformers: Llama's attention_bias covers q, k, v and o; Qwen2 has q, k, v biases
+        # and no o bias; Mistral has none
+        attention_bias = bool(hf.get("attention_bias", False)) and arch == "LlamaForCausalLM"
         qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
-        sliding = hf.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
-            sliding = None
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        sliding = _sliding_window(arch, hf)
+        eos_ids = tuple(_id_list(hf.get("eos_token_id")))
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         if dtype not in _TORCH_DTYPES:
             raise ValueError(f"config dtype {dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
@@ -166,7 +184,9 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            # transformers' defaults when the key is absent: Mistral 8, the others one per head
+            num_kv_heads=hf.get("num_key_value_heads") or (
+                8 if arch == "MistralForCausalLM" else num_heads),
             head_dim=hf.get("head_dim") or hidden // num_heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -202,29 +222,56 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.o_bias, "hidden_act": "silu",
-            "sliding_window": self.sliding_window, "bos_token_id": self.bos_token_id,
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "max_window_layers": 0, "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids), "dtype": self.dtype,
         }
 
 
+def _id_list(value: Any) -> list[int]:
+    """A token id field (an int, a list of them, or null) as a list."""
+    return list(value) if isinstance(value, list) else [] if value is None else [value]
+
+
+def _sliding_window(arch: str, hf: dict[str, Any]) -> int | None:
+    """The attention window, None for full attention, as transformers reads each architecture:
+    Llama has none; Mistral's defaults to 4096 when the key is absent (null: none); Qwen2's
+    applies only with use_sliding_window, to the layers from max_window_layers (default 28)
+    on, 4096 when absent."""
+    if arch == "MistralForCausalLM":
+        return hf.get("sliding_window", 4096)
+    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window", False):
+        if hf.get("max_window_layers", 28) >= hf["num_hidden_layers"]:
+            return None  # no layer slides
+        return hf.get("sliding_window", 4096)
+    return None
+
+
 def _read_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling` (4)."""
-    params = hf.get("rope_parameters")
-    if params is None:
-        params = dict(hf.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`
+    (4). As transformers 5 reads them, a non-empty `rope_scaling` wins over `rope_parameters`."""
+    base = dict(hf.get("rope_parameters") or {})
+    params = dict(hf.get("rope_scaling") or {}) or base
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", base.get("rope_theta", 10000.0))))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
         return theta, None
-    fields = {f.name for f in dataclasses.fields(RopeScaling)}
-    return theta, RopeScaling(rope_type=rope_type, **{
-        k: v for k, v in params.items() if k in fields and k != "rope_type"
-    })
+    needed = ("factor",) if rope_type == "linear" else (
+        "factor", "low_freq_factor", "high_freq_factor")
+    missing = [k for k in needed if k not in params]
+    if missing:
+        raise ValueError(f"rope_scaling of type {rope_type!r} needs {', '.join(missing)}")
+    values = {k: params[k] for k in needed}
+    if rope_type == "llama3":  # as transformers: the top-level key, else the model's length
+        values["original_max_position_embeddings"] = params.get(
+            "original_max_position_embeddings", hf.get("original_max_position_embeddings",
+                                                       hf.get("max_position_embeddings", 8192)))
+    return theta, RopeScaling(rope_type=rope_type, **values)
 
 
 Batching = Literal["static", "dynamic", "continuous"]

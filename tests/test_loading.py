@@ -52,6 +52,44 @@ def test_unsupported_config_is_a_clear_error(change, message):
         ModelConfig.from_hf_dict(LLAMA_CONFIG | change)
 
 
+def test_config_read_as_transformers_reads_it(tmp_path):
+    """Keys that change the model's math are read as transformers reads them, never dropped."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0}
+    both = ModelConfig.from_hf_dict(LLAMA_CONFIG | {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": llama3})
+    assert both.rope_scaling.rope_type == "llama3" and both.rope_theta == 5e5  # scaling wins
+    assert both.rope_scaling.original_max_position_embeddings == 256  # the model's length
+    with pytest.raises(ValueError, match="'llama3' needs low_freq_factor, high_freq_factor"):
+        ModelConfig.from_hf_dict(LLAMA_CONFIG | {"rope_scaling": {"rope_type": "llama3",
+                                                                  "factor": 8.0}})
+    # Mistral: no sliding_window key is a 4096 window (null: none), no num_key_value_heads 8,
+    # and no biases whatever attention_bias says
+    mistral = {k: v for k, v in LLAMA_CONFIG.items()
+               if k not in ("sliding_window", "num_key_value_heads")} | {
+        "architectures": ["MistralForCausalLM"], "num_attention_heads": 8, "attention_bias": True}
+    cfg = ModelConfig.from_hf_dict(mistral)
+    assert (cfg.sliding_window, cfg.num_kv_heads, cfg.qkv_bias, cfg.o_bias) == (4096, 8, False,
+                                                                                False)
+    assert ModelConfig.from_hf_dict(mistral | {"sliding_window": None}).sliding_window is None
+    # Qwen2 slides only with use_sliding_window, and only the layers from max_window_layers on
+    qwen = LLAMA_CONFIG | {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+                           "sliding_window": 128}
+    assert ModelConfig.from_hf_dict(qwen | {"max_window_layers": 0}).sliding_window == 128
+    assert ModelConfig.from_hf_dict(qwen).sliding_window is None  # 28 >= its layers
+    windowed = ModelConfig.from_hf_dict(qwen | {"max_window_layers": 0})
+    assert ModelConfig.from_hf_dict(windowed.to_hf_dict()) == windowed  # jaxserve convert
+    assert ModelConfig.from_hf_dict(LLAMA_CONFIG | {"sliding_window": 64}).sliding_window is None
+    # a missing key names the key and the file; generation_config's stop ids count
+    (tmp_path / "config.json").write_text(json.dumps(
+        {k: v for k, v in LLAMA_CONFIG.items() if k != "hidden_size"}))
+    with pytest.raises(ValueError, match=r"config.json: missing 'hidden_size'"):
+        ModelConfig.from_hf_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_CONFIG | {"eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
+    assert ModelConfig.from_hf_dir(tmp_path).eos_token_ids == (2, 9)
+
+
 def test_sliding_window_shorter_than_max_model_len():
     cfg = ModelConfig.from_hf_dict(LLAMA_CONFIG | {"architectures": ["MistralForCausalLM"],
                                                    "sliding_window": 64})
@@ -116,6 +154,20 @@ def test_unexpected_tensor_and_missing_files(tmp_path):
         load_state(tmp_path / "empty", ModelConfig.from_hf_dir(path), jnp.float32)
 
 
+def test_weights_that_are_not_safetensors_name_the_file(tmp_path):
+    """A repository cloned without git-lfs holds pointer files where the weights should be."""
+    path = _copy_model(tmp_path)
+    cfg = ModelConfig.from_hf_dir(path)
+    (path / "model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")
+    with pytest.raises(ValueError, match=r"model\.safetensors: cannot read it as safetensors "
+                                         r"\(a git-lfs pointer"):
+        load_state(path, cfg, jnp.float32)
+    (path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match="no 'weight_map'"):
+        load_state(path, cfg, jnp.float32)
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     path = _copy_model(tmp_path)
     tensors = load_file(str(path / "model.safetensors"))
@@ -146,6 +198,9 @@ def test_convert_to_orbax_and_dummy_weights(tmp_path):
     np.testing.assert_array_equal(a, b)
     dummy = full_logits(*load_state(None, cfg, jnp.float32, load_format="dummy"), cfg, ids)
     assert np.isfinite(dummy).all() and not np.allclose(dummy, b)
+    half = tmp_path / "bf16"  # the written config.json names the dtype written
+    assert cli_main(["convert", str(HF_FIXTURES / "qwen2"), str(half), "--dtype", "bfloat16"]) == 0
+    assert ModelConfig.from_hf_dir(half).dtype == "bfloat16"
 
 
 def test_a_pool_too_small_for_one_sequence_is_refused():

@@ -91,12 +91,26 @@ def _hf_path(name: str, expected: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[tu
 def _safetensor_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' (tensor name -> shard file)")
         return [path / f for f in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in model directory {path}")
     return files
+
+
+def _open_safetensors(safe_open, file: Path):
+    """safe_open, with an error that names the file when it is not a safetensors file."""
+    try:
+        return safe_open(file, framework="flax")
+    except Exception as error:
+        head = file.read_bytes()[:64] if file.is_file() else b""
+        hint = (" (a git-lfs pointer: fetch the weights with `git lfs pull`)"
+                if head.startswith(b"version https://git-lfs") else
+                " (truncated or not a safetensors file?)")
+        raise ValueError(f"{file}: cannot read it as safetensors{hint}: {error}") from None
 
 
 def load_hf_state(path: str | Path, cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
@@ -108,7 +122,7 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype) -> tuple[nnx.GraphD
     expected = _flat(abstract)
     values: dict[tuple, jax.Array] = {}
     for file in _safetensor_files(path):
-        with safe_open(file, framework="flax") as f:
+        with _open_safetensors(safe_open, file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 target = _hf_path(name, expected)
                 if target is None:
