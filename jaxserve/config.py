@@ -139,6 +139,8 @@ class ModelConfig:
                 extra = json.loads(generation.read_text()).get("eos_token_id")
                 hf = hf | {"eos_token_id": _id_list(hf.get("eos_token_id")) + [
                     i for i in _id_list(extra) if i not in _id_list(hf.get("eos_token_id"))]}
+        if not (hf.get("dtype") or hf.get("torch_dtype")):  # as transformers: the weights' own
+            hf = hf | {"dtype": _safetensors_dtype(path) or "float32"}
         try:
             return cls.from_hf_dict(hf)
         except KeyError as error:
@@ -227,6 +229,23 @@ class ModelConfig:
             "max_window_layers": 0, "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids), "dtype": self.dtype,
         }
+
+
+def _safetensors_dtype(path: Path) -> str | None:
+    """The dtype of the first floating-point tensor in the directory's safetensors (read from
+    the file's header alone), or None."""
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with file.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size)) if 0 < size < 1 << 26 else {}
+        except (OSError, ValueError):
+            continue
+        for key, entry in header.items():
+            if key != "__metadata__" and isinstance(entry, dict) and entry.get("dtype") in names:
+                return names[entry["dtype"]]
+    return None
 
 
 def _id_list(value: Any) -> list[int]:

@@ -88,6 +88,11 @@ def test_config_read_as_transformers_reads_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_CONFIG | {"eos_token_id": 2}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
     assert ModelConfig.from_hf_dir(tmp_path).eos_token_ids == (2, 9)
+    # no dtype in config.json: the weights' own
+    (tmp_path / "config.json").write_text(json.dumps(
+        {k: v for k, v in LLAMA_CONFIG.items() if k not in ("dtype", "torch_dtype")}))
+    save_file({"w": np.zeros(2, np.float16)}, str(tmp_path / "model.safetensors"))
+    assert ModelConfig.from_hf_dir(tmp_path).dtype == "float16"
 
 
 def test_sliding_window_shorter_than_max_model_len():
