@@ -64,11 +64,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_serve_answers_then_exits_0_on_sigterm(stories_dir):
+@contextlib.contextmanager
+def _cli_server(stories_dir, *flags):
+    """`jaxserve serve` in a subprocess, up and healthy: yields (process, base URL); killed if
+    still running at the end."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", str(stories_dir), "--port", str(port),
-         "--served-model-name", MODEL, "--shutdown-grace-s", "20", *SERVER_ENGINE_FLAGS],
+         *flags, *SERVER_ENGINE_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         env=os.environ | {"PYTHONUNBUFFERED": "1"})
     try:
@@ -80,56 +83,46 @@ def test_cli_serve_answers_then_exits_0_on_sigterm(stories_dir):
                 if httpx.get(url + "/health").status_code == 200:
                     break
             time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _stream_through_sigterm(proc, url: str, body: dict) -> list[str]:
+    """Stream `body`, SIGTERM the server after the first event; the data lines after it."""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        proc.send_signal(signal.SIGTERM)
+        return [line for line in lines if line.startswith("data: ")]
+
+
+def test_cli_serve_answers_then_exits_0_on_sigterm(stories_dir):
+    with _cli_server(stories_dir, "--served-model-name", MODEL,
+                     "--shutdown-grace-s", "20") as (proc, url):
         r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            proc.send_signal(signal.SIGTERM)  # in flight: finished within the grace period
-            rest = [line for line in lines if line.startswith("data: ")]
+        rest = _stream_through_sigterm(proc, url, body)  # finished within the grace period
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == 300
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     out = proc.stdout.read()
-    assert f"http://127.0.0.1:{port}/v1" in out and '"POST /v1/completions" 200' in out
+    assert f"{url}/v1" in out and '"POST /v1/completions" 200' in out
 
 
 def test_cli_serve_ends_open_streams_with_an_error_event_past_the_grace(stories_dir):
     """A stream still running when the grace period ends gets the engine's 503 as an error
     event and [DONE] (not a cut connection), and the server exits 0."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "serve", str(stories_dir), "--port", str(port),
-         "--shutdown-grace-s", "0", *SERVER_ENGINE_FLAGS],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-        env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            time.sleep(0.2)
+    with _cli_server(stories_dir, "--shutdown-grace-s", "0") as (proc, url):
         body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
+        rest = _stream_through_sigterm(proc, url, body)
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2][6:])["error"]
         assert error["code"] == 503 and "shut" in error["message"]
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_cli_generate_streams_the_completion(stories_dir, reference):
