@@ -378,5 +378,21 @@ class LLM:
             results.append(dataclasses.replace(finished[group[0]], outputs=completions))
         return results
 
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """As vLLM's `LLM.chat`: one conversation ([{"role", "content"}, ...]) or a list of
+        them, rendered with the model's chat template (as the server's /v1/chat/completions
+        renders them), then generated; outputs in input order."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer, so no chat template")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            prompts.append({"prompt_token_ids": tokenizer.encode(text), "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -56,6 +56,12 @@ def test_chat_equals_llm_generate_streaming_or_not(client, reference):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == "length"
+    # offline, LLM.chat renders the same prompt (one conversation or a list of them)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    one, = reference.chat(messages, params)
+    assert one.outputs[0].text == want.text and one.prompt == template
+    pair = reference.chat([messages, [{"role": "user", "content": "Hi"}]], params)
+    assert len(pair) == 2 and pair[0].outputs[0].text == want.text
 
 
 def test_stop_strings_are_honoured(client, reference):
