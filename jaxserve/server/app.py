@@ -91,7 +91,8 @@ def _api_error(error: Exception, req: GenerateRequest | None = None) -> APIError
 
 
 _ENGINE_ERRORS = (QueueFullError, EngineDeadError, EngineStoppedError, RequestTimeoutError,
-                  ValueError)
+                  ValueError)  # what adding a request may raise (ValueError: bad input)
+_STREAM_ERRORS = (EngineDeadError, EngineStoppedError, RequestTimeoutError)  # what ends a stream
 
 
 def _handler(fn):
@@ -253,7 +254,7 @@ class _API:
         last: list[RequestOutput | None] = [None] * len(streams)
         try:
             done = await _until_disconnect(request, _follow(streams, last))
-        except _ENGINE_ERRORS as error:
+        except _STREAM_ERRORS as error:
             raise _api_error(error, req) from None
         finally:
             for stream in streams:
@@ -277,7 +278,7 @@ class _API:
                             yield _event(chunk)
                 if fmt.req.include_usage:
                     yield _event(fmt.usage_chunk(last))
-            except _ENGINE_ERRORS as error:
+            except _STREAM_ERRORS as error:
                 api_error = _api_error(error, fmt.req)
                 info["error"] = api_error.message
                 yield _event(api_error.body())
