@@ -278,7 +278,7 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
     woke = served & ~steady
     for name, kind in (("wake_factor", p == 0), ("wake_prefill_factor", p > 0)):
         pick = woke & kind if (woke & kind).sum() >= min_steps else woke
-        if pick.sum() >= min_steps:
+        if pick.sum() >= min_steps and predicted[pick].sum() > 0:
             setattr(fit, name, float(wall[pick].sum() / predicted[pick].sum()))
     # the scatter of served iterations: decode-only and with prompt chunks, steady and woke
     for name, kind in (("spread", p == 0), ("prefill_spread", p > 0)):

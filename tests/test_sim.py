@@ -272,9 +272,19 @@ def test_synthetic_lengths_fit_the_model_and_trace_round_trips(tmp_path):
     path = tmp_path / "trace.jsonl"
     write_trace(path, specs)
     assert read_trace(path) == sorted(specs, key=lambda s: s.arrival)
-    path.write_text('{"arrival": 0, "prompt_len": 0, "output_len": 1}\n')
-    with pytest.raises(ValueError, match=r"trace\.jsonl:1"):
-        read_trace(path)
+    for bad in ('{"arrival": 0, "prompt_len": 0, "output_len": 1}',
+                '{"arrival": NaN, "prompt_len": 5, "output_len": 1}',
+                '{"arrival": -3.0, "prompt_len": 5, "output_len": 1}',
+                '{"arrival": 0, "prompt_len": 100.5, "output_len": 1}'):
+        path.write_text(bad + "\n")
+        with pytest.raises(ValueError, match=r"trace\.jsonl:1: not a request spec"):
+            read_trace(path)
+    # a request the engine would refuse is refused here too, not run past the model's length
+    with pytest.raises(ValueError, match="prompt 300 \\+ output 10 tokens exceed max_model_len 256"):
+        Simulator(config(), flat_cost(), num_pages=512, max_model_len=256).run(
+            [RequestSpec(0.0, 300, 10)])
+    with pytest.raises(ValueError, match="a burst needs start >= 0"):
+        arrival_times(10, 5.0, np.random.default_rng(0), bursts=(Burst(-1.0, 2.0, 3.0),))
 
 
 def test_metrics_by_hand():
@@ -314,6 +324,21 @@ def test_cli_simulates_with_a_saved_fit(tmp_path, capsys):
     assert metrics["completed"] == 200 and "request_goodput" in metrics
     assert "mlfq" in capsys.readouterr().out
     assert main(["--fit", str(tmp_path / "fit.json"), "--policy", "lottery"]) == 2
+    # the KV cache is sized by pages; --seed seeds the step-time draws as well as the workload
+    assert main(["--fit", str(tmp_path / "fit.json"), "--set", "kv_cache_bytes_cpu=1000"]) == 2
+    assert "pass --num-pages" in capsys.readouterr().err
+    fit.spread = tuple(np.linspace(0.5, 1.5, 101))
+    fit.save(tmp_path / "spread.json")
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, synthetic(50, 20.0, seed=0, max_model_len=256))
+    runs = []
+    for seed in ("0", "7"):
+        argv = ["--fit", str(tmp_path / "spread.json"), "--trace", str(trace), "--seed", seed,
+                "--output-json", str(out), "--save-trace", str(tmp_path / f"copy{seed}.jsonl")]
+        assert main([*argv, "--max-num-seqs", "8", "--prefill-chunk-sizes", "16,64"]) == 0
+        runs.append(json.loads(out.read_text())["mean_tpot_ms"])
+        assert read_trace(tmp_path / f"copy{seed}.jsonl") == read_trace(trace)
+    assert runs[0] != runs[1]
 
 
 def test_cli_plots(tmp_path):

@@ -13,6 +13,7 @@ does not.
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -118,7 +119,10 @@ def engine_config(args) -> EngineConfig:
 
 def workload(args, max_model_len: int) -> list[RequestSpec]:
     if args.trace is not None:
-        return read_trace(args.trace)
+        specs = read_trace(args.trace)
+        if args.save_trace is not None:
+            write_trace(args.save_trace, specs)
+        return specs
     bursts = []
     for item in args.burst:
         parts = [float(x) for x in item.split(":")]
@@ -130,6 +134,11 @@ def workload(args, max_model_len: int) -> list[RequestSpec]:
                       input_len=args.input_len, output_len=args.output_len,
                       input_spread=args.input_spread, output_spread=args.output_spread,
                       max_model_len=max_model_len)
+    capped = sum(s.prompt_len + s.output_len >= max_model_len for s in specs)
+    if capped:
+        print(f"note: {capped} of {len(specs)} requests were cut to fit max_model_len "
+              f"{max_model_len} (median output {statistics.median(s.output_len for s in specs):g} "
+              f"tokens)", file=sys.stderr)
     if args.save_trace is not None:
         write_trace(args.save_trace, specs)
     return specs
@@ -156,11 +165,17 @@ def run(args) -> int:
         fit = calibrate(args.model, config, args.fit, freeze=True)
         print(json.dumps(fit.info, indent=1))
         return 0
+    for name in ("kv_cache_memory_fraction", "kv_cache_bytes_cpu"):
+        if getattr(config, name) != getattr(EngineConfig(), name):
+            raise ValueError(f"{name}: the simulator sizes the KV cache by num_pages (the fit's "
+                             f"{name} decided its page count); pass --num-pages")
     fit = load_fit(args.model, config, args.fit)
     specs = workload(args, fit.info["max_model_len"])
     start = time.perf_counter()
     num_pages = config.num_pages or fit.info["num_pages"]
-    result = Simulator(config, fit, num_pages, fit.info["max_model_len"]).run(specs)
+    # --seed seeds the workload and the step-time draws alike
+    result = Simulator(config, fit, num_pages, fit.info["max_model_len"],
+                       seed=args.seed).run(specs)
     elapsed = time.perf_counter() - start
     metrics = result.metrics(parse_slos(args.goodput))
     print(f"simulated {len(specs)} requests, {result.num_steps} steps, "
@@ -172,8 +187,9 @@ def run(args) -> int:
         from jaxserve.sim.plots import plot_timeline
 
         args.plot_dir.mkdir(parents=True, exist_ok=True)
-        path = plot_timeline(result, args.plot_dir / "timeline.png",
-                             f"{config.policy}, {args.request_rate:g} req/s")
+        load = (f"{Path(args.trace).name}, {len(specs) / max(result.duration, 1e-9):.3g} req/s"
+                if args.trace is not None else f"{args.request_rate:g} req/s")
+        path = plot_timeline(result, args.plot_dir / "timeline.png", f"{config.policy}, {load}")
         print(f"wrote {path}")
     return 0 if result.kv_pages_free_at_end == result.kv_pages_total else 1
 

@@ -173,7 +173,11 @@ class Simulator:
         params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True,
                                 priority=spec.priority, slo_ms=spec.slo_ms)
         prompt = synthetic_prompt(spec)
-        max_len = min(self.max_model_len, len(prompt) + spec.output_len)
+        if len(prompt) + spec.output_len > self.max_model_len:  # the engine refuses it too
+            raise ValueError(f"request {rid} (arrival {spec.arrival:g} s): prompt {len(prompt)} "
+                             f"+ output {spec.output_len} tokens exceed max_model_len "
+                             f"{self.max_model_len}")
+        max_len = len(prompt) + spec.output_len
         s.add_request(Request(rid, prompt, params, spec.arrival, seed=0, max_len=max_len,
                               eos_token_ids=frozenset()))
         records[rid] = RequestRecord(spec.arrival, spec.prompt_len, spec.label, spec.slo_ms)

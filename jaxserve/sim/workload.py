@@ -10,6 +10,7 @@ right tail). A trace is JSONL, one request per line:
 """
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +30,14 @@ class RequestSpec:
     prompt_ids: tuple[int, ...] | None = None  # None: synthetic ids of prompt_len tokens
 
     def __post_init__(self):
+        if not (isinstance(self.arrival, int | float) and math.isfinite(self.arrival)
+                and self.arrival >= 0):
+            raise ValueError(f"arrival must be a finite number of seconds >= 0, "
+                             f"got {self.arrival!r}")
+        for name in ("prompt_len", "output_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.prompt_len < 1 or self.output_len < 1:
             raise ValueError(f"prompt_len and output_len must be >= 1, got {self.prompt_len}, "
                              f"{self.output_len}")
@@ -54,6 +63,9 @@ def arrival_times(n: int, rate: float, rng: np.random.Generator, burstiness: flo
         raise ValueError(f"rate and burstiness must be > 0, got {rate}, {burstiness}")
     if rate == float("inf"):
         return np.zeros(n)
+    for b in bursts:
+        if not (b.start >= 0 and b.duration > 0 and b.factor > 0):
+            raise ValueError(f"a burst needs start >= 0, duration > 0 and factor > 0, got {b}")
     if burstiness == float("inf"):  # the gamma's limit: evenly spaced
         gaps = np.full(n, 1.0 / rate)
     else:
