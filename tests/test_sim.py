@@ -339,6 +339,12 @@ def test_cli_simulates_with_a_saved_fit(tmp_path, capsys):
         runs.append(json.loads(out.read_text())["mean_tpot_ms"])
         assert read_trace(tmp_path / f"copy{seed}.jsonl") == read_trace(trace)
     assert runs[0] != runs[1]
+    labelled = [RequestSpec(0.1 * i, 20, 5, label="chat" if i % 2 else "batch") for i in range(6)]
+    write_trace(trace, labelled)
+    assert main(["--fit", str(tmp_path / "fit.json"), "--trace", str(trace), "--output-json",
+                 str(out), "--max-num-seqs", "8", "--prefill-chunk-sizes", "16,64"]) == 0
+    by_label = json.loads(out.read_text())["by_label"]
+    assert {k: v["completed"] for k, v in by_label.items()} == {"batch": 3, "chat": 3}
 
 
 def test_cli_plots(tmp_path):

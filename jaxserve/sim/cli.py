@@ -177,12 +177,18 @@ def run(args) -> int:
     result = Simulator(config, fit, num_pages, fit.info["max_model_len"],
                        seed=args.seed).run(specs)
     elapsed = time.perf_counter() - start
-    metrics = result.metrics(parse_slos(args.goodput))
+    slos = parse_slos(args.goodput)
+    metrics = result.metrics(slos)
+    # a trace's labels (request classes) get a row each
+    by_label = {label: result.metrics(slos, label)
+                for label in sorted({s.label for s in specs} - {""})}
     print(f"simulated {len(specs)} requests, {result.num_steps} steps, "
           f"{result.duration:.1f} s of engine time in {elapsed:.1f} s")
-    print(format_table({config.policy: metrics}, [k for k in SUMMARY if k in metrics]))
+    rows = {config.policy: metrics} | {f"  {label}": m for label, m in by_label.items()}
+    print(format_table(rows, [k for k in SUMMARY if k in metrics]))
     if args.output_json:
-        args.output_json.write_text(json.dumps(metrics | {"sim_seconds": elapsed}, indent=1))
+        extra = {"sim_seconds": elapsed} | ({"by_label": by_label} if by_label else {})
+        args.output_json.write_text(json.dumps(metrics | extra, indent=1))
     if args.plot_dir:
         from jaxserve.sim.plots import plot_timeline
 
