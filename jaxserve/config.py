@@ -167,6 +167,11 @@ class ModelConfig:
             raise ValueError(f"hidden_act {act!r} is not supported; supported: 'silu'")
         if hf.get("mlp_bias", False):
             raise ValueError("mlp_bias=true is not supported; supported: mlp_bias=false")
+        quant = hf.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise ValueError(f"quantization_config ({method}): quantized checkpoints are not "
+                             "supported; use the model's float16/bfloat16/float32 weights")
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         theta, scaling = _read_rope(hf)
