@@ -25,6 +25,7 @@ from jaxserve.request import Request, SamplingParams
 from jaxserve.sim.cost_model import (
     WAKE_STEPS,
     StepCostModel,
+    cost_settings,
     default_fit_path,
     fit_noise_memory,
     normal_scores,
@@ -148,6 +149,7 @@ def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
         "device": getattr(device, "device_kind", str(device)),
         "num_pages": runner.num_pages, "max_model_len": runner.max_model_len,
         "attention_impl": runner.attention_impl, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "engine": cost_settings(config),
     })
     served_runs = measure_engine(engine, fit, open_loop_requests=open_loop_requests,
                                  between=between, rounds=rounds)

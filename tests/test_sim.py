@@ -14,6 +14,7 @@ from jaxserve.sim.cli import main
 from jaxserve.sim.cost_model import (
     StepShape,
     correlated_draws,
+    cost_settings,
     fit_noise_memory,
     normal_scores,
     spread_quantiles,
@@ -345,6 +346,13 @@ def test_cli_simulates_with_a_saved_fit(tmp_path, capsys):
                  str(out), "--max-num-seqs", "8", "--prefill-chunk-sizes", "16,64"]) == 0
     by_label = json.loads(out.read_text())["by_label"]
     assert {k: v["completed"] for k, v in by_label.items()} == {"batch": 3, "chat": 3}
+    # a fit from another engine shape is used, with a warning naming what differs
+    fit.info["engine"] = cost_settings(EngineConfig.from_overrides(max_num_seqs=16))
+    fit.save(tmp_path / "other.json")
+    capsys.readouterr()
+    assert main(["--fit", str(tmp_path / "other.json"), "--num-prompts", "5", "--max-num-seqs",
+                 "8", "--prefill-chunk-sizes", "16,64"]) == 0
+    assert "max_num_seqs: 16 -> 8" in capsys.readouterr().err
 
 
 def test_cli_plots(tmp_path):

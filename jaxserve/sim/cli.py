@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from jaxserve.config import EngineConfig
-from jaxserve.sim.cost_model import StepCostModel, default_fit_path
+from jaxserve.sim.cost_model import StepCostModel, default_fit_path, fit_mismatches
 from jaxserve.sim.metrics import format_table, parse_slos
 from jaxserve.sim.simulator import Simulator
 from jaxserve.sim.workload import Burst, RequestSpec, read_trace, synthetic, write_trace
@@ -170,6 +170,10 @@ def run(args) -> int:
             raise ValueError(f"{name}: the simulator sizes the KV cache by num_pages (the fit's "
                              f"{name} decided its page count); pass --num-pages")
     fit = load_fit(args.model, config, args.fit)
+    mismatches = fit_mismatches(fit, config)
+    if mismatches:  # a fit given by --fit may come from another engine shape
+        print(f"warning: the fit was measured with other engine settings ({'; '.join(mismatches)}"
+              "): its step costs may not hold", file=sys.stderr)
     specs = workload(args, fit.info["max_model_len"])
     start = time.perf_counter()
     num_pages = config.num_pages or fit.info["num_pages"]

@@ -79,6 +79,22 @@ COST_FIELDS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num
                "max_top_logprobs", "enable_prompt_logprobs", "row_buckets")
 
 
+def cost_settings(config: EngineConfig) -> dict:
+    """The engine settings a fit was measured under (COST_FIELDS), JSON-able."""
+    return {f: list(v) if isinstance(v := getattr(config, f), tuple) else v for f in COST_FIELDS}
+
+
+def fit_mismatches(fit: "StepCostModel", config: EngineConfig) -> list[str]:
+    """The settings that differ between the fit's engine and `config` ("name: fit's -> now"),
+    for a fit given by path; a fit saved without them (older) has none to compare."""
+    measured = fit.info.get("engine")
+    if not isinstance(measured, dict):
+        return []
+    now = cost_settings(config)
+    return [f"{k}: {measured[k]!r} -> {now[k]!r}" for k in COST_FIELDS
+            if k in measured and measured[k] != now[k]]
+
+
 def default_fit_path(model: str, config: EngineConfig) -> Path:
     """Where the fit for this model (its shape: config.json) and engine shape is saved: the user
     cache directory."""
