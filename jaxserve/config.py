@@ -441,4 +441,8 @@ class EngineConfig:
 
     def chunk_buckets(self, max_model_len: int) -> tuple[int, ...]:
         """Prompt-chunk lengths a prefill step is padded to; the last is the longest chunk."""
-        return tuple(c for c in self.prefill_chunk_sizes if c <= max_model_len)
+        buckets = tuple(c for c in self.prefill_chunk_sizes if c <= max_model_len)
+        if not buckets:
+            raise ValueError(f"prefill_chunk_sizes {list(self.prefill_chunk_sizes)}: none fits "
+                             f"max_model_len {max_model_len}")
+        return buckets

@@ -353,6 +353,8 @@ def test_cli_simulates_with_a_saved_fit(tmp_path, capsys):
     assert main(["--fit", str(tmp_path / "other.json"), "--num-prompts", "5", "--max-num-seqs",
                  "8", "--prefill-chunk-sizes", "16,64"]) == 0
     assert "max_num_seqs: 16 -> 8" in capsys.readouterr().err
+    assert main(["--fit", str(tmp_path / "fit.json"), "--prefill-chunk-sizes", "512"]) == 2
+    assert "prefill_chunk_sizes [512]: none fits max_model_len 256" in capsys.readouterr().err
 
 
 def test_cli_plots(tmp_path):
