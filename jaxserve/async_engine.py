@@ -360,8 +360,8 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._reply(command, dead)
         self._fail_streams(dead)
-        self._stats = {k: 0 if isinstance(v, int | float) and k.startswith(
-            ("num_requests", "kv_cache_usage")) else v for k, v in self._stats.items()}
+        self._stats = self._stats | {"num_requests_running": 0, "num_requests_waiting": 0,
+                                     "kv_cache_usage": 0.0}
         if self.on_death is not None:
             self.on_death(error)
 

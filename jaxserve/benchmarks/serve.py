@@ -38,6 +38,7 @@ from jaxserve.benchmarks.metrics import (
     serving_result,
 )
 from jaxserve.sim.metrics import RequestRecord, parse_slos
+from jaxserve.sim.workload import arrival_times
 
 
 def add_arguments(parser) -> None:
@@ -175,20 +176,10 @@ async def benchmark(base_url: str, endpoint: str, model: str, samples: list[Samp
 
 
 def serve_arrivals(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
-    """vLLM's send times: gamma gaps (shape `burstiness`, mean 1/rate; constant 1/rate at
-    burstiness inf) from numpy's legacy generator seeded with `seed`, scaled so the last request
-    goes out at n / rate. Everything at 0 when the rate is inf."""
-    if rate == float("inf"):
-        return np.zeros(n)
-    if not (rate > 0 and burstiness > 0):
-        raise ValueError(f"request rate and burstiness must be > 0, got {rate}, {burstiness}")
-    if burstiness == float("inf"):
-        gaps = np.full(n, 1.0 / rate)
-    else:
-        gaps = np.random.RandomState(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness),
-                                                  size=n)
-    times = np.cumsum(gaps)
-    return times * (n / rate / times[-1]) if n else times
+    """vLLM's send times: `arrival_times` drawn from numpy's legacy generator seeded with
+    `seed` (as vLLM seeds it), scaled so the last request goes out at n / rate."""
+    times = arrival_times(n, rate, np.random.RandomState(seed), burstiness)
+    return times * (n / rate / times[-1]) if n and rate < float("inf") else times
 
 
 def first_model(base_url: str, api_key: str | None) -> str:

@@ -323,9 +323,12 @@ class Formatter:
 
     # -- logprobs ----------------------------------------------------------------------------
 
-    def _token(self, token_id: int) -> str:
+    def _token(self, token_id: int, lp: Logprob | None = None) -> str:
         """The token's text with its leading space; a piece of a character as "bytes:\\x..",
-        so that different tokens never share a name in top_logprobs."""
+        so that different tokens never share a name in top_logprobs. The engine's
+        `decoded_token` when it named it already."""
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return token_text(self.tokenizer, token_id)
@@ -337,9 +340,9 @@ class Formatter:
 
     def _text_bytes(self, token_id: int) -> bytes:
         """What the token adds to the response's text: nothing for a special token."""
-        if self.tokenizer is None or token_id in self.tokenizer.all_special_ids:
+        if self.tokenizer is not None and token_id in self.tokenizer.all_special_ids:
             return b""
-        return self.tokenizer.token_bytes(token_id)
+        return self._bytes(token_id)
 
     def _logprobs(self, out: RequestOutput, start: int, offsets: _Offsets,
                   echo: bool = False) -> dict[str, Any] | None:
@@ -354,12 +357,12 @@ class Formatter:
         if echo:  # the prompt's tokens first: their logprobs when the engine computed them
             prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
             for t, d in zip(out.prompt_token_ids, prompt_lps, strict=False):
-                tokens.append(self._token(t))
+                tokens.append(self._token(t, None if d is None else d[t]))
                 token_lps.append(None if d is None else _finite(d[t].logprob))
                 tops.append(None if d is None else self._top_dict(d))
                 text_offsets.append(offsets.advance(self._text_bytes(t)))
         for t, d in zip(ids, entries, strict=False):
-            tokens.append(self._token(t))
+            tokens.append(self._token(t, d[t]))
             token_lps.append(_finite(d[t].logprob))
             tops.append(self._top_dict(d))
             text_offsets.append(offsets.advance(self._text_bytes(t)))
@@ -367,7 +370,7 @@ class Formatter:
                 "text_offset": text_offsets}
 
     def _top_dict(self, d: dict[int, Logprob]) -> dict[str, float]:
-        return {self._token(t): _finite(lp.logprob) for t, lp in d.items()}
+        return {self._token(t, lp): _finite(lp.logprob) for t, lp in d.items()}
 
     def _chat_entry(self, token_id: int, d: dict[int, Logprob]) -> dict[str, Any]:
         num_top = self.req.params.logprobs or 0
@@ -377,7 +380,7 @@ class Formatter:
             "top_logprobs": [self._chat_token(t, lp) for t, lp in top]}
 
     def _chat_token(self, token_id: int, lp: Logprob) -> dict[str, Any]:
-        return {"token": self._token(token_id), "logprob": _finite(lp.logprob),
+        return {"token": self._token(token_id, lp), "logprob": _finite(lp.logprob),
                 "bytes": list(self._bytes(token_id)) if self.tokenizer is not None else None}
 
 

@@ -10,11 +10,12 @@ right tail). A trace is JSONL, one request per line:
 """
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from jaxserve.checks import is_finite, is_int
 
 
 @dataclass(frozen=True)
@@ -30,13 +31,12 @@ class RequestSpec:
     prompt_ids: tuple[int, ...] | None = None  # None: synthetic ids of prompt_len tokens
 
     def __post_init__(self):
-        if not (isinstance(self.arrival, int | float) and math.isfinite(self.arrival)
-                and self.arrival >= 0):
+        if not (is_finite(self.arrival) and self.arrival >= 0):
             raise ValueError(f"arrival must be a finite number of seconds >= 0, "
                              f"got {self.arrival!r}")
         for name in ("prompt_len", "output_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.prompt_len < 1 or self.output_len < 1:
             raise ValueError(f"prompt_len and output_len must be >= 1, got {self.prompt_len}, "
@@ -55,7 +55,8 @@ class Burst:
     factor: float = 3.0
 
 
-def arrival_times(n: int, rate: float, rng: np.random.Generator, burstiness: float = 1.0,
+def arrival_times(n: int, rate: float, rng: np.random.Generator | np.random.RandomState,
+                  burstiness: float = 1.0,
                   bursts: tuple[Burst, ...] = ()) -> np.ndarray:
     """[n] increasing arrival times (s). Gaps are gamma(burstiness) with mean 1/rate in
     "operational time", mapped through the cumulative rate so bursts speed arrivals up."""
