@@ -382,10 +382,17 @@ class EngineConfig:
                              f"({self.window_ms_max})")
         if not self.slo_ms > 0:
             raise ValueError(f"slo_ms must be > 0, got {self.slo_ms}")
+        for name in ("prefill_chunk_sizes", "row_buckets"):  # a YAML scalar, a set: not a list
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+            elif not isinstance(value, tuple) and (value is not None or name != "row_buckets"):
+                raise ValueError(f"{name} must be a list of integers, got {show(value)}")
         sizes = self.prefill_chunk_sizes
-        if (not sizes or any(not is_int(s) or s <= 0 for s in sizes)
+        if (not sizes or any(not is_int(s) or s < 2 for s in sizes)
                 or list(sizes) != sorted(set(sizes))):
-            raise ValueError(f"prefill_chunk_sizes must be increasing positive sizes, got {sizes!r}")
+            raise ValueError(f"prefill_chunk_sizes must be increasing sizes of at least 2 (a "
+                             f"prompt chunk feeds 2 or more tokens), got {sizes!r}")
         rows = self.row_buckets
         if rows is not None and (not rows or any(not is_int(r) for r in rows)
                                  or list(rows) != sorted(set(rows)) or rows[0] < 2
@@ -400,9 +407,6 @@ class EngineConfig:
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(names)}")
-        for name in ("prefill_chunk_sizes", "row_buckets"):
-            if isinstance(overrides.get(name), list):
-                overrides[name] = tuple(overrides[name])
         return cls(**overrides)
 
     @classmethod

@@ -1,9 +1,12 @@
 """How the runner splits an iteration's prompt chunks into prefill calls (core.buckets)."""
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from jaxserve.core import buckets
 from jaxserve.core.buckets import (
     CALL_TOKENS,
     bucket,
@@ -61,3 +64,37 @@ def test_groups_partition_the_rows_and_never_pad_more_than_one_call(lengths):
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     assert all(g == sorted(g) for g in groups)
     assert padded(groups, lengths) <= padded([list(range(len(lengths)))], lengths)
+
+
+def _cheapest_by_trying_every_cut(lengths, rows, chunks):
+    """The padded cost of the best split, trying every set of cuts at bucket boundaries."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    keys = [bucket(lengths[i], chunks, "chunk") for i in order]
+    cuts = [j for j in range(1, len(order)) if keys[j] != keys[j - 1]]
+    return min(sum(bucket(hi - lo, rows, "rows") * keys[hi - 1] + CALL_TOKENS
+                   for lo, hi in itertools.pairwise([0, *chosen, len(order)]))
+               for r in range(len(cuts) + 1) for chosen in itertools.combinations(cuts, r))
+
+
+MANY = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@given(st.lists(st.integers(2, 256), min_size=1, max_size=12))
+def test_groups_are_the_cheapest_split(lengths):
+    groups = prefill_groups(lengths, ROWS, MANY)
+    cost = sum(bucket(len(g), ROWS, "rows") * bucket(max(lengths[i] for i in g), MANY, "chunk")
+               + CALL_TOKENS for g in groups)
+    assert cost == _cheapest_by_trying_every_cut(lengths, ROWS, MANY)
+
+
+def test_many_chunk_buckets_stay_cheap_to_split(monkeypatch):
+    # 64 buckets and 32 chunks, each in a bucket of its own: trying every set of cuts priced
+    # 2^31 splits (seconds at 20 chunks, doubling with each one more); now each of the 33
+    # boundaries is priced against every earlier one
+    priced = []
+    monkeypatch.setattr(buckets, "bucket", lambda n, sizes, what: priced.append(n) or
+                        bucket(n, sizes, what))
+    groups = prefill_groups([16 * (i + 1) for i in range(32)], prefill_row_buckets(
+        tuple(range(2, 33))), tuple(range(16, 1025, 16)))
+    assert sorted(i for g in groups for i in g) == list(range(32))
+    assert len(priced) <= 32 + 32 * 33 // 2

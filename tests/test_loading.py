@@ -118,6 +118,16 @@ def test_engine_config_errors_name_the_field():
         with pytest.raises(ValueError, match=r"row_buckets must be increasing .* max_num_seqs \(8\)"):
             EngineConfig(max_num_seqs=8, row_buckets=rows)
     assert EngineConfig.from_overrides(max_num_seqs=6, row_buckets=[4, 6]).row_buckets == (4, 6)
+    assert EngineConfig(prefill_chunk_sizes=[16, 32]).prefill_chunk_sizes == (16, 32)
+    # a YAML scalar or a set: a ValueError naming the field, not a TypeError from inside
+    for name, value in (("row_buckets", 8), ("prefill_chunk_sizes", 256),
+                        ("prefill_chunk_sizes", {16, 32})):
+        with pytest.raises(ValueError, match=f"{name} must be a list of integers, got"):
+            EngineConfig(**{name: value})
+    # a prompt chunk feeds 2 or more tokens: a size of 1 used to pass here and fail after loading
+    with pytest.raises(ValueError, match=r"prefill_chunk_sizes must be increasing sizes of at "
+                                         r"least 2 .*got \(1, 8\)"):
+        EngineConfig(prefill_chunk_sizes=(1, 8))
     assert EngineConfig(max_num_seqs=6).decode_row_buckets() == (2, 4, 8)
 
 

@@ -8,7 +8,9 @@ tokens for 260 real ones, so an iteration's prompt chunks are split into calls o
     sort the chunks by length; cut the sorted list at chunk-bucket boundaries so that
     sum over calls (padded rows x padded chunk + CALL_TOKENS) is smallest
 
-The few chunk buckets (3 by default) make trying every set of cuts cheap.
+A call's cost depends only on where it starts and ends in the sorted list, so the best cuts
+come from a shortest path over the boundaries: O(boundaries^2) per iteration, however many
+chunk buckets a config lists.
 """
 
 import bisect
@@ -44,17 +46,24 @@ def prefill_groups(lengths: list[int], row_buckets: tuple[int, ...],
         return []
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     keys = [bisect.bisect_left(chunk_buckets, lengths[i]) for i in order]
-    cuts = [j for j in range(1, len(order)) if keys[j] != keys[j - 1]]  # bucket boundaries
-    best, best_cost = None, None
-    for r in range(len(cuts) + 1):
-        for chosen in itertools.combinations(cuts, r):
-            bounds = [0, *chosen, len(order)]
-            cost = sum(bucket(hi - lo, row_buckets, "prefill rows")
-                       * bucket(lengths[order[hi - 1]], chunk_buckets, "chunk length")
-                       + CALL_TOKENS for lo, hi in itertools.pairwise(bounds))
-            if best_cost is None or cost < best_cost:
-                best, best_cost = bounds, cost
-    return [sorted(order[lo:hi]) for lo, hi in itertools.pairwise(best)]
+    # bucket boundaries, the only places a cut may go
+    points = [0, *(j for j in range(1, len(order)) if keys[j] != keys[j - 1]), len(order)]
+    # best[b] = (cost, calls) of the cheapest split of order[:points[b]]; fewer calls break ties
+    best: list[tuple[int, int]] = [(0, 0)]
+    last: list[int] = [0]  # where best[b]'s last call starts (an index into points)
+    for b in range(1, len(points)):
+        hi = points[b]
+        chunk = bucket(lengths[order[hi - 1]], chunk_buckets, "chunk length")
+        options = ((best[a][0] + bucket(hi - points[a], row_buckets, "prefill rows") * chunk
+                    + CALL_TOKENS, best[a][1] + 1, a) for a in range(b))
+        cost, calls, a = min(options)
+        best.append((cost, calls))
+        last.append(a)
+    bounds, b = [len(order)], len(points) - 1
+    while b:
+        b = last[b]
+        bounds.append(points[b])
+    return [sorted(order[lo:hi]) for lo, hi in itertools.pairwise(reversed(bounds))]
 
 
 def prefill_calls(lengths: list[int], alone: list[bool], row_buckets: tuple[int, ...],
