@@ -41,12 +41,13 @@ def _generate(args) -> int:
 
     prompts = (args.prompt or []) + args.prompts
     if not prompts:
-        raise ValueError("no prompt: pass --prompt TEXT")
+        named = "" if args.model is None else f" ({args.model!r}, the first argument, is the model)"
+        raise ValueError(f"no prompt: pass --prompt TEXT{named}")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            stop=tuple(args.stop or ()))  # checked before the model loads
     engine_options, _ = _options(args)
     engine = LLMEngine(args.model, EngineConfig.from_overrides(**engine_options),
                        progress=sys.stderr.isatty())
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            stop=tuple(args.stop or ()))
     for prompt in prompts:
         engine.add_request(None, prompt, params)
         sys.stdout.write(prompt)
@@ -82,8 +83,10 @@ def _serve(args) -> int:
 
 def _bench(args) -> int:
     from jaxserve.benchmarks import serve, sweep, throughput
+    from jaxserve.benchmarks.datasets import check_args
 
     module = {"throughput": throughput, "serve": serve, "sweep": sweep}[args.bench]
+    getattr(module, "check_args", check_args)(args)  # before a model loads or a request goes
     engine_options, _ = _options(args)
     module.run(args, engine_options)
     return 0
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # bad input, a missing file, a path in the way
         print(f"jaxserve: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before serving started (serve itself stops gracefully)

@@ -11,6 +11,7 @@
 """
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,11 @@ def this_device() -> Device:
     stats = device.memory_stats() if device.platform == "gpu" else None
     return Device(device.platform, getattr(device, "device_kind", str(device)),
                   stats["bytes_limit"] if stats else None, stats["bytes_in_use"] if stats else None)
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
@@ -84,6 +90,10 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     usable = max(num_pages - 1, 0)
     pages_per_seq = config.pages_per_seq(max_len)
     contexts = sorted(set(contexts or _default_contexts(max_len)))
+    for ctx in contexts:
+        if not 1 <= ctx <= max_len:  # the engine refuses a longer request outright
+            raise ValueError(f"context {ctx} (--context) must be between 1 and max_model_len "
+                             f"{max_len}")
     rows = []
     for ctx in contexts:
         need = math.ceil(ctx / config.page_size)
@@ -91,6 +101,15 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
         rows.append({"context": ctx, "pages_per_sequence": need, "sequences_that_fit": fit,
                      "sequences_running": min(fit, config.max_num_seqs)})
     problems = []
+    if config.num_pages:  # a pool the memory cannot hold fails at start-up
+        if device.bytes_limit is not None:
+            room, where = free, "free accelerator memory after the weights"
+        else:
+            room, where = host_memory_bytes() - weights[dtype], "host memory after the weights"
+        if num_pages * per_page > room:
+            problems.append(f"num_pages {num_pages} x {per_page} bytes a page = "
+                            f"{_size(num_pages * per_page)} exceeds the {where} "
+                            f"({_size(max(room, 0))}): the engine could not allocate it")
     if free <= 0:
         problems.append(f"the weights ({weights[dtype]} bytes) do not fit in this device's "
                         "free memory")

@@ -5,6 +5,7 @@ of bench/peer_hf.py (which itself needs torch, so it runs by hand) are right."""
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -85,6 +86,13 @@ def test_workloads(tmp_path):
         assert len(loaded) == 5
         assert {(str(s.prompt), s.output_len) for s in loaded} == {
             (story, 6), ("[5, 6, 7]", 3), ("a plain prompt", 9)}
+    # a text prompt cannot be cut at a token: one of max_model_len tokens or more is skipped
+    # (it used to be counted as trimmed and then refused by the engine, ending the run)
+    (tmp_path / "long.json").write_text(json.dumps(["x" * 400, "a short one"]))
+    assert {s.prompt for s in load_samples(tmp_path / "long.json", 4, 8,
+                                           max_model_len=64)} == {"a short one"}
+    with pytest.raises(ValueError, match="every prompt has max_model_len 2 tokens or more"):
+        load_samples(tmp_path / "long.json", 4, 8, max_model_len=2)
     vllm_flags = SimpleNamespace(dataset="sharegpt", dataset_path=str(tmp_path / "d.json"))
     assert dataset_of(vllm_flags) == str(tmp_path / "d.json")
     assert dataset_of(SimpleNamespace(dataset="random")) == "random"
@@ -132,6 +140,16 @@ def test_knee_and_recommendation():
     # 8 is the largest concurrency under 1000 ms: 80% of it; the best window meeting the SLO
     assert (rec["max_num_seqs"], rec["batching"], rec["window_ms"]) == (6, "dynamic", 40.0)
     assert recommend(rows, windows, {"ttft": 1.0}, "p99", 0.2) == {}
+    # every concurrency meets it: the largest swept, not backed off (the limit was not found)
+    rec = recommend(rows, [], {"ttft": 60000.0}, "p99", 0.2)
+    assert rec["max_num_seqs"] == 16 and "limit lies beyond" in rec["_why_max_num_seqs"]
+    # throughputs within 2% are tied: the smaller window wins (then the lower tail TTFT)
+    close = [{"batching": m, "window_ms": w, "failed": 0, "output_throughput": t,
+              "p99_ttft_ms": ttft, "p99_tpot_ms": 1.0}
+             for m, w, t, ttft in (("continuous", 0.0, 121.0, 343), ("dynamic", 0.0, 120.0, 275),
+                                   ("continuous", 10.0, 121.2, 300))]
+    rec = recommend([], close, slo, "p99", 0.2)
+    assert (rec["batching"], rec["window_ms"]) == ("dynamic", 0.0)
 
 
 def test_peer_pure_parts():
@@ -170,6 +188,11 @@ def test_plan(stories_dir, capsys):
     assert not p["problems"]
     assert main(["plan", str(stories_dir), "--num-pages", "16"]) == 0  # 15 pages < 32 needed
     assert "would refuse to start" in capsys.readouterr().out
+    assert main(["plan", str(stories_dir), "--num-pages", "10000000000"]) == 0  # 76 TiB of KV
+    assert "exceeds the host memory after the weights" in capsys.readouterr().out
+    for context in ("0", "-16", "513"):  # stories260K: max_model_len 512
+        assert main(["plan", str(stories_dir), "--context", context]) == 2
+        assert "(--context) must be between 1 and max_model_len 512" in capsys.readouterr().err
     # a bf16 model on the CPU keeps its KV cache in float32 (kv_cache_dtype): same bytes
     assert main(["plan", str(stories_dir), "--json", "--dtype", "bfloat16", "--num-pages",
                  "256"]) == 0
@@ -232,8 +255,41 @@ def test_bench_sweep_offline(stories_dir, tmp_path):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "concurrency.csv").read_text().startswith("batching,concurrency,")
     loaded = EngineConfig.from_file(config)
-    assert loaded.max_num_seqs == 3 and loaded.batching in ("dynamic", "continuous")
+    # every concurrency met the SLO: the largest swept, not backed off
+    assert loaded.max_num_seqs == 4 and loaded.batching in ("dynamic", "continuous")
     assert "load_format" not in yaml.safe_load(config.read_text())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["throughput", "--num-prompts", "-2"], "--num-prompts must be at least 1, got -2"),
+    (["throughput", "--output-len", "0"], "--output-len must be at least 1, got 0"),
+    (["serve", "--random-input-len", "0"], "--random-input-len must be at least 1, got 0"),
+    (["throughput", "--dataset", "sharegtp"], "--dataset 'sharegtp' is neither one of"),
+    (["serve", "--request-rate", "0"], "--request-rate must be above 0"),
+    (["serve", "--max-concurrency", "0"], "--max-concurrency must be at least 1"),
+    (["sweep", "--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),
+    (["sweep", "--concurrency", "0", "2"], "--concurrency values must be at least 1"),
+    (["sweep", "--backoff", "1.5"], r"--backoff must be in \[0, 1\), got 1.5"),
+    (["sweep", "--base-url", "http://127.0.0.1:9", "--kind", "concurrency", "window"],
+     "the window sweep needs the offline engine"),
+    (["sweep", "--base-url", "http://127.0.0.1:9", "--write-config", "c.yaml"],
+     "--write-config needs the offline engine"),
+])
+def test_bench_flags_are_checked_before_anything_runs(argv, message, capsys):
+    # the model named does not exist: an error naming the flag must come first
+    assert main(["bench", argv[0], "--model", "/nonexistent", *argv[1:]]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_bench_sweep_window_alone_runs_at_the_engines_max_num_seqs(stories_dir, tmp_path):
+    config = tmp_path / "recommended.yaml"
+    assert main(["bench", "sweep", "--model", str(stories_dir), "--kind", "window", "--windows",
+                 "0", "--window-modes", "continuous", "--request-rate", "100", "--num-prompts",
+                 "4", *TINY, *FLAGS, "--output-dir", str(tmp_path), "--slo", "ttft:0.001",
+                 "--write-config", str(config)]) == 0
+    rows = json.loads((tmp_path / "window.json").read_text())
+    assert [r["max_num_seqs"] for r in rows] == [8]  # the engine's, not 1
+    assert not config.exists()  # nothing met the SLO: no "recommended" file
 
 
 def test_bench_sweep_modes_preset(stories_dir, tmp_path):
@@ -249,7 +305,7 @@ def test_bench_sweep_modes_preset(stories_dir, tmp_path):
 
 def test_bench_sweep_server(server, stories_dir, tmp_path):
     assert main(["bench", "sweep", "--base-url", server, "--tokenizer", str(stories_dir),
-                 "--kind", "concurrency", "--concurrency", "1", "2", "4", "--num-prompts", "6",
+                 "--concurrency", "1", "2", "4", "--num-prompts", "6",  # kind: concurrency
                  *TINY, "--output-dir", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "concurrency.json").read_text())
     assert [(r["batching"], r["completed"]) for r in rows] == [("server", 6)] * 3

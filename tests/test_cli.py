@@ -132,3 +132,17 @@ def test_cli_generate_streams_the_completion(stories_dir, reference):
          "--max-tokens", "12", *SERVER_ENGINE_FLAGS], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout == PROMPT + want + "\n"
+
+
+def test_cli_generate_and_convert_refuse_bad_input_before_loading(stories_dir, tmp_path, capsys):
+    from jaxserve.cli import main
+
+    assert main(["generate", "Once upon a time"]) == 2  # the text landed in the model slot
+    assert "no prompt: pass --prompt TEXT ('Once upon a time', the first argument, is the " \
+           "model)" in capsys.readouterr().err
+    assert main(["generate", "/nonexistent", "--prompt", "hi", "--max-tokens", "-1"]) == 2
+    assert "max_tokens" in capsys.readouterr().err  # before the missing model is noticed
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    assert main(["convert", str(stories_dir), str(in_the_way)]) == 2  # not a traceback
+    assert "jaxserve: error:" in capsys.readouterr().err

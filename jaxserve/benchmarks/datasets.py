@@ -81,8 +81,10 @@ def batching_samples(n: int, vocab_size: int, seed: int = 0) -> list[Sample]:
 
 
 def load_samples(path: str | Path, n: int, default_output_len: int, tokenizer=None,
-                 seed: int = 0) -> list[Sample]:
-    """n samples from a JSON/JSONL file (shuffled with `seed`, repeated when the file is short)."""
+                 seed: int = 0, max_model_len: int | None = None) -> list[Sample]:
+    """n samples from a JSON/JSONL file (shuffled with `seed`, repeated when the file is short).
+    A text prompt of max_model_len tokens or more is skipped, with a note: text cannot be cut
+    at a token boundary here (token-id prompts are trimmed by `fit_to_context`)."""
     path = Path(path)
     text = path.read_text()
     try:
@@ -94,6 +96,16 @@ def load_samples(path: str | Path, n: int, default_output_len: int, tokenizer=No
     if not samples:
         raise ValueError(f"{path}: no prompts found (expected strings, {{'prompt': ...}} or "
                          "ShareGPT 'conversations' records)")
+    if max_model_len is not None:
+        fits = [s for s in samples if not isinstance(s.prompt, str)
+                or s.prompt_len < max_model_len]
+        if not fits:
+            raise ValueError(f"{path}: every prompt has max_model_len {max_model_len} tokens "
+                             "or more")
+        if len(fits) < len(samples):
+            print(f"note: skipped {len(samples) - len(fits)} of {len(samples)} text prompts of "
+                  f"max_model_len {max_model_len} tokens or more", file=sys.stderr)
+        samples = fits
     order = np.random.default_rng(seed).permutation(len(samples))
     return [samples[order[i % len(samples)]] for i in range(n)]
 
@@ -140,7 +152,7 @@ def get_samples(dataset: str | None, n: int, *, input_len: int, output_len: int,
     elif name == "batching":
         samples = batching_samples(n, vocab_size, seed)
     else:
-        samples = load_samples(name, n, output_len, tokenizer, seed)
+        samples = load_samples(name, n, output_len, tokenizer, seed, max_model_len)
     return fit_to_context(samples, max_model_len) if max_model_len else samples
 
 
@@ -161,6 +173,33 @@ def fit_to_context(samples: list[Sample], max_model_len: int) -> list[Sample]:
     return fitted
 
 
+def check_args(args) -> None:
+    """The workload and load flags a bench command was given, checked before any model loads:
+    a ValueError naming the flag (`getattr`: each command has its own subset)."""
+    def need(ok: bool, flag: str, rule: str, value) -> None:
+        if not ok:
+            raise ValueError(f"{flag} must be {rule}, got {value}")
+
+    num = getattr(args, "num_prompts", None)
+    need(num is None or num >= 1, "--num-prompts", "at least 1", num)
+    for dest in ("input_len", "output_len"):
+        if hasattr(args, dest):
+            flag = getattr(args, f"{dest}_flag", "--" + dest.replace("_", "-"))
+            need(getattr(args, dest) >= 1, flag, "at least 1", getattr(args, dest))
+    ratio = getattr(args, "random_range_ratio", 0.0)
+    need(0.0 <= ratio < 1.0, "--random-range-ratio", "in [0, 1)", ratio)
+    name = dataset_of(args) if hasattr(args, "dataset") else "random"
+    if name not in SYNTHETIC and not Path(name).is_file():
+        raise ValueError(f"--dataset {name!r} is neither one of {', '.join(SYNTHETIC)} nor a "
+                         "file")
+    rate = getattr(args, "request_rate", None)
+    need(rate is None or rate > 0, "--request-rate", "above 0 (inf: all at once)", rate)
+    burst = getattr(args, "burstiness", 1.0)
+    need(0 < burst < float("inf"), "--burstiness", "a finite number above 0", burst)
+    limit = getattr(args, "max_concurrency", None)
+    need(limit is None or limit >= 1, "--max-concurrency", "at least 1", limit)
+
+
 def add_dataset_arguments(parser, input_flag: str = "--input-len",
                           output_flag: str = "--output-len", input_len: int = 128,
                           output_len: int = 64) -> None:
@@ -178,3 +217,4 @@ def add_dataset_arguments(parser, input_flag: str = "--input-len",
                        help="random: lengths uniform in [len * (1 - r), len * (1 + r)]")
     group.add_argument("--seed", type=int, default=0, help="the workload's seed (and the "
                        "engine's, offline)")
+    parser.set_defaults(input_len_flag=input_flag, output_len_flag=output_flag)

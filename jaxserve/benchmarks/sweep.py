@@ -38,6 +38,7 @@ from jaxserve.benchmarks.datasets import (
     dataset_of,
     get_samples,
 )
+from jaxserve.benchmarks.datasets import check_args as check_workload_args
 from jaxserve.benchmarks.metrics import serving_result
 from jaxserve.sim.metrics import LATENCIES, format_table, parse_slos
 
@@ -49,6 +50,9 @@ MODES = ("static", "dynamic", "continuous")
 PERCENTILES = (50, 90, 99)
 SUMMARY = ("completed", "failed", "duration", "request_throughput", "output_throughput",
            "total_token_throughput", "num_preemptions", "num_compilations")
+# window sweep throughputs this close to the best are tied (an open loop's throughput is its
+# arrival rate give or take noise)
+TIED = 0.02
 # engine keys a recommended config does not carry (they describe the run, not the setting)
 NOT_RECOMMENDED = ("load_format", "seed", "compilation_cache_dir", "kv_cache_bytes_cpu")
 
@@ -59,7 +63,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--base-url", default=None, help="sweep a running server instead")
     parser.add_argument("--tokenizer", default=None, help="server: a local model directory")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--kind", nargs="+", choices=KINDS, default=["concurrency", "window"])
+    parser.add_argument("--kind", nargs="+", choices=KINDS, default=None,
+                        help="default: concurrency and window offline, concurrency for a "
+                        "server (its window is fixed)")
     parser.add_argument("--preset", choices=["modes"], help="modes: static vs dynamic vs "
                         "continuous at concurrency 1, 8, 32, 64, 128, 256")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
@@ -84,7 +90,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--slo", nargs="+", metavar="NAME:MS", default=["ttft:1000", "tpot:100"],
                         help="tail-latency targets (ttft, tpot, e2el) for the recommendation")
     parser.add_argument("--slo-percentile", type=float, default=99, choices=PERCENTILES)
-    parser.add_argument("--backoff", type=float, default=0.2)
+    parser.add_argument("--backoff", type=float, default=0.2,
+                        help="how far below the largest setting meeting the SLO to recommend, "
+                        "in [0, 1)")
     parser.add_argument("--output-dir", type=Path, default=Path("sweep-results"))
     parser.add_argument("--write-config", type=Path, default=None,
                         help="write the recommended engine config (YAML) here")
@@ -233,18 +241,30 @@ def recommend(concurrency_rows: list[dict], window_rows: list[dict], slo: dict[s
     """The recommended engine settings and why; empty when nothing meets the SLO."""
     out: dict = {}
     limit = largest_meeting(concurrency_rows, "concurrency", slo, pct)
-    if limit is not None:
+    if limit is not None and limit["concurrency"] == max(r["concurrency"]
+                                                         for r in concurrency_rows):
+        out["max_num_seqs"] = limit["concurrency"]  # measured to meet it; the limit is beyond
+        out["_why_max_num_seqs"] = (f"every concurrency swept met the SLO, up to "
+                                    f"{limit['concurrency']}: the limit lies beyond (sweep "
+                                    "higher to find it)")
+    elif limit is not None:
         out["max_num_seqs"] = max(1, math.floor(limit["concurrency"] * (1 - backoff)))
         out["_why_max_num_seqs"] = (f"concurrency {limit['concurrency']} is the largest meeting "
                                     f"the SLO; backed off {backoff:.0%}")
     ok = [r for r in window_rows if meets(r, slo, pct)]
-    if ok:  # the best throughput that meets the SLO; a tie goes to the smaller window
-        best = max(ok, key=lambda r: (round(r["output_throughput"], 6), -r["window_ms"]))
+    if ok:
+        # the best throughput meeting the SLO; an open loop's throughput follows its arrival
+        # rate, so within TIED of the best counts as a tie, which the smaller window (then the
+        # lower tail TTFT) wins: a window only adds latency unless it buys throughput
+        top = max(r["output_throughput"] for r in ok)
+        best = min((r for r in ok if r["output_throughput"] >= (1 - TIED) * top),
+                   key=lambda r: (r["window_ms"], r[f"{pct}_ttft_ms"]))
         out["batching"] = best["batching"]
         out["window_ms"] = round(best["window_ms"] * (1 - backoff), 1)
         out["_why_window"] = (f"{best['batching']} at window {best['window_ms']:g} ms has the "
                               f"best throughput meeting the SLO ({best['output_throughput']:.1f} "
-                              f"out tok/s); window backed off {backoff:.0%}")
+                              f"out tok/s, ties within {TIED:.0%} to the smaller window); "
+                              f"window backed off {backoff:.0%}")
     return out
 
 
@@ -270,17 +290,53 @@ def _write_rows(out_dir: Path, name: str, rows: list[dict]) -> None:
 
 # -- the command ----------------------------------------------------------------------------------
 
+def sweep_kinds(args) -> list[str]:
+    if args.preset == "modes":
+        return ["modes"]
+    if args.kind is None:
+        return ["concurrency"] if args.base_url is not None else ["concurrency", "window"]
+    return list(dict.fromkeys(args.kind))
+
+
+def check_args(args) -> None:
+    """The sweep's flags, checked before a model loads or a request goes out."""
+    check_workload_args(args)
+    kinds = sweep_kinds(args)
+    for flag, values in (("--concurrency", args.concurrency),
+                         ("--modes-concurrency", args.modes_concurrency)):
+        if any(v < 1 for v in values):
+            raise ValueError(f"{flag} values must be at least 1, got {values}")
+    if any(not 0 <= w < float("inf") for w in (*args.windows, args.modes_window_ms)):
+        raise ValueError(f"--windows and --modes-window-ms must be finite and >= 0, got "
+                         f"{args.windows} and {args.modes_window_ms}")
+    if not 0 <= args.backoff < 1:
+        raise ValueError(f"--backoff must be in [0, 1), got {args.backoff}")
+    if not 0 < args.prompts_per_concurrency < float("inf"):
+        raise ValueError(f"--prompts-per-concurrency must be above 0, got "
+                         f"{args.prompts_per_concurrency}")
+    if args.base_url is not None:
+        offline = [k for k in kinds if k != "concurrency"]
+        if offline:
+            raise ValueError(f"the {' and '.join(offline)} sweep needs the offline engine (a "
+                             "server's batching and window are fixed): drop --base-url, or "
+                             "--kind concurrency")
+        if args.write_config is not None:
+            raise ValueError("--write-config needs the offline engine (a server's settings "
+                             "are not known here): drop --base-url")
+
+
 def run(args, engine_options: dict) -> dict:
     from jaxserve.benchmarks import plots
 
-    kinds = ["modes"] if args.preset == "modes" else list(dict.fromkeys(args.kind))
+    kinds = sweep_kinds(args)
     slo = parse_slos(args.slo)
     pct = f"p{args.slo_percentile:g}"
     concurrency = args.concurrency if "concurrency" in kinds else []
     modes_concurrency = args.modes_concurrency if "modes" in kinds else []
-    largest = max([*concurrency, *modes_concurrency, 1])
+    # None: a window sweep alone runs at the engine's own max_num_seqs
+    largest = max([*concurrency, *modes_concurrency], default=None)
     target, vocab, tokenizer, max_len = _target(args, engine_options, largest, kinds)
-    n_max = max(num_points(args.num_prompts, args.prompts_per_concurrency, largest),
+    n_max = max(num_points(args.num_prompts, args.prompts_per_concurrency, largest or 1),
                 args.num_prompts or 64)
     samples = get_samples(dataset_of(args), n_max, input_len=args.input_len,
                           output_len=args.output_len, range_ratio=args.random_range_ratio,
@@ -307,9 +363,6 @@ def run(args, engine_options: dict) -> dict:
         print(_table(conc_rows, ["concurrency"]))
         print(f"knee of the throughput curve: concurrency {summary['knee']}")
     if "window" in kinds:
-        if isinstance(target, ServerTarget):
-            raise ValueError("the window sweep needs the offline engine (a server's window is "
-                             "fixed): drop --base-url")
         rec = recommend(conc_rows, [], slo, pct, args.backoff)
         seqs = rec.get("max_num_seqs", target.max_concurrency)
         rate = args.request_rate or _default_rate(conc_rows, seqs)
@@ -333,7 +386,9 @@ def run(args, engine_options: dict) -> dict:
     summary["engine"] = {k: list(v) if isinstance(v, tuple) else v
                          for k, v in engine_options.items()}
     _print_recommendation(rec, slo, pct)
-    if args.write_config is not None and isinstance(target, OfflineTarget):
+    if args.write_config is not None and not any(not k.startswith("_") for k in rec):
+        print(f"not writing {args.write_config}: nothing to recommend")
+    elif args.write_config is not None:
         header = [f"recommended by `jaxserve bench sweep` on {summary['date']}",
                   f"model {target.engine.model_path}; SLO: {describe_slo(slo, pct)}"]
         header += [v for k, v in rec.items() if k.startswith("_")]
@@ -343,7 +398,7 @@ def run(args, engine_options: dict) -> dict:
     return summary
 
 
-def _target(args, engine_options: dict, max_concurrency: int, kinds: list[str]):
+def _target(args, engine_options: dict, max_concurrency: int | None, kinds: list[str]):
     """(target, vocab size, tokenizer, max_model_len)."""
     if args.base_url is not None:
         from jaxserve.benchmarks.serve import first_model, model_info
@@ -355,12 +410,13 @@ def _target(args, engine_options: dict, max_concurrency: int, kinds: list[str]):
     from jaxserve.engine import LLMEngine
 
     options = {"enable_prompt_logprobs": False} | engine_options
-    options.setdefault("max_num_seqs", max_concurrency)
-    if options["max_num_seqs"] < max_concurrency:
-        raise ValueError(f"max_num_seqs {options['max_num_seqs']} is below the largest "
-                         f"concurrency {max_concurrency}")
-    options.setdefault("max_num_batched_tokens", max(EngineConfig.max_num_batched_tokens,
-                                                     max_concurrency))
+    if max_concurrency is not None:
+        options.setdefault("max_num_seqs", max_concurrency)
+        if options["max_num_seqs"] < max_concurrency:
+            raise ValueError(f"max_num_seqs {options['max_num_seqs']} is below the largest "
+                             f"concurrency {max_concurrency}")
+    seqs = options.get("max_num_seqs", EngineConfig.max_num_seqs)
+    options.setdefault("max_num_batched_tokens", max(EngineConfig.max_num_batched_tokens, seqs))
     start = time.perf_counter()
     engine = LLMEngine(args.model, EngineConfig.from_overrides(**options),
                        progress=sys.stderr.isatty())
