@@ -121,7 +121,8 @@ class ModelRunner:
                      "are slow (dtype=%s keeps it)", model_config.dtype, dtype,
                      model_config.dtype)
         self.dtype = DTYPES[dtype]
-        self.attention_impl = resolve_attention_impl(config.attention_impl, self.backend)
+        self.attention_impl = resolve_attention_impl(config.attention_impl, self.backend,
+                                                     model_config.head_dim, config.page_size)
         self.kv_dtype = DTYPES[kv_cache_dtype(dtype, self.backend, self.attention_impl)]
         enable_compilation_cache(config.compilation_cache_dir)
         start = time.perf_counter()

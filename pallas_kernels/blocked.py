@@ -17,7 +17,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.decode import check_paged_inputs
+
 _MASKED = -1e30
+
+
+def _check_lengths(name: str, array: jax.Array, shape: tuple[int, ...]) -> None:
+    if array.shape != shape or array.dtype != jnp.int32:
+        raise ValueError(f"{name} is {array.dtype}{list(array.shape)}, expected "
+                         f"int32{list(shape)}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "page_tail"))
@@ -39,13 +47,23 @@ def prefill_attention_blocked(
     one query per row (decode) on the CPU that is as fast or faster at every length measured
     (64 slots at 16 tokens: 1.49 -> 0.41 ms); with a chunk of queries each step also rescales
     the chunk's accumulator, and whole blocks stay cheaper."""
+    if q.ndim != 4:
+        raise ValueError(f"q has shape {q.shape}, expected [batch, chunk, num_heads, head_dim]")
     batch, chunk, num_heads, head_dim = q.shape
+    if chunk < 1:
+        raise ValueError(f"q has shape {q.shape}: a chunk of at least 1 query")
+    check_paged_inputs(num_heads, head_dim, q.dtype, k_pages, v_pages, page_table, batch,
+                       kernel=False)
+    _check_lengths("positions", positions, (batch, chunk))
+    _check_lengths("seq_lens", seq_lens, (batch,))
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     ppb = min(pages_per_block, page_table.shape[1])
     num_blocks = -(-page_table.shape[1] // ppb)
     table = jnp.pad(page_table, ((0, 0), (0, num_blocks * ppb - page_table.shape[1])))
     qg = q.reshape(batch, chunk, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+    # pages each row holds tokens in (at most the table's width, as the reference reads)
+    row_pages = jnp.minimum((seq_lens + page_size - 1) // page_size, page_table.shape[1])
 
     def walk(carry, first_page, num_steps, pages):
         """Blocks of `pages` pages from `first_page` on (the table is padded to whole blocks)."""
@@ -55,6 +73,10 @@ def prefill_attention_blocked(
             m, denom, acc = carry  # [B, KV, G, C], [B, KV, G, C], [B, KV, G, C, D]
             start = first_page + i * pages
             ids = jax.lax.dynamic_slice_in_dim(table, start, pages, axis=1)  # [B, pages]
+            # a shorter row's entries past its pages may name stale pages: read the null page
+            # 0 instead, so nothing stale (even NaN) reaches the sums, as in the kernels
+            page_index = start + jnp.arange(pages, dtype=jnp.int32)
+            ids = jnp.where(page_index[None, :] < row_pages[:, None], ids, 0)
             k = k_pages[ids].reshape(batch, tokens, num_kv_heads, head_dim)
             v = v_pages[ids].reshape(batch, tokens, num_kv_heads, head_dim)
             s = jnp.einsum("bckgd,bjkd->bkgcj", qg, k, preferred_element_type=jnp.float32)
@@ -75,7 +97,7 @@ def prefill_attention_blocked(
     shape = (batch, num_kv_heads, group, chunk)
     carry = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
              jnp.zeros((*shape, head_dim), jnp.float32))
-    used_pages = (jnp.max(seq_lens) + page_size - 1) // page_size
+    used_pages = jnp.max(row_pages)
     if page_tail and ppb > 1:
         full_blocks = used_pages // ppb
         carry = walk(carry, 0, full_blocks, ppb)
@@ -103,7 +125,10 @@ def decode_attention_blocked(
     rows_per_tile, each tile only as far as its own longest sequence, so short sequences stop
     paying for the longest one's blocks (measured on the CPU, 64 slots of 8 heads: 40-500
     tokens 11.5 -> 9.0 ms, 20-1000 tokens 24.3 -> 16.3 ms; all 300 tokens 7.2 -> 7.8 ms)."""
+    if q.ndim != 3:
+        raise ValueError(f"q has shape {q.shape}, expected [slots, num_heads, head_dim]")
     slots = q.shape[0]
+    _check_lengths("seq_lens", seq_lens, (slots,))
 
     def walk(q, page_table, seq_lens):
         out = prefill_attention_blocked(q[:, None], k_pages, v_pages, page_table,

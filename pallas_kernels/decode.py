@@ -35,7 +35,7 @@ LOG2E = math.log2(math.e)
 MIN_DOT = 16
 # Auto num_splits aims at about this many programs (2 per SM on a 132-SM H200).
 _TARGET_PROGRAMS = 256
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def next_power_of_2(n: int) -> int:
@@ -44,6 +44,15 @@ def next_power_of_2(n: int) -> int:
 
 def _is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def kernel_shape_problem(head_dim: int, page_size: int) -> str | None:
+    """Why the Triton kernels cannot take this head_dim / page_size, or None: block shapes
+    must be powers of two."""
+    for name, value in (("head_dim", head_dim), ("page_size", page_size)):
+        if not _is_power_of_2(value):
+            return f"{name} {value} is not a power of two (Triton block shapes must be)"
+    return None
 
 
 # --- in-kernel pieces shared with prefill.py ------------------------------------------------
@@ -64,7 +73,7 @@ def block_page_ids(page_table_ref, first_page, pages_per_block, used_pages, num_
 
 def _dot(a, b, contract):
     # HIGHEST: float32 tiles multiply in IEEE float32; Triton's default would be TF32 (about 1e-3
-    # off). bfloat16 tiles are unaffected.
+    # off). 16-bit tiles are unaffected.
     return lax.dot_general(
         a,
         b,
@@ -127,8 +136,12 @@ def normalise(o, row_sum):
     return o / jnp.maximum(row_sum, 1e-30)[:, None]
 
 
-def check_paged_inputs(q_heads, q_head_dim, q_dtype, k_pages, v_pages, page_table, batch):
-    """Shape and dtype checks shared by decode and prefill; ValueError names the values."""
+def check_paged_inputs(q_heads, q_head_dim, q_dtype, k_pages, v_pages, page_table, batch,
+                       kernel: bool = True):
+    """Shape and dtype checks shared by decode and prefill (and, with kernel=False, the XLA
+    twins in blocked.py, which take any block shape); ValueError names the values."""
+    if batch < 1:
+        raise ValueError(f"q has {batch} rows, expected at least 1")
     if k_pages.ndim != 4:
         raise ValueError(
             f"k_pages has shape {k_pages.shape}, expected "
@@ -137,8 +150,10 @@ def check_paged_inputs(q_heads, q_head_dim, q_dtype, k_pages, v_pages, page_tabl
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"v_pages has shape {v_pages.shape}, not k_pages' {k_pages.shape}")
     _, page_size, num_kv_heads, head_dim = k_pages.shape
+    if min(k_pages.shape) < 1:
+        raise ValueError(f"k_pages has shape {k_pages.shape}, expected no empty dimension")
     if q_dtype not in _DTYPES:
-        raise ValueError(f"q has dtype {q_dtype}, expected float32 or bfloat16")
+        raise ValueError(f"q has dtype {q_dtype}, expected float32, bfloat16 or float16")
     if k_pages.dtype != q_dtype or v_pages.dtype != q_dtype:
         raise ValueError(
             f"k_pages/v_pages have dtypes {k_pages.dtype}/{v_pages.dtype}, not q's {q_dtype}"
@@ -149,13 +164,10 @@ def check_paged_inputs(q_heads, q_head_dim, q_dtype, k_pages, v_pages, page_tabl
         )
     if q_head_dim != head_dim:
         raise ValueError(f"q has head_dim {q_head_dim}, k_pages has {head_dim}")
-    if not _is_power_of_2(head_dim):
-        raise ValueError(f"head_dim {head_dim} is not a power of two (Triton block shapes must be)")
-    if not _is_power_of_2(page_size):
-        raise ValueError(
-            f"page_size {page_size} is not a power of two (Triton block shapes must be)"
-        )
-    if page_table.ndim != 2 or page_table.shape[0] != batch:
+    problem = kernel_shape_problem(head_dim, page_size) if kernel else None
+    if problem:
+        raise ValueError(problem)
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
         raise ValueError(
             f"page_table has shape {page_table.shape}, expected [{batch}, pages_per_seq]"
         )

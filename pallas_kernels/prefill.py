@@ -159,11 +159,14 @@ def prefill_attention(
     raised to 16 rows, lowered to the chunk. pages_per_block: pages per loop step (a power of
     two); raised so a key block has >= 16 tokens, lowered to the table's width. num_warps,
     num_stages: Triton's. interpret: run on the CPU through the Pallas interpreter. scale is
-    static (a Python float). Queries with no valid key give zeros, not the reference's garbage.
+    static (a Python float). Queries with no valid key (padding) give finite values that
+    callers ignore, as the reference's do.
     """
     if q.ndim != 4:
         raise ValueError(f"q has shape {q.shape}, expected [batch, chunk, num_heads, head_dim]")
     batch, chunk, num_heads, head_dim = q.shape
+    if chunk < 1:
+        raise ValueError(f"q has shape {q.shape}: a chunk of at least 1 query")
     check_paged_inputs(num_heads, head_dim, q.dtype, k_pages, v_pages, page_table, batch)
     if positions.shape != (batch, chunk) or positions.dtype != jnp.int32:
         raise ValueError(

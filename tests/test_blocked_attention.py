@@ -73,3 +73,35 @@ def test_prefill_blocked_equals_reference(dtype, page_tail):
         np.testing.assert_allclose(np.asarray(got[b, :lens[b]], np.float32),
                                    np.asarray(want[b, :lens[b]], np.float32), atol=tol, rtol=tol)
     assert jax.tree.all(jax.tree.map(lambda x: bool(jnp.isfinite(x).all()), got))
+
+
+def test_blocked_reads_neither_stale_pages_nor_past_the_table():
+    # row 0 is short: its table entries past its pages name a NaN page, which the kernels
+    # never read (they read the null page 0 there); row 1's length exceeds its table (4 pages
+    # of 4): the reference reads the 16 keys the table holds, and so must the walk (it used to
+    # read its last block twice, counting those keys twice)
+    rng = np.random.default_rng(11)
+    k, v = _pools(rng, 12, 4, 2, 16, jnp.float32)
+    k_nan, v_nan = k.at[11].set(jnp.nan), v.at[11].set(jnp.nan)
+    table = jnp.array([[1, 11, 11, 11], [2, 3, 4, 5]], jnp.int32)
+    seq_lens = jnp.array([3, 20], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 4, 16)), jnp.float32)
+    want = np.asarray(decode_attention_ref(q, k, v, table, jnp.array([3, 16], jnp.int32), 0.25))
+    for ppb in (1, 2, 4):
+        got = np.asarray(decode_attention_blocked(q, k_nan, v_nan, table, seq_lens, 0.25,
+                                                  pages_per_block=ppb))
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"seq_lens": jnp.zeros((1,), jnp.int32)}, r"seq_lens is int32\[1\], expected int32\[2\]"),
+    ({"q": jnp.zeros((2, 6, 16), jnp.float32)}, "q has 6 heads, not a multiple of k_pages' 4"),
+    ({"q": jnp.zeros((2, 8, 16), jnp.bfloat16)}, "k_pages/v_pages have dtypes float32/float32"),
+    ({"seq_lens": jnp.zeros((2,), jnp.float32)}, r"seq_lens is float32\[2\]"),
+])
+def test_blocked_decode_rejects_bad_inputs(args, message):
+    call = {"q": jnp.zeros((2, 8, 16), jnp.float32), "k_pages": jnp.zeros((5, 4, 4, 16)),
+            "v_pages": jnp.zeros((5, 4, 4, 16)), "page_table": jnp.zeros((2, 3), jnp.int32),
+            "seq_lens": jnp.zeros((2,), jnp.int32), "scale": 0.25} | args
+    with pytest.raises(ValueError, match=message):
+        decode_attention_blocked(**call)

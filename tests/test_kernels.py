@@ -26,7 +26,7 @@ from pallas_kernels import (
 )
 
 INTERPRET = jax.default_backend() != "gpu"
-F32, BF16 = jnp.float32, jnp.bfloat16
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
 
 def _paged_kv(rng, seq_lens, case):
@@ -102,6 +102,7 @@ DECODE_CASES = {
     ),
     "gqa4-bf16-auto-splits": DecodeCase(3, [200, 0, 31, 32, 1], 16, 4, 64, 16, 16, BF16),
     "gqa2-bf16-page32": DecodeCase(4, [64, 33, 0], 4, 2, 32, 32, 4, BF16, {"num_splits": 1}),
+    "gqa2-f16": DecodeCase(7, [40, 1, 0, 16], 4, 2, 32, 8, 6, F16),  # fp16 checkpoints
     "head-dim-8-page-4": DecodeCase(5, [9, 12, 3], 4, 2, 8, 4, 8, tuning={"pages_per_block": 2}),
     "all-empty": DecodeCase(6, [0, 0], 4, 1, 16, 8, 2, tuning={"num_splits": 2}),
 }
@@ -146,6 +147,7 @@ PREFILL_CASES = {
     ),
     "gqa4-bf16-empty-seq": PrefillCase(12, [0, 40, 0, 128], [8, 8, 0, 3], 8, 8, 2, 64, 16, 9, BF16),
     "gqa3-bf16-page-boundaries": PrefillCase(13, [64, 0], [32, 32], 32, 6, 2, 32, 32, 3, BF16),
+    "gqa2-f16-mid-sequence": PrefillCase(16, [0, 21], [8, 5], 8, 4, 2, 32, 8, 5, F16),
     "head-dim-8-length-1": PrefillCase(14, [0, 5], [1, 4], 4, 4, 1, 8, 4, 3, tuning={"block_q": 8}),
     "gqa4-many-key-blocks": PrefillCase(
         15, [0, 120, 200], [16, 16, 16], 16, 8, 2, 16, 8, 32, tuning={"block_q": 2}
@@ -211,7 +213,10 @@ DECODE_ERRORS = {
     "q rank": ({"q": jnp.zeros((2, 8), F32)}, r"q has shape \(2, 8\)"),
     "heads": ({"q": jnp.zeros((2, 6, 16), F32)}, "q has 6 heads, not a multiple of k_pages' 4 kv"),
     "head_dim": ({"q": jnp.zeros((2, 8, 32), F32)}, "q has head_dim 32, k_pages has 16"),
-    "q dtype": ({"q": jnp.zeros((2, 8, 16), jnp.float16)}, "q has dtype float16"),
+    "q dtype": ({"q": jnp.zeros((2, 8, 16), jnp.int8)}, "q has dtype int8"),
+    "no slots": ({"q": jnp.zeros((0, 8, 16), F32), "page_table": jnp.zeros((0, 3), jnp.int32),
+                  "seq_lens": jnp.zeros((0,), jnp.int32)}, "q has 0 rows"),
+    "empty table": ({"page_table": jnp.zeros((2, 0), jnp.int32)}, r"page_table has shape \(2, 0\)"),
     "kv dtype": (
         {"k_pages": jnp.zeros((5, 4, 4, 16), BF16), "v_pages": jnp.zeros((5, 4, 4, 16), BF16)},
         "k_pages/v_pages have dtypes bfloat16/bfloat16, not q's float32",

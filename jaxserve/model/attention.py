@@ -1,19 +1,33 @@
 """The one call site of paged attention; `attention_impl` picks Pallas kernels or the reference."""
 
+import logging
+
 import jax
 
 from jaxserve.model.kv_cache import AttentionMetadata
 from pallas_kernels.blocked import decode_attention_blocked, prefill_attention_blocked
+from pallas_kernels.decode import kernel_shape_problem
+
+log = logging.getLogger(__name__)
 
 ATTENTION_IMPLS = ("auto", "pallas", "reference")
 
 
-def resolve_attention_impl(impl: str, backend: str) -> str:
-    """auto -> pallas on GPU, reference elsewhere."""
+def resolve_attention_impl(impl: str, backend: str, head_dim: int | None = None,
+                           page_size: int | None = None) -> str:
+    """auto -> pallas on GPU, reference elsewhere, and where the kernels cannot take the
+    model's head_dim or the page_size (Triton blocks are powers of two); an explicit pallas
+    they cannot take is a ValueError naming the value."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    problem = None if head_dim is None else kernel_shape_problem(head_dim, page_size or 1)
+    if impl == "pallas" and problem:
+        raise ValueError(f"attention_impl='pallas': {problem}; use attention_impl='reference'")
     if impl == "auto":
-        return "pallas" if backend == "gpu" else "reference"
+        if backend == "gpu" and problem:
+            log.warning("Pallas attention cannot run this model (%s): using the reference "
+                        "attention, which is slower", problem)
+        return "pallas" if backend == "gpu" and not problem else "reference"
     return impl
 
 
