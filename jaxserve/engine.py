@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.checks import is_int, show
+from jaxserve.config import EngineConfig, ModelConfig, generation_defaults
 from jaxserve.core.scheduler import SchedulerOutput, make_scheduler
 from jaxserve.request import (
     CompletionOutput,
@@ -97,6 +98,9 @@ class LLMEngine:
         has_tokenizer = any((self.model_path / f).is_file()
                             for f in ("tokenizer.json", "byte_tokenizer.json"))
         self.tokenizer = load_tokenizer(self.model_path) if has_tokenizer else None
+        # the model's default sampling params (generation_config.json), for requests that
+        # leave them out: LLM.generate without params, the server's temperature/top_p/top_k
+        self.sampling_defaults = generation_defaults(self.model_path)
         self.runner = ModelRunner(self.model_path, self.model_config, config)
         self.max_model_len = self.runner.max_model_len
         self.scheduler = make_scheduler(config, self.runner.num_pages,
@@ -108,6 +112,10 @@ class LLMEngine:
         self.warmup_seconds = self.runner.warmup(progress=progress)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
+        # the stop ids beyond the tokenizer's own EOS (generation_config.json's, Llama-3's
+        # <|eom_id|>): a request they end reports them as its stop_reason, as vLLM does
+        own = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        self.named_eos_ids = self.eos_token_ids - {own} if own is not None else frozenset()
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._trackers: dict[str, _Tracker] = {}
@@ -118,9 +126,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue a request; bad input is a ValueError naming the field."""
-        params = params or SamplingParams()
+                    arrival_time: float | None = None, cap_max_tokens: bool = False) -> Request:
+        """Validate and queue a request; bad input is a ValueError naming the field.
+        cap_max_tokens: a max_tokens past max_model_len ends the request at the limit
+        (finish_reason "length", as vLLM's offline LLM does) instead of refusing it (as the
+        server must)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {show(params)}")
         if params.n != 1:
             raise ValueError(f"n {params.n}: a request to the engine is one sample; add n "
                              "requests with params.for_sample(i) (LLM.generate and the server "
@@ -130,7 +143,8 @@ class LLMEngine:
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room to generate "
                              f"within max_model_len {limit}")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+        if (params.max_tokens is not None and len(ids) + params.max_tokens > limit
+                and not cap_max_tokens):
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len {limit}")
         if params.stop and self.tokenizer is None:
@@ -145,11 +159,13 @@ class LLMEngine:
                 params.prompt_logprobs > self.config.max_top_logprobs):
             raise ValueError(f"prompt_logprobs {params.prompt_logprobs} exceeds "
                              f"max_top_logprobs {self.config.max_top_logprobs}")
-        max_len = limit if params.max_tokens is None else len(ids) + params.max_tokens
+        max_len = limit if params.max_tokens is None else min(len(ids) + params.max_tokens,
+                                                              limit)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         request_id = str(next(self._ids)) if request_id is None else request_id
         request = Request(request_id, ids, params, time.monotonic() if arrival_time is None
-                          else arrival_time, seed, max_len, self.eos_token_ids, prompt=text)
+                          else arrival_time, seed, max_len, self.eos_token_ids, prompt=text,
+                          named_eos_ids=self.named_eos_ids)
         self.scheduler.add_request(request)
         self._trackers[request_id] = _Tracker(request, self.tokenizer)
         return request
@@ -162,14 +178,18 @@ class LLMEngine:
             if not ids:
                 raise ValueError("prompt encodes to no tokens: give it some text")
             return prompt, ids
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(
+                prompt.get("prompt"), str):  # vLLM's TextPrompt
+            return self._prompt_ids(prompt["prompt"])
         if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
-            raise ValueError("prompt must be a string or a dict with 'prompt_token_ids'")
+            raise ValueError("prompt must be a string, a dict with 'prompt_token_ids' or a "
+                             f"dict with a 'prompt' string, got {show(prompt)}")
         ids = prompt["prompt_token_ids"]
         vocab = self.model_config.vocab_size
-        if not isinstance(ids, list) or not ids or any(
-                not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+        if not isinstance(ids, list | tuple) or not ids or any(
+                not is_int(t) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids must be a non-empty list of ids in [0, {vocab})")
-        return prompt.get("prompt"), list(ids)
+        return prompt.get("prompt"), [int(t) for t in ids]
 
     def abort(self, request_id: str) -> bool:
         """Abort in any state; pages are free at once. False if unknown or already finished."""
@@ -308,11 +328,14 @@ class LLMEngine:
         if not finished and request.params.stop:
             # hold back what could still become a stop string
             text = text[:max(0, len(text) - max(len(s) for s in request.params.stop) + 1)]
+        wants = request.params.logprobs is not None
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(request.output_ids),
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
-            logprobs=list(tracker.logprobs) if request.params.logprobs is not None else None)
+            logprobs=list(tracker.logprobs) if wants else None,
+            cumulative_logprob=sum(lp[token].logprob for token, lp in zip(
+                request.output_ids, tracker.logprobs, strict=False)) if wants else None)
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_ids, outputs=[completion], finished=finished,
@@ -337,9 +360,15 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no params: SamplingParams with the model's own
+        defaults from generation_config.json (temperature, top_p, top_k, max_new_tokens), as
+        vLLM's generation_config="auto"."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order. A prompt whose params ask
         for n > 1 samples runs as n requests (`SamplingParams.for_sample`); its output holds
         the n completions in `outputs`, indexed 0..n-1, with the first request's id and
@@ -348,18 +377,26 @@ class LLM:
 
         if isinstance(prompts, str | dict):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
+        if not isinstance(prompts, list | tuple):
+            raise ValueError("prompts must be a string, a dict ({'prompt_token_ids': [...]} or "
+                             f"{{'prompt': text}}) or a list of them, got {show(prompts)}")
+        params = (self.get_default_sampling_params() if sampling_params is None
+                  else sampling_params)
+        params = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} "
                              "prompts")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
+                                 f"got {show(p)}")
         ids: list[list[str]] = []  # per prompt, its samples' request ids
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append([])
                 for i in range(p.n):
-                    ids[-1].append(self.engine.add_request(None, prompt,
-                                                           p.for_sample(i)).request_id)
+                    ids[-1].append(self.engine.add_request(
+                        None, prompt, p.for_sample(i), cap_max_tokens=True).request_id)
         except Exception:  # nothing of this call stays queued
             for rid in (r for group in ids for r in group):
                 self.engine.abort(rid)
@@ -380,7 +417,7 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """As vLLM's `LLM.chat`: one conversation ([{"role", "content"}, ...]) or a list of
         them, rendered with the model's chat template (as the server's /v1/chat/completions
         renders them), then generated; outputs in input order."""

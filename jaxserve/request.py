@@ -96,6 +96,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None  # the sum of token_ids' logprobs (when asked for)
 
 
 @dataclass
@@ -152,7 +153,10 @@ class Request:
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  arrival_time: float, seed: int, max_len: int, eos_token_ids: frozenset[int],
-                 prompt: str | None = None):
+                 prompt: str | None = None, named_eos_ids: frozenset[int] = frozenset()):
+        """named_eos_ids: those of eos_token_ids that end a request with themselves as the stop
+        reason, as stop_token_ids do (the model's generation_config.json stop ids beside the
+        tokenizer's EOS, as vLLM reports them)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_ids = list(prompt_ids)
@@ -161,6 +165,9 @@ class Request:
         self.max_len = max_len  # prompt + output tokens at most
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids
+        )
+        self.named_stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else named_eos_ids & eos_token_ids
         )
         self.output_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -42,7 +42,8 @@ class BaseTokenizer:
     """
 
     bos_token_id: int | None
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # every id that ends generation (generation_config's too)
+    eos_token_id: int | None  # the tokenizer's own EOS, when it names one
     bos_token: str | None  # text given to chat templates as `bos_token`
     eos_token: str | None
     add_bos_token: bool
@@ -101,7 +102,8 @@ class Tokenizer(BaseTokenizer):
             self.bos_token_id = _as_id(generation_config.get("bos_token_id"), "bos_token_id")
         gen_eos = generation_config.get("eos_token_id")
         gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        eos_ids = {self._token_id(config.get("eos_token"))}
+        self.eos_token_id = self._token_id(config.get("eos_token"))
+        eos_ids = {self.eos_token_id}
         eos_ids.update(_as_id(value, "eos_token_id") for value in gen_eos)
         self.eos_token_ids = frozenset(i for i in eos_ids if i is not None)
         bos = self.bos_token_id
@@ -216,6 +218,7 @@ class ByteTokenizer(BaseTokenizer):
         self.chat_template = chat_template
         self.bos_token_id = self.BOS_ID
         self.eos_token_ids = frozenset({self.EOS_ID})
+        self.eos_token_id = self.EOS_ID
         self.bos_token = self.eos_token = None  # no text encodes to them
         self.vocab_size = self.VOCAB_SIZE
         self.all_special_ids = frozenset(self.SPECIAL_TEXT)

@@ -139,7 +139,8 @@ def normalise(o, row_sum):
 def check_paged_inputs(q_heads, q_head_dim, q_dtype, k_pages, v_pages, page_table, batch,
                        kernel: bool = True):
     """Shape and dtype checks shared by decode and prefill (and, with kernel=False, the XLA
-    twins in blocked.py, which take any block shape); ValueError names the values."""
+    twins in blocked.py, which take any block shape and a pool dtype other than q's);
+    ValueError names the values."""
     if batch < 1:
         raise ValueError(f"q has {batch} rows, expected at least 1")
     if k_pages.ndim != 4:
@@ -154,7 +155,8 @@ def check_paged_inputs(q_heads, q_head_dim, q_dtype, k_pages, v_pages, page_tabl
         raise ValueError(f"k_pages has shape {k_pages.shape}, expected no empty dimension")
     if q_dtype not in _DTYPES:
         raise ValueError(f"q has dtype {q_dtype}, expected float32, bfloat16 or float16")
-    if k_pages.dtype != q_dtype or v_pages.dtype != q_dtype:
+    # the XLA twins take a float32 pool under 16-bit queries (the CPU's kv_cache_dtype)
+    if kernel and (k_pages.dtype != q_dtype or v_pages.dtype != q_dtype):
         raise ValueError(
             f"k_pages/v_pages have dtypes {k_pages.dtype}/{v_pages.dtype}, not q's {q_dtype}"
         )

@@ -44,14 +44,14 @@ def expected_output(prompt_ids: list[int], max_tokens: int,
 
 def make_request(request_id: str, prompt: int | list[int], max_tokens: int = 4, *,
                  arrival: float = 0.0, priority: int = 0, eos: frozenset[int] = frozenset(),
-                 **params) -> Request:
+                 named_eos: frozenset[int] = frozenset(), **params) -> Request:
     """A request; `prompt` is a list of ids or a length (ids derived from the id, all >= 3)."""
     if isinstance(prompt, int):
         salt = sum(map(ord, request_id))
         prompt = [(salt + 7 * i) % 50 + 3 for i in range(prompt)]
     sp = SamplingParams(max_tokens=max_tokens, priority=priority, **params)
     return Request(request_id, prompt, sp, arrival_time=arrival, seed=0,
-                   max_len=len(prompt) + max_tokens, eos_token_ids=eos)
+                   max_len=len(prompt) + max_tokens, eos_token_ids=eos, named_eos_ids=named_eos)
 
 
 class FakeClock:

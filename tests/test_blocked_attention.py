@@ -96,7 +96,7 @@ def test_blocked_reads_neither_stale_pages_nor_past_the_table():
 @pytest.mark.parametrize(("args", "message"), [
     ({"seq_lens": jnp.zeros((1,), jnp.int32)}, r"seq_lens is int32\[1\], expected int32\[2\]"),
     ({"q": jnp.zeros((2, 6, 16), jnp.float32)}, "q has 6 heads, not a multiple of k_pages' 4"),
-    ({"q": jnp.zeros((2, 8, 16), jnp.bfloat16)}, "k_pages/v_pages have dtypes float32/float32"),
+    ({"q": jnp.zeros((2, 8, 16), jnp.int8)}, "q has dtype int8"),
     ({"seq_lens": jnp.zeros((2,), jnp.float32)}, r"seq_lens is float32\[2\]"),
 ])
 def test_blocked_decode_rejects_bad_inputs(args, message):

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file, save_file
 from test_model_hf import full_logits
 
 from jaxserve.cli import main as cli_main
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig, generation_defaults
 from jaxserve.model.llama import rope_inv_freq
 from jaxserve.model.loader import is_orbax_checkpoint, load_state
 
@@ -226,3 +226,19 @@ def test_a_pool_too_small_for_one_sequence_is_refused():
     with pytest.raises(ValueError, match=r"num_pages 10 holds fewer than the 64 pages one "
                        r"sequence of max_model_len 256 needs"):
         LLM(HF_FIXTURES / "llama", page_size=4, num_pages=10)
+
+
+def test_generation_config_gives_the_default_sampling_params(tmp_path, caplog):
+    """As vLLM's generation_config="auto": temperature, top_p, top_k and max_new_tokens are the
+    defaults of a request that leaves them out; what the sampler would refuse, or has no
+    equivalent for, is left out with a warning."""
+    assert generation_defaults(tmp_path) == {}  # no file
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 5, "max_new_tokens": 32,
+        "eos_token_id": [1, 2]}))
+    assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "top_k": 5,
+                                             "max_tokens": 32}
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "temperature": -1, "repetition_penalty": 1.1, "top_p": 1.0}))
+    assert generation_defaults(tmp_path) == {"top_p": 1.0}
+    assert "ignoring temperature" in caplog.text and "repetition_penalty 1.1" in caplog.text

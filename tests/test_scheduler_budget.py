@@ -296,16 +296,18 @@ def test_stop_conditions(decode_steps, overlap):
         make_request("stop-id", prompt, 6, stop_token_ids=(third,)),
         make_request("eos", prompt, 6, eos=frozenset({third})),
         make_request("ignore-eos", prompt, 6, eos=frozenset({third}), ignore_eos=True),
+        # a generation_config stop id beside the tokenizer's EOS: its id is the reason (vLLM)
+        make_request("named-eos", prompt, 6, eos=frozenset({third}), named_eos=frozenset({third})),
     ]
     s = small_scheduler(decode_steps=decode_steps)
     result = run(s, requests, overlap=overlap)
     full = expected_output(prompt, 6)
     assert result.outputs == {"length": full, "stop-id": full[:3], "eos": full[:3],
-                              "ignore-eos": full}
+                              "ignore-eos": full, "named-eos": full[:3]}
     assert result.finish_reasons == {"length": "length", "stop-id": "stop", "eos": "stop",
-                                     "ignore-eos": "length"}
+                                     "ignore-eos": "length", "named-eos": "stop"}
     assert result.stop_reasons == {"length": None, "stop-id": third, "eos": None,
-                                   "ignore-eos": None}
+                                   "ignore-eos": None, "named-eos": third}
 
 
 # -- multi-step decode ----------------------------------------------------------------------------

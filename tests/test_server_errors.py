@@ -182,6 +182,7 @@ class _BrokenEngine:
 
     def __init__(self):
         self.pending = False
+        self.sampling_defaults = {}
 
     def stats(self):
         return dict(num_requests_running=0, num_requests_waiting=0, kv_cache_usage=0.0,
@@ -217,3 +218,16 @@ def test_dead_engine_is_503_and_touches_no_other_server(http):
     succeeds(http)
 
 
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out():
+    from jaxserve.server import protocol
+
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 5}
+    left_out = protocol.parse_completion({"model": "m", "prompt": "x"}, defaults).params
+    assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 0.9, 5)
+    given = protocol.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                 "temperature": 0, "top_p": 0.5, "top_k": -1}, defaults).params
+    assert (given.temperature, given.top_p, given.top_k) == (0, 0.5, None)
+    plain = protocol.parse_completion({"model": "m", "prompt": "x"}).params
+    assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, None)

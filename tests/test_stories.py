@@ -105,7 +105,16 @@ def test_bad_requests_are_value_errors_naming_the_field(stories):
     llm, _ = stories
     limit = llm.engine.max_model_len
     with pytest.raises(ValueError, match=rf"prompt \(3 tokens\) \+ max_tokens \({limit}\) exceeds"):
-        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=limit))
+        llm.engine.add_request(None, {"prompt_token_ids": [1, 2, 3]},
+                               SamplingParams(max_tokens=limit))  # as the server must
+    llm.engine.abort(next(iter(llm.engine._trackers), ""))  # (nothing was queued)
+    for bad, message in [([], "sampling_params has 0 entries for 2 prompts"),
+                         ({"temperature": 0}, "sampling_params must be a SamplingParams"),
+                         ((SamplingParams(), 5), "sampling_params must be a SamplingParams")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(["a b", "c d"], bad)
+    with pytest.raises(ValueError, match="prompts must be a string, a dict"):
+        llm.generate(5)
     with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list of ids"):
         llm.generate({"prompt_token_ids": [1, 99999]})
     with pytest.raises(ValueError, match="logprobs 50 exceeds max_top_logprobs 20"):
@@ -175,3 +184,47 @@ def test_top_k_past_the_vocabulary_is_no_cut(stories):
     huge, plain = (llm.generate(cases[0]["prompt"], SamplingParams(**params, top_k=k))[0]
                    for k in (2**31, None))
     assert huge.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_offline_requests_as_vllm_users_write_them(stories):
+    llm, cases = stories
+    case = cases[0]
+    limit = llm.engine.max_model_len
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    # a max_tokens past the context ends at max_model_len ("length"), as vLLM's LLM does
+    long = {"prompt_token_ids": case["prompt_ids"] * (limit // len(case["prompt_ids"]))}
+    room = limit - len(long["prompt_token_ids"])
+    out = llm.generate(long, SamplingParams(max_tokens=room + 50, temperature=0.0,
+                                            ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == room and out.finish_reason == "length"
+    # {"prompt": text} (vLLM's TextPrompt), a tuple of params, numpy ids
+    by_text = llm.generate({"prompt": case["prompt"]}, greedy)[0]
+    assert by_text.prompt_token_ids == case["prompt_ids"]
+    assert by_text.outputs[0].token_ids == case["generated_ids"][:6]
+    by_numpy = llm.generate([{"prompt_token_ids": list(np.asarray(case["prompt_ids"]))}] * 2,
+                            (greedy, greedy))
+    assert [o.outputs[0].token_ids for o in by_numpy] == [case["generated_ids"][:6]] * 2
+    # cumulative_logprob: the sum of the sampled tokens' logprobs, when logprobs are asked for
+    sampled = llm.generate(case["prompt"], SamplingParams(max_tokens=8, seed=3, logprobs=2))[0]
+    c = sampled.outputs[0]
+    assert c.cumulative_logprob == pytest.approx(sum(
+        lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)))
+    assert c.cumulative_logprob < 0
+    assert llm.generate(case["prompt"], greedy)[0].outputs[0].cumulative_logprob is None
+
+
+def test_generate_without_params_takes_the_models_defaults(stories, monkeypatch):
+    llm, cases = stories
+    case = cases[0]
+    # stories260K's generation_config.json sets no sampling defaults: vLLM's SamplingParams()
+    assert llm.get_default_sampling_params() == SamplingParams()
+    monkeypatch.setattr(llm.engine, "sampling_defaults", {"temperature": 0.0, "max_tokens": 7})
+    out = llm.generate(case["prompt"])[0].outputs[0]
+    assert out.token_ids == case["generated_ids"][:7]
+
+
+def test_generation_config_stop_ids_are_named_as_stop_reasons(stories):
+    # stories260K: the tokenizer's EOS is 2; generation_config.json also stops on 1 (BOS, where
+    # the reference implementation stops): vLLM reports 1 as the stop reason, 2 as None
+    llm, _ = stories
+    assert llm.engine.eos_token_ids == {1, 2} and llm.engine.named_eos_ids == {1}

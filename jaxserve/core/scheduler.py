@@ -305,7 +305,7 @@ class Scheduler:
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = self.clock()
                 if token in request.stop_ids:
-                    reason = token if token in request.params.stop_token_ids else None
+                    reason = token if token in request.named_stop_ids else None
                     self.finish(request, RequestStatus.FINISHED_STOPPED, reason)
                     break
                 if len(request.prompt_ids) + len(request.output_ids) >= request.max_len:

@@ -129,13 +129,17 @@ class _API:
         self.config = config
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
+        # the model's temperature / top_p / top_k, for requests that leave them out (as vLLM);
+        # not its max_new_tokens, which could overflow a long prompt that sent no max_tokens
+        self._sampling_defaults = {k: v for k, v in engine.engine.sampling_defaults.items()
+                                   if k != "max_tokens"}
         self.metrics = Metrics(engine, model_name)
         self.created = int(time.time())
 
     # -- routes --------------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        req = protocol.parse_completion(await self._read_json(request))
+        req = protocol.parse_completion(await self._read_json(request), self._sampling_defaults)
         self._check_model(req.model)
         prompts, texts = [], []
         for p in req.prompts:
@@ -148,7 +152,7 @@ class _API:
         return await self._generate(request, "completion", req, prompts, texts)
 
     async def chat(self, request: Request) -> Response:
-        req = protocol.parse_chat(await self._read_json(request))
+        req = protocol.parse_chat(await self._read_json(request), self._sampling_defaults)
         self._check_model(req.model)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use "

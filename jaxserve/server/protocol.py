@@ -73,18 +73,19 @@ def _get(body: dict, name: str, check, what: str, default: Any = None) -> Any:
     return value
 
 
-def parse_completion(body: dict[str, Any]) -> GenerateRequest:
+def parse_completion(body: dict[str, Any],
+                     defaults: dict[str, Any] | None = None) -> GenerateRequest:
     """A /v1/completions body -> GenerateRequest; APIError(400) naming the field otherwise."""
     if "prompt" not in body or body["prompt"] is None:
         raise APIError(400, "prompt is required", param="prompt")
     logprobs = _get(body, "logprobs", is_int, "an integer")
-    req = _common(body, default_max_tokens=16, logprobs=logprobs, names={})
+    req = _common(body, default_max_tokens=16, logprobs=logprobs, names={}, defaults=defaults)
     req.prompts = _prompts(body["prompt"])
     req.echo = _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
     return req
 
 
-def parse_chat(body: dict[str, Any]) -> GenerateRequest:
+def parse_chat(body: dict[str, Any], defaults: dict[str, Any] | None = None) -> GenerateRequest:
     """A /v1/chat/completions body -> GenerateRequest (the app renders `messages`)."""
     if "messages" not in body:
         raise APIError(400, "messages is required", param="messages")
@@ -98,7 +99,7 @@ def parse_chat(body: dict[str, Any]) -> GenerateRequest:
     # the engine's errors name the prompt, the token limit and the top logprobs by its words
     names = {"max_tokens": name, "logprobs": "top_logprobs", "prompt": "messages"}
     req = _common(body, default_max_tokens=None, logprobs=(top or 0) if wants else None,
-                  names=names)
+                  names=names, defaults=defaults)
     req.messages = _messages(body["messages"])
     req.add_generation_prompt = _get(body, "add_generation_prompt", lambda v: isinstance(v, bool),
                                      "a boolean", True)
@@ -106,7 +107,10 @@ def parse_chat(body: dict[str, Any]) -> GenerateRequest:
 
 
 def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
-            names: dict[str, str]) -> GenerateRequest:
+            names: dict[str, str], defaults: dict[str, Any] | None = None) -> GenerateRequest:
+    """`defaults`: the model's own temperature / top_p / top_k (generation_config.json), for a
+    request that leaves them out, as vLLM's server takes them."""
+    defaults = defaults or {}
     for name, off in _UNSUPPORTED.items():
         if body.get(name) is not None and body[name] not in off:
             raise APIError(400, f"{name} is not supported by jaxserve (got {show(body[name])})",
@@ -135,9 +139,10 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
     names = {"max_tokens": "max_tokens"} | names
     kwargs = dict(
         max_tokens=_get(body, names["max_tokens"], is_int, "an integer", default_max_tokens),
-        temperature=_get(body, "temperature", is_finite, "a number", 1.0),
-        top_p=_get(body, "top_p", is_finite, "a number", 1.0),
-        top_k=_get(body, "top_k", is_int, "an integer"),
+        temperature=_get(body, "temperature", is_finite, "a number",
+                         defaults.get("temperature", 1.0)),
+        top_p=_get(body, "top_p", is_finite, "a number", defaults.get("top_p", 1.0)),
+        top_k=_get(body, "top_k", is_int, "an integer", defaults.get("top_k")),
         seed=_get(body, "seed", is_int, "an integer"),
         stop=tuple(stop or ()),
         stop_token_ids=tuple(_get(body, "stop_token_ids",
