@@ -107,7 +107,6 @@ def test_bad_requests_are_value_errors_naming_the_field(stories):
     with pytest.raises(ValueError, match=rf"prompt \(3 tokens\) \+ max_tokens \({limit}\) exceeds"):
         llm.engine.add_request(None, {"prompt_token_ids": [1, 2, 3]},
                                SamplingParams(max_tokens=limit))  # as the server must
-    llm.engine.abort(next(iter(llm.engine._trackers), ""))  # (nothing was queued)
     for bad, message in [([], "sampling_params has 0 entries for 2 prompts"),
                          ({"temperature": 0}, "sampling_params must be a SamplingParams"),
                          ((SamplingParams(), 5), "sampling_params must be a SamplingParams")]:
