@@ -293,23 +293,28 @@ class LLMEngine:
         for j, token in enumerate(new_ids):
             before = len(tracker.text)
             tracker.text += tracker.detok.push([token])
-            if self._stop_string(tracker, before, keep=first + j + 1):
+            # what a run of byte tokens spells so far counts (a character completed by its last
+            # byte), though the detokenizer holds it until the run ends
+            if self._stop_string(tracker, before, keep=first + j + 1,
+                                 pending=tracker.detok.peek()):
                 return
         if request.status.finished:  # what the detokenizer held back may complete one too
             before = len(tracker.text)
             tracker.text += tracker.detok.finish()
             self._stop_string(tracker, before, keep=len(ids))
 
-    def _stop_string(self, tracker: _Tracker, before: int, keep: int) -> bool:
-        """Whether text added past `before` completed a stop string; if so, end the text before
-        it, keep the first `keep` output tokens (and their logprobs) and finish the request."""
+    def _stop_string(self, tracker: _Tracker, before: int, keep: int, pending: str = "") -> bool:
+        """Whether text added past `before` (and `pending`, text the detokenizer still holds)
+        completed a stop string; if so, end the text before it, keep the first `keep` output
+        tokens (and their logprobs) and finish the request."""
         request, stops = tracker.request, tracker.request.params.stop
+        text = tracker.text + pending
         search_from = max(0, before - max(len(s) for s in stops) + 1)
-        hits = [(i, s) for s in stops if (i := tracker.text.find(s, search_from)) >= 0]
+        hits = [(i, s) for s in stops if (i := text.find(s, search_from)) >= 0]
         if not hits:
             return False
         index, stop = min(hits)
-        tracker.text = tracker.text[:index]
+        tracker.text = text[:index]
         del request.output_ids[keep:]
         del tracker.logprobs[keep:]
         tracker.num_detokenized = len(request.output_ids)

@@ -338,6 +338,18 @@ class IncrementalDetokenizer:
             end -= 1
         return self._advance(end, final=False)
 
+    def peek(self) -> str:
+        """The text the held-back ids would add if none followed them ("" while that ends in an
+        incomplete character). Nothing is returned for good: a stop-string check reads it, and
+        a stop found there ends the ids, which makes it final."""
+        end = len(self._ids)
+        if end <= self._read:
+            return ""
+        new_text = self._decode(self._prefix, end)
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        return new_text[len(self._prefix_text):]
+
     def finish(self) -> str:
         """Return the text still held back (an incomplete character shows as U+FFFD)."""
         if self._finished:

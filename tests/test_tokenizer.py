@@ -153,6 +153,13 @@ def test_detokenizer_holds_back_partial_characters(stories: Tokenizer) -> None:
     detok = IncrementalDetokenizer(stories, stories.encode("Hi"))
     assert [detok.push([i]) for i in emoji] == [" ", "", "", "", ""]
     assert detok.push(stories.encode("!", add_special_tokens=False)) == "😀 !"
+    # peek: what the held run spells once its character is complete, without returning it
+    detok = IncrementalDetokenizer(stories, stories.encode("Hi"))
+    peeks = []
+    for i in emoji:
+        detok.push([i])
+        peeks.append(detok.peek())
+    assert peeks == ["", "", "", "", "😀"] and detok.text == " "
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 5])
