@@ -8,6 +8,7 @@ bookkeeping runs while the device computes. Tokens sampled past a stop are disca
 import dataclasses
 import gc
 import itertools
+import json
 import logging
 import random
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.checks import is_int, show
-from jaxserve.config import EngineConfig, ModelConfig, generation_defaults
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.scheduler import SchedulerOutput, make_scheduler
 from jaxserve.request import (
     CompletionOutput,
@@ -72,6 +73,40 @@ def resolve_model(model: str | Path | None) -> Path:
         raise ValueError(f"model {str(model)!r} is not a local model directory (nothing is "
                          f"downloaded; pass a Hugging Face directory or {DEMO!r})")
     return path
+
+
+# generation_config.json keys that become default sampling params (as vLLM's
+# generation_config="auto"), and those jaxserve's sampler does not have: the default is dropped
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                        "max_new_tokens": "max_tokens"}
+_GENERATION_UNSUPPORTED = {"repetition_penalty": 1.0, "min_p": 0.0}
+
+
+def generation_defaults(path: str | Path) -> dict[str, Any]:
+    """The model's default sampling params from its generation_config.json: temperature, top_p,
+    top_k, max_tokens (as vLLM takes them when a request leaves them out). A value the sampler
+    would refuse, or one it has no equivalent for, is left out with a warning."""
+    file = Path(path) / "generation_config.json"
+    try:
+        data = json.loads(file.read_text()) if file.is_file() else {}
+    except json.JSONDecodeError:
+        data = {}
+    data = data if isinstance(data, dict) else {}
+    defaults = {}
+    for key, name in _GENERATION_DEFAULTS.items():
+        if data.get(key) is None:
+            continue
+        try:
+            SamplingParams(**{name: data[key]})
+        except (ValueError, TypeError) as error:
+            log.warning("%s: ignoring %s (%s)", file, key, error)
+            continue
+        defaults[name] = data[key]
+    for key, neutral in _GENERATION_UNSUPPORTED.items():
+        if data.get(key) not in (None, neutral):
+            log.warning("%s: %s %s is not supported by jaxserve's sampler; sampling without it",
+                        file, key, data[key])
+    return defaults
 
 
 class _Tracker:
