@@ -61,6 +61,14 @@ def compute_dtype(requested: str, checkpoint: str, backend: str, num_params: int
     return "float32" if 4 * num_params <= (host_bytes - reserved_bytes) // 2 else checkpoint
 
 
+# transformers 5's defaults for keys a config.json leaves out, where the architectures differ
+# (all three: rms_norm_eps 1e-6, rope_theta 10000); a null num_key_value_heads is one per head
+_HF_DEFAULTS = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8},
+}
+
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                  "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -74,6 +82,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            _check_positive_number(f"rope_scaling.{name}", getattr(self, name))
+        _check_positive_int("rope_scaling.original_max_position_embeddings",
+                            self.original_max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -108,9 +122,9 @@ class ModelConfig:
             )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive integer, "
-                                 f"got {show(getattr(self, name))}")
+            _check_positive_int(name, getattr(self, name))
+        for name in ("rms_norm_eps", "rope_theta"):
+            _check_positive_number(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_heads} is not a multiple of "
@@ -172,9 +186,19 @@ class ModelConfig:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
             raise ValueError(f"quantization_config ({method}): quantized checkpoints are not "
                              "supported; use the model's float16/bfloat16/float32 weights")
-        num_heads = hf["num_attention_heads"]
-        hidden = hf["hidden_size"]
-        theta, scaling = _read_rope(hf)
+        # each integer is checked here under its config.json name, before any arithmetic on it
+        sizes = {key: _check_positive_int(key, hf[key]) for key in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads")}
+        defaults = _HF_DEFAULTS[arch]
+        num_heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+        # transformers: an absent key takes the architecture's default, a null one (and a null
+        # head_dim) is derived from the heads
+        num_kv_heads = hf.get("num_key_value_heads", defaults["num_key_value_heads"])
+        head_dim = hf.get("head_dim")
+        max_len = _check_positive_int("max_position_embeddings", hf.get(
+            "max_position_embeddings", defaults["max_position_embeddings"]))
+        theta, scaling = _read_rope(hf, max_len)
         # as transformers: Llama's attention_bias covers q, k, v and o; Qwen2 has q, k, v biases
         # and no o bias; Mistral has none
         attention_bias = bool(hf.get("attention_bias", False)) and arch == "LlamaForCausalLM"
@@ -186,16 +210,15 @@ class ModelConfig:
             raise ValueError(f"config dtype {dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
         return cls(
             architecture=arch,
-            vocab_size=hf["vocab_size"],
+            vocab_size=sizes["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            intermediate_size=sizes["intermediate_size"],
+            num_layers=sizes["num_hidden_layers"],
             num_heads=num_heads,
-            # transformers' defaults when the key is absent: Mistral 8, the others one per head
-            num_kv_heads=hf.get("num_key_value_heads") or (
-                8 if arch == "MistralForCausalLM" else num_heads),
-            head_dim=hf.get("head_dim") or hidden // num_heads,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            num_kv_heads=_check_positive_int(
+                "num_key_value_heads", num_heads if num_kv_heads is None else num_kv_heads),
+            head_dim=hidden // num_heads if head_dim is None else head_dim,
+            max_position_embeddings=max_len,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -238,9 +261,11 @@ class ModelConfig:
 
 def _safetensors_dtype(path: Path) -> str | None:
     """The dtype of the first floating-point tensor in the directory's safetensors (read from
-    the file's header alone), or None."""
+    the file's header alone), or None. The model's own files (model*.safetensors) come first:
+    an adapter_model.safetensors beside them, which the loader skips, may hold another dtype."""
     names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    for file in sorted(path.glob("*.safetensors")):
+    files = sorted(path.glob("*.safetensors"), key=lambda f: (not f.name.startswith("model"), f))
+    for file in files:
         try:
             with file.open("rb") as f:
                 size = int.from_bytes(f.read(8), "little")
@@ -251,6 +276,21 @@ def _safetensors_dtype(path: Path) -> str | None:
             if key != "__metadata__" and isinstance(entry, dict) and entry.get("dtype") in names:
                 return names[entry["dtype"]]
     return None
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    """`value` if it is an integer > 0, else a ValueError naming the field."""
+    if not is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {show(value)}")
+    return int(value)
+
+
+def _check_positive_number(name: str, value: Any) -> float:
+    """`value` as a float if it is a finite number > 0, else a ValueError naming the field (a
+    null or a string here used to be a TypeError inside the model)."""
+    if not is_finite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {show(value)}")
+    return float(value)
 
 
 def _id_list(value: Any) -> list[int]:
@@ -272,13 +312,15 @@ def _sliding_window(arch: str, hf: dict[str, Any]) -> int | None:
     return None
 
 
-def _read_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _read_rope(hf: dict[str, Any], max_position_embeddings: int
+               ) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`
     (4). As transformers 5 reads them, a non-empty `rope_scaling` wins over `rope_parameters`."""
     base = dict(hf.get("rope_parameters") or {})
     params = dict(hf.get("rope_scaling") or {}) or base
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    theta = float(params.get("rope_theta", hf.get("rope_theta", base.get("rope_theta", 10000.0))))
+    theta = _check_positive_number("rope_theta", params.get(
+        "rope_theta", hf.get("rope_theta", base.get("rope_theta", 10000.0))))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -294,7 +336,7 @@ def _read_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if rope_type == "llama3":  # as transformers: the top-level key, else the model's length
         values["original_max_position_embeddings"] = params.get(
             "original_max_position_embeddings", hf.get("original_max_position_embeddings",
-                                                       hf.get("max_position_embeddings", 8192)))
+                                                       max_position_embeddings))
     return theta, RopeScaling(rope_type=rope_type, **values)
 
 

@@ -98,6 +98,67 @@ def test_config_read_as_transformers_reads_it(tmp_path):
     assert ModelConfig.from_hf_dir(tmp_path).dtype == "float16"
 
 
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rope_scaling": {"rope_type": "linear", "factor": None}},
+     "rope_scaling.factor must be a finite number > 0, got None"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "8"}},
+     "rope_scaling.factor must be a finite number > 0, got '8'"),
+    ({"rope_scaling": LLAMA3_SCALING | {"low_freq_factor": None}},
+     "rope_scaling.low_freq_factor must be a finite number > 0, got None"),
+    ({"rope_scaling": LLAMA3_SCALING | {"high_freq_factor": "4"}},
+     "rope_scaling.high_freq_factor must be a finite number > 0, got '4'"),
+    ({"rope_scaling": LLAMA3_SCALING | {"original_max_position_embeddings": 8192.0}},
+     "rope_scaling.original_max_position_embeddings must be a positive integer, got 8192.0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": None}},
+     "rope_theta must be a finite number > 0, got None"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a finite number > 0, got '1e-6'"),
+    ({"rms_norm_eps": True}, "rms_norm_eps must be a finite number > 0, got True"),
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    ({"num_key_value_heads": "2"}, "num_key_value_heads must be a positive integer, got '2'"),
+    ({"head_dim": 16.0}, "head_dim must be a positive integer, got 16.0"),
+    ({"vocab_size": -1}, "vocab_size must be a positive integer, got -1"),
+    ({"intermediate_size": None}, "intermediate_size must be a positive integer, got None"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer, got True"),
+    ({"max_position_embeddings": None},
+     "max_position_embeddings must be a positive integer, got None"),
+])
+def test_malformed_numbers_are_errors_naming_the_field(change, message):
+    """A null or a string where a number belongs used to pass here and fail as a TypeError
+    inside the model (rope_inv_freq, RMSNorm)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(LLAMA_CONFIG | change)
+
+
+def test_absent_keys_take_transformers_defaults_per_architecture():
+    """transformers 5's config classes: max_position_embeddings 2048 (Llama), 32768 (Qwen2),
+    131072 (Mistral); num_key_value_heads absent: one per head (Llama), 32 (Qwen2), 8
+    (Mistral), and null: one per head for all three; rms_norm_eps 1e-6, rope_theta 10000."""
+    base = {k: v for k, v in LLAMA_CONFIG.items() if k not in (
+        "max_position_embeddings", "num_key_value_heads", "rms_norm_eps", "rope_parameters",
+        "sliding_window")} | {"num_attention_heads": 32, "head_dim": 16}
+    for arch, max_len, kv_heads in (("LlamaForCausalLM", 2048, 32),
+                                    ("Qwen2ForCausalLM", 32768, 32),
+                                    ("MistralForCausalLM", 131072, 8)):
+        hf = base | {"architectures": [arch]}
+        cfg = ModelConfig.from_hf_dict(hf)
+        assert (cfg.max_position_embeddings, cfg.num_kv_heads, cfg.rms_norm_eps,
+                cfg.rope_theta, cfg.rope_scaling) == (max_len, kv_heads, 1e-6, 10000.0, None), arch
+        assert ModelConfig.from_hf_dict(hf | {"num_key_value_heads": None}).num_kv_heads == 32
+    # Qwen2's 32 is a literal default, not one per head: 4 heads and no key cannot be grouped
+    with pytest.raises(ValueError, match="num_attention_heads 4 is not a multiple of "
+                                         "num_key_value_heads 32"):
+        ModelConfig.from_hf_dict(base | {"architectures": ["Qwen2ForCausalLM"],
+                                         "num_attention_heads": 4})
+    # llama3 rope without original_max_position_embeddings: the model's length, defaulted too
+    scaled = ModelConfig.from_hf_dict(base | {"rope_scaling": LLAMA3_SCALING})
+    assert scaled.rope_scaling.original_max_position_embeddings == 2048
+
+
 def test_sliding_window_shorter_than_max_model_len():
     cfg = ModelConfig.from_hf_dict(LLAMA_CONFIG | {"architectures": ["MistralForCausalLM"],
                                                    "sliding_window": 64})
@@ -202,6 +263,44 @@ def test_sharded_checkpoint_loads(tmp_path):
     a = full_logits(*load_state(path, cfg, jnp.float32), cfg, ids)
     b = full_logits(*load_state(HF_FIXTURES / "llama", cfg, jnp.float32), cfg, ids)
     np.testing.assert_array_equal(a, b)
+
+
+def test_model_safetensors_is_read_alone_beside_other_safetensors(tmp_path):
+    """As transformers: with no index, model.safetensors is the model; an adapter or a
+    consolidated copy beside it is not read (its tensors used to have "no place in the
+    model"). A directory without model.safetensors still reads every *.safetensors."""
+    path = _copy_model(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(
+        {k: v for k, v in config.items() if k != "dtype"}))
+    save_file({"base_model.model.lora_A.weight": np.zeros((2, 2), np.float16)},
+              str(path / "adapter_model.safetensors"))
+    save_file({"tok_embeddings.weight": np.zeros((2, 2), np.float16)},
+              str(path / "consolidated.safetensors"))
+    cfg = ModelConfig.from_hf_dir(path)
+    assert cfg.dtype == "float32"  # model.safetensors's dtype, not the adapter's float16
+    ids = [5, 9, 13]
+    a = full_logits(*load_state(path, cfg, jnp.float32), cfg, ids)
+    b = full_logits(*load_state(HF_FIXTURES / "llama", cfg, jnp.float32), cfg, ids)
+    np.testing.assert_array_equal(a, b)
+    (path / "adapter_model.safetensors").unlink()
+    (path / "consolidated.safetensors").unlink()
+    (path / "model.safetensors").rename(path / "weights.safetensors")
+    np.testing.assert_array_equal(
+        full_logits(*load_state(path, cfg, jnp.float32), cfg, ids), b)
+
+
+def test_shard_missing_from_the_index_is_named(tmp_path):
+    path = _copy_model(tmp_path)
+    names = sorted(load_file(str(path / "model.safetensors")))
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {name: f"model-0000{1 + (i == 0)}-of-00002.safetensors"
+                            for i, name in enumerate(names)}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            "model.safetensors.index.json names shard file(s) missing from ") + r".*: "
+            + re.escape("model-00002-of-00002.safetensors")):
+        load_state(path, ModelConfig.from_hf_dir(path), jnp.float32)
 
 
 def test_convert_to_orbax_and_dummy_weights(tmp_path):

@@ -89,12 +89,22 @@ def _hf_path(name: str, expected: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[tu
 
 
 def _safetensor_files(path: Path) -> list[Path]:
+    """The shards an index names; else model.safetensors alone, as transformers reads it (an
+    adapter_model.safetensors or consolidated.safetensors beside it is another format's copy);
+    else every *.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: no 'weight_map' (tensor name -> shard file)")
-        return [path / f for f in sorted(set(weight_map.values()))]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard file(s) missing from {path}: "
+                                    f"{', '.join(missing)}")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in model directory {path}")
