@@ -29,6 +29,9 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
+# the special-token names transformers passes to chat templates (its special_tokens_map)
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                    "mask_token")
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first generated one (as vLLM)
 
@@ -44,8 +47,9 @@ class BaseTokenizer:
     bos_token_id: int | None
     eos_token_ids: frozenset[int]  # every id that ends generation (generation_config's too)
     eos_token_id: int | None  # the tokenizer's own EOS, when it names one
-    bos_token: str | None  # text given to chat templates as `bos_token`
+    bos_token: str | None  # the BOS token's text
     eos_token: str | None
+    template_tokens: dict[str, str]  # special tokens' texts given to chat templates, by name
     add_bos_token: bool
     vocab_size: int
     chat_template: str | None
@@ -69,17 +73,23 @@ class BaseTokenizer:
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
         """Render `messages` ([{"role": str, "content": str}, ...]) with the model's chat template
-        (or `DEFAULT_CHAT_TEMPLATE`). The text already holds any BOS the template writes, so
-        encode it with `add_special_tokens=False` when the template starts with `bos_token`.
-        """
+        (or `DEFAULT_CHAT_TEMPLATE`), given the special tokens' texts (`bos_token`, `eos_token`,
+        `unk_token`, `pad_token`, ... as tokenizer_config.json names them) as transformers does.
+        `chat_prompt_ids` encodes the result."""
         _check_messages(messages)
         template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         return template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+            **{"bos_token": "", "eos_token": "", **self.template_tokens},
         )
+
+    def chat_prompt_ids(self, text: str) -> list[int]:
+        """The ids of a rendered chat. A model's own template writes every special token it
+        wants, so the text is encoded without adding any (as transformers' and vLLM's chat
+        paths do: no BOS the template left out); jaxserve's fallback template writes none, and
+        its text is encoded as a prompt is (BOS per `add_bos_token`)."""
+        return self.encode(text, add_special_tokens=self.chat_template is None)
 
 
 class Tokenizer(BaseTokenizer):
@@ -109,6 +119,11 @@ class Tokenizer(BaseTokenizer):
         bos = self.bos_token_id
         self.bos_token = None if bos is None else hf_tokenizer.id_to_token(bos)
         self.eos_token = _token_text(config.get("eos_token"))
+        # as transformers gives them to templates: those tokenizer_config.json names (a BOS id
+        # from generation_config.json alone is no `bos_token`: Qwen's templates render "")
+        self.template_tokens = {
+            name: text for name in _TEMPLATE_TOKENS
+            if (text := _token_text(config.get(name))) is not None}
 
         self._post_processor_adds_bos = (
             bos is not None
@@ -220,6 +235,7 @@ class ByteTokenizer(BaseTokenizer):
         self.eos_token_ids = frozenset({self.EOS_ID})
         self.eos_token_id = self.EOS_ID
         self.bos_token = self.eos_token = None  # no text encodes to them
+        self.template_tokens = {}
         self.vocab_size = self.VOCAB_SIZE
         self.all_special_ids = frozenset(self.SPECIAL_TEXT)
         self.byte_fallback_ids = frozenset()  # bytes decode like bytes.decode("utf-8", "replace")

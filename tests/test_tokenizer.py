@@ -281,6 +281,30 @@ def test_default_chat_template(stories: Tokenizer) -> None:
     ) == expected.removesuffix("assistant: ")
 
 
+def test_chat_prompt_ids_add_no_bos_the_template_left_out(stories_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """A model's template writes the special tokens it wants (transformers and vLLM encode its
+    text adding none); jaxserve's fallback template writes none, so its text gets the usual BOS.
+    Templates see every special token tokenizer_config.json names, and no `bos_token` that
+    only generation_config.json has (Qwen's directories)."""
+    shutil.copy(stories_dir / "tokenizer.json", tmp_path)
+    config = json.loads((stories_dir / "tokenizer_config.json").read_text())
+    config |= {"bos_token": None, "unk_token": "<unk>", "chat_template": (
+        "[{{ bos_token }}|{{ unk_token }}]{% for m in messages %}<|{{ m.role }}|>"
+        "{{ m.content }}{{ eos_token }}{% endfor %}")}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    tok = Tokenizer.from_dir(tmp_path)
+    text = tok.apply_chat_template(MESSAGES)
+    assert text.startswith("[|<unk>]<|system|>Be brief.</s>")
+    ids = tok.chat_prompt_ids(text)
+    assert ids == tok.encode(text, add_special_tokens=False) and ids[0] != tok.bos_token_id
+    stories = Tokenizer.from_dir(stories_dir)  # no template of its own: the fallback's text
+    fallback = stories.apply_chat_template(MESSAGES)
+    assert stories.chat_prompt_ids(fallback) == stories.encode(fallback)
+    assert stories.chat_prompt_ids(fallback)[0] == stories.bos_token_id
+
+
 def test_chat_template_helpers_and_sandbox() -> None:
     dated = ByteTokenizer(chat_template="{{ strftime_now('%Y') }}{{ messages | tojson }}")
     text = dated.apply_chat_template([{"role": "user", "content": "é"}])
