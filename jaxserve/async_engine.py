@@ -190,6 +190,13 @@ class AsyncEngine:
         engine takes them all in one iteration, so they start together (one at a time, each
         would wait for an engine step, and a static batch would form without the rest). All
         or none: on any error every one of them is aborted and the first error raised."""
+        limit = self.max_waiting_requests
+        if limit is not None and len(requests) > limit + self.engine.scheduler.max_num_seqs:
+            # all or none, and never all: a 429 would be retried for ever
+            raise ValueError(f"n: {len(requests)} requests together (n x the number of prompts) "
+                             "can never be admitted at once: the engine runs "
+                             f"{self.engine.scheduler.max_num_seqs} (max_num_seqs) and queues "
+                             f"{limit} (max_waiting_requests)")
         loop = asyncio.get_running_loop()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         adds = [_Add(rid, prompt, params, arrival, RequestStream(rid, self, loop),

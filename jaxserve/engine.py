@@ -212,6 +212,10 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise ValueError("prompt encodes to no tokens: give it some text")
+            if max(ids) >= self.model_config.vocab_size:  # an embedding lookup past the table
+                raise ValueError(f"prompt: the tokenizer gave token id {max(ids)}, outside the "
+                                 f"model's vocabulary of {self.model_config.vocab_size} "
+                                 "(its tokenizer.json has tokens config.json does not)")
             return prompt, ids
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(
                 prompt.get("prompt"), str):  # vLLM's TextPrompt
@@ -340,7 +344,8 @@ class LLMEngine:
 
     def _stop_string(self, tracker: _Tracker, before: int, keep: int, pending: str = "") -> bool:
         """Whether text added past `before` (and `pending`, text the detokenizer still holds)
-        completed a stop string; if so, end the text before it, keep the first `keep` output
+        completed a stop string; if so, end the text before it (after it, with
+        include_stop_str_in_output), keep the first `keep` output
         tokens (and their logprobs) and finish the request."""
         request, stops = tracker.request, tracker.request.params.stop
         text = tracker.text + pending
@@ -349,7 +354,8 @@ class LLMEngine:
         if not hits:
             return False
         index, stop = min(hits)
-        tracker.text = text[:index]
+        tracker.text = text[:index + (len(stop) if request.params.include_stop_str_in_output
+                                      else 0)]
         del request.output_ids[keep:]
         del tracker.logprobs[keep:]
         tracker.num_detokenized = len(request.output_ids)
@@ -365,7 +371,7 @@ class LLMEngine:
         request = tracker.request
         finished = request.status.finished
         text = tracker.text
-        if not finished and request.params.stop:
+        if not finished and request.params.stop and not request.params.include_stop_str_in_output:
             # hold back what could still become a stop string
             text = text[:max(0, len(text) - max(len(s) for s in request.params.stop) + 1)]
         wants = request.params.logprobs is not None
@@ -468,7 +474,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt)
-            prompts.append({"prompt_token_ids": tokenizer.encode(text), "prompt": text})
+            prompts.append({"prompt_token_ids": tokenizer.chat_prompt_ids(text), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> dict[str, Any]:

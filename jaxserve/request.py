@@ -18,6 +18,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False  # the text ends after the stop string, not before
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per generated token; 0: the sampled one only
     prompt_logprobs: int | None = None  # 0: the logprob of each prompt token
@@ -56,8 +57,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {show(self.seed)}")
         if not is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {show(self.priority)}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {show(self.ignore_eos)}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {show(getattr(self, name))}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (is_int(value) and value >= 0):

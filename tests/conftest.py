@@ -34,11 +34,11 @@ HF_MODELS = ("llama", "llama3", "qwen2", "mistral")
 
 # the server tests' engine: few buckets, so start-up compiles little; the CLI tests pass the
 # same flags, so their subprocesses find every step in the persistent compilation cache
+# (prompt logprobs on: echo with logprobs reports them)
 SERVER_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_sizes=(32,),
-                     page_size=8, num_pages=256, enable_prompt_logprobs=False)
+                     page_size=8, num_pages=256)
 SERVER_ENGINE_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128",
-                       "--prefill-chunk-sizes", "32", "--page-size", "8", "--num-pages", "256",
-                       "--no-enable-prompt-logprobs"]
+                       "--prefill-chunk-sizes", "32", "--page-size", "8", "--num-pages", "256"]
 
 
 @pytest.fixture(scope="module")

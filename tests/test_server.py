@@ -108,6 +108,95 @@ def test_prompt_lists_token_ids_echo_and_logprobs(client, reference):
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
 
 
+def test_echo_with_logprobs_scores_the_prompt(http, reference):
+    """lm-eval's loglikelihood call: echo + logprobs (+ max_tokens 0) gives each prompt token's
+    logprob (the first has none), equal to LLM.generate's prompt_logprobs, with offsets that
+    point into the echoed text; max_tokens 0 generates nothing, streamed or not."""
+    out = reference.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0,
+                                                    prompt_logprobs=1), use_tqdm=False)[0]
+    want = [None] + [d[t].logprob for t, d in zip(out.prompt_token_ids[1:],
+                                                   out.prompt_logprobs[1:], strict=True)]
+    for max_tokens in (0, 3):
+        body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": max_tokens,
+                "temperature": 0}
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+        lps = choice["logprobs"]
+        n = len(out.prompt_token_ids)
+        assert lps["token_logprobs"][:n] == pytest.approx(want)
+        assert lps["top_logprobs"][0] is None and all(len(t) >= 1 for t in lps["top_logprobs"][1:])
+        assert len(lps["tokens"]) == n + max_tokens
+        text, offsets = choice["text"], lps["text_offset"]
+        assert text.startswith(PROMPT) and len(offsets) == n + max_tokens
+        # each prompt token starts where the echoed prompt spells it (the BOS spells nothing;
+        # "Once", a SentencePiece "▁Once", starts at 0, not 1)
+        ends = [*offsets[1:n], len(PROMPT)]
+        assert offsets[:2] == [0, 0]
+        spelled = [text[a:b] for a, b in zip(offsets[1:n], ends[1:], strict=True)]
+        assert spelled == [lps["tokens"][1].lstrip(), *lps["tokens"][2:n]]
+        if max_tokens:
+            assert offsets[n] == len(PROMPT) and choice["finish_reason"] == "length"
+        else:
+            assert text == PROMPT and choice["finish_reason"] == "length"
+    body = {"prompt": PROMPT, "echo": True, "max_tokens": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(line[5:]) for line in r.iter_lines()
+                  if line.startswith("data:") and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == PROMPT
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "max_tokens": 0})
+    assert r.json()["usage"]["completion_tokens"] == 0
+
+
+def test_prompt_logprobs_truncation_and_stop_string_kept(http, reference):
+    """vLLM's extra fields: prompt_logprobs (in each choice, and at the top of a chat),
+    truncate_prompt_tokens (the prompt's last k tokens), include_stop_str_in_output."""
+    ids = reference.get_tokenizer().encode(PROMPT + " there was a little girl")
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "prompt_logprobs": 0})
+    plps = r.json()["choices"][0]["prompt_logprobs"]
+    assert plps[0] is None and len(plps) == len(ids)
+    assert all(list(d) == [str(t)] for d, t in zip(plps[1:], ids[1:], strict=True))
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 1})
+    assert chat.json()["prompt_logprobs"][0] is None
+    want = _greedy(reference, {"prompt_token_ids": ids[-5:]}, 6)
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0,
+                                           "truncate_prompt_tokens": 5, "echo": True}).json()
+    assert r["usage"]["prompt_tokens"] == 5
+    assert r["choices"][0]["text"] == reference.get_tokenizer().decode(ids[-5:]) + want.text
+    full = _greedy(reference, PROMPT, 24).text
+    stop = full.split()[3]
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                           "stop": [stop], "include_stop_str_in_output": True})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == full[:full.index(stop) + len(stop)]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+
+
+def test_token_counts_move_while_a_request_runs(http):
+    """The generation-token counter and TTFT count as tokens stream, not when a request ends."""
+    before = metrics_of(http)
+    body = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        received = 0
+        for line in lines:
+            if line.startswith("data: {"):
+                received += len(json.loads(line[6:])["choices"][0]["text"]) > 0
+            if received >= 3:
+                break
+        during = metrics_of(http)
+        assert during["jaxserve:generation_tokens_total"] >= (
+            before.get("jaxserve:generation_tokens_total", 0) + 3)
+        assert during["jaxserve:time_to_first_token_seconds_count"] == (
+            before.get("jaxserve:time_to_first_token_seconds_count", 0) + 1)
+        for _ in lines:
+            pass
+    after = metrics_of(http)
+    assert after["jaxserve:generation_tokens_total"] == (
+        before.get("jaxserve:generation_tokens_total", 0) + 40)
+
+
 def test_logprob_tokens_spell_the_text_streamed_or_not(http):
     """Each token carries its leading space, so the tokens join into the text; offsets point
     into it, the same streamed as not; chat's bytes rebuild the content."""

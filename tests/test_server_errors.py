@@ -1,6 +1,7 @@
 """Every error path of the server: status, envelope and the field it names, each followed by a
 request that succeeds."""
 
+import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ from served import (
 )
 
 from jaxserve.async_engine import AsyncEngine
-from jaxserve.server import ServerConfig, build_app
+from jaxserve.server import ServerConfig, build_app, protocol
 
 # -- errors: status and envelope, then a request that succeeds ---------------------------------
 
@@ -56,6 +57,18 @@ from jaxserve.server import ServerConfig, build_app
     ("/v1/completions", {"prompt": PROMPT, "n": 129}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT * 200}]},
      "messages"),
+    # vLLM's sampling fields jaxserve does not implement: refused, never silently ignored
+    ("/v1/completions", {"prompt": PROMPT, "min_p": 0.5}, "min_p"),
+    ("/v1/completions", {"prompt": PROMPT, "allowed_token_ids": [5]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"prompt": PROMPT, "skip_special_tokens": False}, "skip_special_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True},
+     "prompt_logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 0},
+     "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "include_stop_str_in_output": 1},
+     "include_stop_str_in_output"),
 ], ids=lambda x: x if isinstance(x, str) else None)
 def test_invalid_field_is_400_naming_it(http, path, body, param):
     content = json.dumps(body)  # ASCII: a lone surrogate travels escaped, as JSON allows
@@ -158,6 +171,38 @@ def test_full_waiting_queue_is_429_with_retry_after(server, http):
     succeeds(http)
 
 
+def test_more_samples_than_the_server_ever_admits_is_400_not_429(server, http):
+    """n x prompts past max_num_seqs + max_waiting_requests could never start together: a 429
+    would be retried for ever."""
+    server.engine.max_waiting_requests = 2
+    try:
+        assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2,
+                                                        "n": 11}), 400, "n", "max_num_seqs")
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "n": 10})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 10
+    finally:
+        server.engine.max_waiting_requests = None
+    succeeds(http)
+
+
+def test_echo_logprobs_without_prompt_logprobs_is_400(server, http, monkeypatch):
+    engine = server.engine.engine
+    monkeypatch.setattr(engine, "config",
+                        dataclasses.replace(engine.config, enable_prompt_logprobs=False))
+    body = {"prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1}
+    assert_error(http.post("/v1/completions", json=body), 400, "echo", "enable_prompt_logprobs")
+    assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "prompt_logprobs": 0}),
+                 400, "prompt_logprobs")
+    r = http.post("/v1/completions", json={**body, "logprobs": None})  # echo alone is fine
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(PROMPT)
+
+
+def test_chat_text_parts_join_with_new_lines():
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    req = protocol.parse_chat({"messages": [{"role": "user", "content": parts}]})
+    assert req.messages[0]["content"] == "Hello\nworld"
+
+
 def test_request_timeout_is_504_and_frees_the_request(server, http):
     server.engine.request_timeout_s = 0.05
     try:
@@ -218,11 +263,7 @@ def test_dead_engine_is_503_and_touches_no_other_server(http):
     succeeds(http)
 
 
-
-
 def test_the_models_sampling_defaults_fill_what_a_request_leaves_out():
-    from jaxserve.server import protocol
-
     defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 5}
     left_out = protocol.parse_completion({"model": "m", "prompt": "x"}, defaults).params
     assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 0.9, 5)

@@ -146,6 +146,18 @@ def test_a_prompt_that_encodes_to_nothing_is_a_value_error(stories, monkeypatch)
     assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
 
 
+def test_a_text_prompt_past_the_models_vocabulary_is_a_value_error(stories, monkeypatch):
+    """A tokenizer with more tokens than the model's embedding (an id past the table would
+    embed as NaN and poison the pages it writes): refused when the request is added."""
+    llm, _ = stories
+    encode = llm.engine.tokenizer.encode
+    monkeypatch.setattr(llm.engine.tokenizer, "encode",
+                        lambda text, **kwargs: [*encode(text, **kwargs), 512])
+    with pytest.raises(ValueError, match="token id 512, outside the model's vocabulary of 512"):
+        llm.generate("Once")
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_abort_frees_everything_at_once(stories):
     llm, cases = stories
     engine = llm.engine

@@ -38,7 +38,7 @@ from jaxserve.async_engine import (
 from jaxserve.engine import LLMEngine
 from jaxserve.request import RequestOutput
 from jaxserve.server import protocol
-from jaxserve.server.metrics import CONTENT_TYPE, Metrics
+from jaxserve.server.metrics import CONTENT_TYPE, Metrics, Seen
 from jaxserve.server.middleware import AccessLog, APIKey
 from jaxserve.server.protocol import APIError, GenerateRequest
 
@@ -141,22 +141,39 @@ class _API:
     async def completions(self, request: Request) -> Response:
         req = protocol.parse_completion(await self._read_json(request), self._sampling_defaults)
         self._check_model(req.model)
+        self._check_prompt_logprobs(req)
+        # tokenizing a long prompt takes a while: off the event loop, so streams keep flowing
+        prompts, texts = await asyncio.to_thread(self._completion_prompts, req)
+        return await self._generate(request, "completion", req, prompts, texts)
+
+    def _completion_prompts(self, req: protocol.GenerateRequest) -> tuple[list[dict], list[str]]:
+        """The engine prompts of a completion request, and the texts echo shows."""
         prompts, texts = [], []
         for p in req.prompts:
             if isinstance(p, str):
-                prompts.append({"prompt_token_ids": self._encode(p, "prompt"), "prompt": p})
-                texts.append(p)
+                ids = self._encode(p, "prompt", req.add_special_tokens is not False)
             else:
-                prompts.append({"prompt_token_ids": p})
-                texts.append(self._decode(p) if self.tokenizer and req.echo else "")
-        return await self._generate(request, "completion", req, prompts, texts)
+                ids, p = p, None
+            kept = self._truncate(ids, req)
+            if p is not None and len(kept) == len(ids):
+                prompts.append({"prompt_token_ids": kept, "prompt": p})
+                texts.append(p)
+            else:  # token ids, or a text truncated: the echo is what the engine was given
+                prompts.append({"prompt_token_ids": kept})
+                texts.append(self._decode(kept) if self.tokenizer and req.echo else "")
+        return prompts, texts
 
     async def chat(self, request: Request) -> Response:
         req = protocol.parse_chat(await self._read_json(request), self._sampling_defaults)
         self._check_model(req.model)
+        self._check_prompt_logprobs(req)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use "
                            "/v1/completions with token ids", param="messages")
+        prompt = await asyncio.to_thread(self._chat_prompt, req)
+        return await self._generate(request, "chat", req, [prompt], [prompt.get("prompt", "")])
+
+    def _chat_prompt(self, req: protocol.GenerateRequest) -> dict:
         try:
             text = self.tokenizer.apply_chat_template(req.messages, req.add_generation_prompt)
         except ValueError as error:
@@ -164,8 +181,28 @@ class _API:
         except Exception as error:  # the model's own template, fed what the client sent
             raise APIError(400, f"messages: the model's chat template failed on them: {error!r}",
                            param="messages") from None
-        prompt = {"prompt_token_ids": self._encode(text, "messages"), "prompt": text}
-        return await self._generate(request, "chat", req, [prompt], [text])
+        self._check_text(text, "messages")
+        ids = (self.tokenizer.chat_prompt_ids(text) if req.add_special_tokens is None
+               else self.tokenizer.encode(text, req.add_special_tokens))
+        kept = self._truncate(ids, req)
+        return {"prompt_token_ids": kept} | ({"prompt": text} if len(kept) == len(ids) else {})
+
+    def _truncate(self, ids: list[int], req: protocol.GenerateRequest) -> list[int]:
+        """truncate_prompt_tokens: the prompt's last k tokens (-1: as many as max_model_len)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        return ids[-(self.engine.engine.max_model_len if k == -1 else k):]
+
+    def _check_prompt_logprobs(self, req: protocol.GenerateRequest) -> None:
+        """The prompt's logprobs, asked for by name or by echo with logprobs, need an engine
+        that compiled the steps computing them."""
+        if req.params.prompt_logprobs is None or self.engine.engine.config.enable_prompt_logprobs:
+            return
+        param, what = (("prompt_logprobs", "prompt_logprobs") if req.prompt_logprobs else
+                       ("echo", "echo with logprobs (it reports the prompt's logprobs)"))
+        raise APIError(400, f"{what}: this server computes no prompt logprobs "
+                       "(enable_prompt_logprobs=False)", param=param)
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.model_name, "object": "model", "created": self.created,
@@ -213,15 +250,19 @@ class _API:
             raise APIError(404, f"the model `{model}` does not exist; this server serves "
                            f"`{self.model_name}`", param="model")
 
-    def _encode(self, text: str, param: str) -> list[int]:
+    def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send prompt token ids", param=param)
+        self._check_text(text, param)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    @staticmethod
+    def _check_text(text: str, param: str) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as error:  # valid JSON can carry a lone surrogate
             raise APIError(400, f"{param} is not valid Unicode text: {error}",
                            param=param) from None
-        return self.tokenizer.encode(text)
 
     def _decode(self, ids: list[int]) -> str:
         """Prompt token ids as text for echo (the engine checks them against the vocabulary
@@ -252,14 +293,20 @@ class _API:
             return StreamingResponse(self._sse(streams, fmt, info), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         last: list[RequestOutput | None] = [None] * len(streams)
+        seen = [Seen() for _ in streams]
+
+        def progress(i: int, out: RequestOutput) -> None:
+            last[i] = out
+            self.metrics.progress(seen[i], out, streams[i].inter_token_latencies)
+
         try:
-            done = await _until_disconnect(request, _follow(streams, last))
+            done = await _until_disconnect(request, _follow(streams, progress))
         except _STREAM_ERRORS as error:
             raise _api_error(error, req) from None
         finally:
             for stream in streams:
                 stream.abort()
-            self._ended(streams, last, info, n)
+            self._ended(streams, last, info, n, seen)
         if not done:
             info["error"] = "client disconnected"
             return Response(status_code=499)  # nginx's "client closed request": for the log only
@@ -268,11 +315,13 @@ class _API:
     async def _sse(self, streams: list[RequestStream], fmt: protocol.Formatter,
                    info: dict) -> AsyncIterator[str]:
         last: list[RequestOutput | None] = [None] * len(streams)
+        seen = [Seen() for _ in streams]
         try:
             try:
                 async with contextlib.aclosing(_merge(streams)) as updates:
                     async for i, out in updates:
                         last[i] = out
+                        self.metrics.progress(seen[i], out, streams[i].inter_token_latencies)
                         chunk = fmt.chunk(i, out)
                         if chunk is not None:
                             yield _event(chunk)
@@ -286,12 +335,13 @@ class _API:
         finally:  # also when the client went away: the task is cancelled at an await
             for stream in streams:
                 stream.abort()
-            self._ended(streams, last, info, fmt.req.params.n)
+            self._ended(streams, last, info, fmt.req.params.n, seen)
 
     def _ended(self, streams: list[RequestStream], last: list[RequestOutput | None],
-               info: dict, n: int = 1) -> None:
-        for stream, out in zip(streams, last, strict=True):
-            self.metrics.observe(out, stream.inter_token_latencies, aborted=not stream.finished)
+               info: dict, n: int, seen: list[Seen]) -> None:
+        for stream, out, counted in zip(streams, last, seen, strict=True):
+            self.metrics.observe(counted, out, stream.inter_token_latencies,
+                                 aborted=not stream.finished)
         outs = [o for o in last if o is not None]
         info["prompt_tokens"] = sum(len(o.prompt_token_ids) for o in last[::n] if o is not None)
         info["completion_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -348,10 +398,10 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             task.cancel()
 
 
-async def _follow(streams: list[RequestStream], last: list[RequestOutput | None]) -> None:
+async def _follow(streams: list[RequestStream], on_output) -> None:
     async with contextlib.aclosing(_merge(streams)) as updates:
         async for i, out in updates:
-            last[i] = out
+            on_output(i, out)
 
 
 async def _until_disconnect(request: Request, work) -> bool:

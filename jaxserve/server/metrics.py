@@ -1,9 +1,13 @@
 """Prometheus metrics under vLLM's names with the `jaxserve:` prefix (DESIGN.md section 7).
 
-Engine gauges and counters are read from `AsyncEngine.stats()` at scrape time; request latencies
-and token counts are observed by the server as each request ends. Each app has its own registry,
+Engine gauges and counters are read from `AsyncEngine.stats()` at scrape time; token counts,
+time to first token and inter-token latencies are observed as the server sees each request's
+outputs (so rates move while long requests run), end-to-end latency and the finish reason as it
+ends. Each app has its own registry,
 so several servers can live in one process (the tests start more than one).
 """
+
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -46,8 +50,18 @@ class _EngineCollector:
             yield counter
 
 
+@dataclass
+class Seen:
+    """What the metrics already counted of one request."""
+
+    prompt: bool = False
+    tokens: int = 0
+    gaps: int = 0
+
+
 class Metrics:
-    """The registry behind /metrics; `observe` records one ended request."""
+    """The registry behind /metrics: `progress` records a request's new output, `observe` its
+    end."""
 
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.model_name = model_name
@@ -61,32 +75,45 @@ class Metrics:
                              labels, buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "Arrival to last token.",
                              labels, buckets=_E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of ended requests.",
-                                     labels, registry=r)
-        self.generation_tokens = Counter("jaxserve:generation_tokens",
-                                         "Tokens generated for ended requests.", labels,
-                                         registry=r)
+        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of admitted "
+                                     "requests.", labels, registry=r)
+        self.generation_tokens = Counter("jaxserve:generation_tokens", "Tokens generated.",
+                                         labels, registry=r)
         self.success = Counter("jaxserve:request_success", "Ended requests by finish reason.",
                                [*labels, "finished_reason"], registry=r)
 
-    def observe(self, output: RequestOutput | None, inter_token_latencies: list[float],
-                aborted: bool) -> None:
-        """One request ended: finished (with its last output) or aborted (client gone, timeout).
-        An aborted request's first-token and inter-token latencies count too (it is often one
-        of the slow ones); only the end-to-end latency needs a finished request."""
+    def progress(self, seen: Seen, output: RequestOutput | None,
+                 inter_token_latencies: list[float]) -> None:
+        """A request's newest output: count what it adds (its prompt once, new tokens, the
+        first token's latency, new inter-token gaps)."""
         name = self.model_name
-        m = None if output is None else output.metrics
         if output is not None:
-            self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
-            self.generation_tokens.labels(name).inc(len(output.outputs[0].token_ids))
-        if m is not None and m.first_token_time is not None:
-            self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
-        for gap in inter_token_latencies:
+            if not seen.prompt:
+                seen.prompt = True
+                self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+            tokens = len(output.outputs[0].token_ids)
+            if tokens > seen.tokens:
+                m = output.metrics
+                if seen.tokens == 0 and m is not None and m.first_token_time is not None:
+                    self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
+                self.generation_tokens.labels(name).inc(tokens - seen.tokens)
+                seen.tokens = tokens
+        for gap in inter_token_latencies[seen.gaps:]:
             self.itl.labels(name).observe(gap)
+        seen.gaps = max(seen.gaps, len(inter_token_latencies))
+
+    def observe(self, seen: Seen, output: RequestOutput | None,
+                inter_token_latencies: list[float], aborted: bool) -> None:
+        """One request ended: finished (with its last output) or aborted (client gone, timeout).
+        An aborted request's tokens and latencies count too (it is often one of the slow ones);
+        only the end-to-end latency needs a finished request."""
+        self.progress(seen, output, inter_token_latencies)
+        name = self.model_name
         if aborted or output is None or not output.finished:
             self.success.labels(name, "abort").inc()
             return
         self.success.labels(name, output.outputs[0].finish_reason).inc()
+        m = output.metrics
         if m is not None and m.finished_time is not None:
             self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
 

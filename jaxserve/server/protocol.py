@@ -8,6 +8,7 @@ they hold their no-op value.
 """
 
 import codecs
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any
 
 from jaxserve.checks import is_finite, is_int, show
 from jaxserve.request import Logprob, RequestOutput, SamplingParams
-from jaxserve.tokenizer import token_text
+from jaxserve.tokenizer import IncrementalDetokenizer, token_text
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
@@ -38,11 +39,17 @@ class APIError(Exception):
                           "param": self.param, "code": self.status}}
 
 
-# fields jaxserve does not implement, with the values that mean "off"
+# fields jaxserve does not implement (OpenAI's and vLLM's extra ones), with the values that mean
+# "off"; () refuses any value but null
 _UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
                 "logit_bias": ({},), "suffix": ("",), "best_of": (1,), "min_tokens": (0,),
                 "use_beam_search": (False,), "tools": ([],), "tool_choice": ("none", "auto"),
-                "response_format": ({"type": "text"},)}
+                "response_format": ({"type": "text"},), "min_p": (0,), "bad_words": ([],),
+                "allowed_token_ids": (), "skip_special_tokens": (True,),
+                "spaces_between_special_tokens": (True,), "length_penalty": (1,),
+                "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+                "structured_outputs": (), "logits_processors": (), "prompt_embeds": (),
+                "return_tokens_as_token_ids": (False,)}
 
 
 @dataclass
@@ -55,6 +62,10 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs), no output
+    prompt_logprobs: bool = False  # the client asked for them by name: they go in the response
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last this-many tokens
+    add_special_tokens: bool | None = None  # None: completions add BOS, chats as their template
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat only
     add_generation_prompt: bool = True  # chat only
     names: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> request field
@@ -79,9 +90,16 @@ def parse_completion(body: dict[str, Any],
     if "prompt" not in body or body["prompt"] is None:
         raise APIError(400, "prompt is required", param="prompt")
     logprobs = _get(body, "logprobs", is_int, "an integer")
-    req = _common(body, default_max_tokens=16, logprobs=logprobs, names={}, defaults=defaults)
+    echo = _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
+    # echo with max_tokens 0 scores a prompt (as OpenAI's and vLLM's): one token is generated,
+    # and dropped from the response
+    echo_only = echo and body.get("max_tokens") == 0 and is_int(body["max_tokens"])
+    # echo with logprobs reports the prompt's tokens' logprobs too (lm-eval's loglikelihood)
+    prompt_lps = logprobs if echo and logprobs is not None else None
+    req = _common(body if not echo_only else {**body, "max_tokens": 1}, default_max_tokens=16,
+                  logprobs=logprobs, names={}, defaults=defaults, prompt_logprobs=prompt_lps)
     req.prompts = _prompts(body["prompt"])
-    req.echo = _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
+    req.echo, req.echo_only = echo, echo_only
     return req
 
 
@@ -107,9 +125,11 @@ def parse_chat(body: dict[str, Any], defaults: dict[str, Any] | None = None) -> 
 
 
 def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
-            names: dict[str, str], defaults: dict[str, Any] | None = None) -> GenerateRequest:
+            names: dict[str, str], defaults: dict[str, Any] | None = None,
+            prompt_logprobs: int | None = None) -> GenerateRequest:
     """`defaults`: the model's own temperature / top_p / top_k (generation_config.json), for a
-    request that leaves them out, as vLLM's server takes them."""
+    request that leaves them out, as vLLM's server takes them. `prompt_logprobs`: what echo
+    asks for when the body does not name `prompt_logprobs` itself."""
     defaults = defaults or {}
     for name, off in _UNSUPPORTED.items():
         if body.get(name) is not None and body[name] not in off:
@@ -136,6 +156,12 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
     n = _get(body, "n", is_int, "an integer", 1)
     if n > MAX_N:
         raise APIError(400, f"n must be at most {MAX_N}, got {n}", param="n")
+    named_prompt_lps = _get(body, "prompt_logprobs", is_int, "an integer")
+    if named_prompt_lps is not None and stream:  # as vLLM: they come whole, in the response
+        raise APIError(400, "prompt_logprobs is not supported with stream: true",
+                       param="prompt_logprobs")
+    truncate = _get(body, "truncate_prompt_tokens",
+                    lambda v: is_int(v) and (v >= 1 or v == -1), "a positive integer or -1")
     names = {"max_tokens": "max_tokens"} | names
     kwargs = dict(
         max_tokens=_get(body, names["max_tokens"], is_int, "an integer", default_max_tokens),
@@ -149,7 +175,10 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
                                   lambda v: isinstance(v, list) and all(map(is_int, v)),
                                   "a list of integers", [])),
         ignore_eos=_get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
+        include_stop_str_in_output=_get(body, "include_stop_str_in_output",
+                                        lambda v: isinstance(v, bool), "a boolean", False),
         logprobs=logprobs,
+        prompt_logprobs=named_prompt_lps if named_prompt_lps is not None else prompt_logprobs,
         priority=_get(body, "priority", is_int, "an integer", 0),
         n=n,
     )
@@ -161,7 +190,10 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
         raise client_error(error, names) from None
     return GenerateRequest(model=_get(body, "model", lambda v: isinstance(v, str), "a string"),
                            prompts=[], params=params, stream=stream, include_usage=include_usage,
-                           names=names)
+                           names=names, prompt_logprobs=named_prompt_lps is not None,
+                           truncate_prompt_tokens=truncate,
+                           add_special_tokens=_get(body, "add_special_tokens",
+                                                   lambda v: isinstance(v, bool), "a boolean"))
 
 
 def param_of(error: Exception, names: dict[str, str]) -> str | None:
@@ -217,7 +249,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                        and isinstance(p.get("text"), str) for p in content):
                 raise APIError(400, f"messages[{i}].content: only text parts are supported",
                                param="messages")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)  # as vLLM joins them
         elif content is None:
             content = ""
         elif not isinstance(content, str):
@@ -259,6 +291,19 @@ class _Offsets:
         self.offset += len(self._chars.decode(raw))
         return at
 
+    def prompt(self, tokenizer, ids: list[int], text: str) -> list[int]:
+        """The offsets of an echoed prompt's tokens in `text`, its echo: read as the tokenizer
+        decodes the prompt (a SentencePiece "▁Once" at the start is "Once"), not from each
+        token's bytes; the tokens after it count from the end of `text`."""
+        offsets = [0] * len(ids)
+        if tokenizer is not None:
+            detok, at = IncrementalDetokenizer(tokenizer), 0
+            for j, token in enumerate(ids):
+                offsets[j] = at
+                at += len(detok.push([token]))
+        self.offset = len(text)
+        return offsets
+
 
 class Formatter:
     """Builds the response bodies (or SSE chunks) of one request: `kind` "completion" or "chat".
@@ -280,10 +325,11 @@ class Formatter:
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """The non-streaming body, with usage."""
+        outputs = [self._shown(out) for out in outputs]
         choices = []
         for i, out in enumerate(outputs):
             c = out.outputs[0]
-            lps = self._logprobs(out, 0, _Offsets(), echo=self.req.echo)
+            lps = self._logprobs(out, 0, _Offsets(), echo=self.req.echo, index=i)
             if self.kind == "chat":
                 choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": lps, "finish_reason": c.finish_reason,
@@ -292,12 +338,38 @@ class Formatter:
                 text = (self.prompt_texts[i] if self.req.echo else "") + c.text
                 choices.append({"index": i, "text": text, "logprobs": lps,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if self.req.prompt_logprobs:
+                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs(out)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return self._head(obj) | {"choices": choices,
-                                  "usage": usage(outputs, self.req.params.n)}
+        body = self._head(obj) | {"choices": choices, "usage": usage(outputs, self.req.params.n)}
+        if self.req.prompt_logprobs and self.kind == "chat":  # vLLM's place for a chat's
+            body["prompt_logprobs"] = self._prompt_logprobs(outputs[0])
+        return body
+
+    def _shown(self, out: RequestOutput) -> RequestOutput:
+        """`out` as the response shows it: an echo-only request's one generated token (it
+        only made the engine compute the prompt's logprobs) is left out."""
+        if not self.req.echo_only:
+            return out
+        c = out.outputs[0]
+        return dataclasses.replace(out, outputs=[dataclasses.replace(
+            c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+            cumulative_logprob=None if c.logprobs is None else 0.0,
+            finish_reason="length" if out.finished else None, stop_reason=None)])
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id:
+        {"logprob", "rank", "decoded_token"}} for the token and the top ones."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if d is None else {
+            str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                     "decoded_token": self._token(t, lp)} for t, lp in d.items()}
+            for d in out.prompt_logprobs]
 
     def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
         """The SSE chunk carrying what `out` adds to choice `index` (None: nothing new)."""
+        out = self._shown(out)
         sent, c = self._sent[index], out.outputs[0]
         text = c.text[sent.text_len:]
         new_tokens = len(c.token_ids) > sent.num_tokens
@@ -305,7 +377,7 @@ class Formatter:
         if not (text or new_tokens or out.finished or first):
             return None
         echo = first and self.req.echo and self.kind == "completion"
-        lps = self._logprobs(out, sent.num_tokens, sent.offsets, echo=echo)
+        lps = self._logprobs(out, sent.num_tokens, sent.offsets, echo=echo, index=index)
         sent.num_tokens, sent.text_len, sent.started = len(c.token_ids), len(c.text), True
         finish = c.finish_reason if out.finished else None
         stop_reason = c.stop_reason if out.finished else None
@@ -324,7 +396,8 @@ class Formatter:
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return self._head(obj) | {"choices": [], "usage": usage(outputs, self.req.params.n)}
+        return self._head(obj) | {"choices": [], "usage": usage(
+            [self._shown(out) for out in outputs], self.req.params.n)}
 
     # -- logprobs ----------------------------------------------------------------------------
 
@@ -350,7 +423,8 @@ class Formatter:
         return self._bytes(token_id)
 
     def _logprobs(self, out: RequestOutput, start: int, offsets: _Offsets,
-                  echo: bool = False) -> dict[str, Any] | None:
+                  echo: bool = False, index: int = 0) -> dict[str, Any] | None:
+        """Choice `index`'s logprobs of tokens from `start`; with `echo`, its prompt's first."""
         c = out.outputs[0]
         if c.logprobs is None:
             return None
@@ -359,13 +433,14 @@ class Formatter:
         if self.kind == "chat":
             return {"content": [self._chat_entry(t, d) for t, d in zip(ids, entries, strict=False)]}
         tokens, token_lps, tops, text_offsets = [], [], [], []
-        if echo:  # the prompt's tokens first: their logprobs when the engine computed them
+        if echo:  # the prompt's tokens first, with their logprobs (the first token has none)
             prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
             for t, d in zip(out.prompt_token_ids, prompt_lps, strict=False):
                 tokens.append(self._token(t, None if d is None else d[t]))
                 token_lps.append(None if d is None else _finite(d[t].logprob))
                 tops.append(None if d is None else self._top_dict(d))
-                text_offsets.append(offsets.advance(self._text_bytes(t)))
+            text_offsets += offsets.prompt(self.tokenizer, out.prompt_token_ids,
+                                           self.prompt_texts[index])
         for t, d in zip(ids, entries, strict=False):
             tokens.append(self._token(t, d[t]))
             token_lps.append(_finite(d[t].logprob))
