@@ -88,6 +88,8 @@ def prefill_attention_blocked(
             p = jnp.where(valid[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
             denom = denom * alpha + p.sum(-1)
+            # values past a row's length count as zeros (a stale NaN times 0 is NaN)
+            v = jnp.where((key_pos[None, :] < seq_lens[:, None])[:, :, None, None], v, 0)
             pv = jnp.einsum("bkgcj,bjkd->bkgcd", p.astype(v.dtype), v,
                             preferred_element_type=jnp.float32)
             return m_new, denom, acc * alpha[..., None] + pv

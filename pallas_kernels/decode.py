@@ -108,12 +108,15 @@ def init_carry(rows: int, head_dim: int):
     )
 
 
-def attend_page_block(q, k_pages_ref, v_pages_ref, page_ids, kv_head, valid, carry, qk_scale):
+def attend_page_block(q, k_pages_ref, v_pages_ref, page_ids, kv_head, valid, written, carry,
+                      qk_scale):
     """One online-softmax step of the query rows ``q`` over one block of pages.
 
     q: ``[rows, head_dim]``; page_ids: ``[pages_per_block]``; valid: ``[rows, block_k]`` bool;
-    carry: unnormalised out ``[rows, head_dim]``, running max ``[rows]`` (base-2 logits) and
-    running sum ``[rows]``, all float32.
+    written: ``[block_k]`` bool, the keys before the sequence's length (the others' values
+    count as zeros: a page's unwritten tail may hold a previous request's NaN, and a zero
+    weight times NaN is NaN); carry: unnormalised out ``[rows, head_dim]``, running max
+    ``[rows]`` (base-2 logits) and running sum ``[rows]``, all float32.
     """
     o_prev, m_prev, l_prev = carry
     block_k = page_ids.shape[0] * k_pages_ref.shape[1]
@@ -122,6 +125,7 @@ def attend_page_block(q, k_pages_ref, v_pages_ref, page_ids, kv_head, valid, car
     # HBM (memory_space=ANY), only these pages are loaded.
     k = k_pages_ref[page_ids, :, kv_head, :].reshape(block_k, head_dim)
     v = v_pages_ref[page_ids, :, kv_head, :].reshape(block_k, head_dim)
+    v = jnp.where(jnp.broadcast_to(written[:, None], v.shape), v, jnp.zeros_like(v))
     s = jnp.where(valid, _scores(q, k) * qk_scale, MASK_VALUE)  # [rows, block_k]
     m_next = jnp.maximum(m_prev, s.max(axis=1))
     correction = jnp.exp2(m_prev - m_next)  # [rows]
@@ -224,8 +228,10 @@ def _decode_kernel(
         start_page = first_page + i * pages_per_block
         ids = block_page_ids(page_table_ref, start_page, pages_per_block, used_pages, num_pages)
         tokens = start_page * page_size + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
-        valid = jnp.broadcast_to((tokens < seq_len)[None, :], (rows, block_k))
-        return attend_page_block(q, k_pages_ref, v_pages_ref, ids, kv_head, valid, carry, qk_scale)
+        written = tokens < seq_len
+        valid = jnp.broadcast_to(written[None, :], (rows, block_k))
+        return attend_page_block(q, k_pages_ref, v_pages_ref, ids, kv_head, valid, written, carry,
+                                 qk_scale)
 
     o, row_max, row_sum = lax.fori_loop(0, num_blocks, body, init_carry(rows, head_dim))
     o_ref[...] = normalise(o, row_sum).astype(o_ref.dtype)

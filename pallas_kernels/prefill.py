@@ -73,8 +73,10 @@ def _prefill_kernel(
         start_page = i * pages_per_block
         ids = block_page_ids(page_table_ref, start_page, pages_per_block, used_pages, num_pages)
         keys = start_page * page_size + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
-        valid = (keys[None, :] <= row_positions[:, None]) & (keys[None, :] < seq_len)
-        return attend_page_block(q, k_pages_ref, v_pages_ref, ids, kv_head, valid, carry, qk_scale)
+        written = keys < seq_len
+        valid = (keys[None, :] <= row_positions[:, None]) & written[None, :]
+        return attend_page_block(q, k_pages_ref, v_pages_ref, ids, kv_head, valid, written, carry,
+                                 qk_scale)
 
     o, _, row_sum = lax.fori_loop(0, num_blocks, body, init_carry(rows, head_dim))
     o_ref[...] = normalise(o, row_sum).astype(o_ref.dtype).reshape(block_q, group_pad, head_dim)

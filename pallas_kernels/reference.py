@@ -26,7 +26,9 @@ def prefill_attention_ref(
 
     Query ``(b, c)`` attends to keys ``j`` with ``j <= positions[b, c]`` and ``j < seq_lens[b]``.
     The chunk's own K/V must already be written into the pages. Queries with no valid key
-    (padding, empty slots) give finite garbage that callers ignore.
+    (padding, empty slots) give finite garbage that callers ignore. Values past ``seq_lens``
+    count as zeros: a page's unwritten tail holds a previous request's values, NaN perhaps
+    (an fp16 overflow), and a zero weight times NaN would still be NaN.
     """
     batch, chunk, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -45,6 +47,7 @@ def prefill_attention_ref(
     )  # [B, C, max_len]
     scores = jnp.where(valid[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
+    v = jnp.where((key_pos[None, :] < seq_lens[:, None])[:, :, None, None], v, 0)
     out = jnp.einsum("bkgcj,bjkd->bckgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(batch, chunk, num_heads, head_dim).astype(q.dtype)
 

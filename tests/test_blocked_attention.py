@@ -93,6 +93,29 @@ def test_blocked_reads_neither_stale_pages_nor_past_the_table():
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_a_stale_nan_in_a_reused_pages_tail_reaches_no_one():
+    """A page's tail past a sequence's length holds what its previous request wrote: NaN after
+    an fp16 overflow. Its weight is zero, and zero times NaN is NaN, so the values there must
+    count as zeros, in the reference and the block walk alike (decode and prefill)."""
+    rng = np.random.default_rng(5)
+    k, v = _pools(rng, 8, 4, 2, 16, jnp.float32)
+    table = jnp.array([[1, 2, 0], [3, 4, 5]], jnp.int32)
+    seq_lens = jnp.array([6, 9], jnp.int32)  # page 2 holds tokens 4, 5; page 5 token 8
+    k_nan = k.at[2, 2:].set(jnp.nan).at[5, 1:].set(jnp.nan)
+    v_nan = v.at[2, 2:].set(jnp.nan).at[5, 1:].set(jnp.nan)
+    q = jnp.asarray(rng.standard_normal((2, 4, 16)), jnp.float32)
+    want = np.asarray(decode_attention_ref(q, k, v, table, seq_lens, 0.25))
+    for fn in (decode_attention_ref, decode_attention_blocked):
+        np.testing.assert_allclose(np.asarray(fn(q, k_nan, v_nan, table, seq_lens, 0.25)),
+                                   want, atol=1e-5)
+    qc = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.float32)
+    positions = seq_lens[:, None] - jnp.array([3, 2, 1], jnp.int32)
+    want = np.asarray(prefill_attention_ref(qc, k, v, table, positions, seq_lens, 0.25))
+    for fn in (prefill_attention_ref, prefill_attention_blocked):
+        np.testing.assert_allclose(
+            np.asarray(fn(qc, k_nan, v_nan, table, positions, seq_lens, 0.25)), want, atol=1e-5)
+
+
 @pytest.mark.parametrize(("args", "message"), [
     ({"seq_lens": jnp.zeros((1,), jnp.int32)}, r"seq_lens is int32\[1\], expected int32\[2\]"),
     ({"q": jnp.zeros((2, 6, 16), jnp.float32)}, "q has 6 heads, not a multiple of k_pages' 4"),

@@ -34,7 +34,8 @@ def _paged_kv(rng, seq_lens, case):
 
     Returns (k_pages, v_pages) for the kernels, (k_ref, v_ref) for the reference, and the page
     table. Used entries name random distinct pages; entries past a sequence's pages name
-    "stale" pages that are NaN in the kernels' pools and zero in the reference's.
+    "stale" pages, and its last page's tail past its length is stale too (a previous request's
+    values): NaN in the kernels' pools and zero in the reference's.
     """
     batch, pages_per_seq, page_size = len(seq_lens), case.pages_per_seq, case.page_size
     num_live, num_stale = batch * pages_per_seq, 3
@@ -50,6 +51,11 @@ def _paged_kv(rng, seq_lens, case):
     k_ref, v_ref = k.copy(), v.copy()
     k_ref[-num_stale:] = v_ref[-num_stale:] = 0.0
     k[-num_stale:] = v[-num_stale:] = np.nan
+    for b, length in enumerate(seq_lens):
+        if length % page_size and length // page_size < pages_per_seq:
+            page = table[b, length // page_size]
+            k_ref[page, length % page_size:] = v_ref[page, length % page_size:] = 0.0
+            k[page, length % page_size:] = v[page, length % page_size:] = np.nan
     kernel_kv, ref_kv = (
         tuple(jnp.asarray(x, case.dtype) for x in kv) for kv in [(k, v), (k_ref, v_ref)]
     )
