@@ -79,8 +79,9 @@ def prefill_attention_blocked(
             ids = jnp.where(page_index[None, :] < row_pages[:, None], ids, 0)
             k = k_pages[ids].reshape(batch, tokens, num_kv_heads, head_dim)
             v = v_pages[ids].reshape(batch, tokens, num_kv_heads, head_dim)
-            s = jnp.einsum("bckgd,bjkd->bkgcj", qg, k, preferred_element_type=jnp.float32)
             key_pos = start * page_size + jnp.arange(tokens, dtype=jnp.int32)
+            k = jnp.where((key_pos[None, :] < seq_lens[:, None])[:, :, None, None], k, 0)
+            s = jnp.einsum("bckgd,bjkd->bkgcj", qg, k, preferred_element_type=jnp.float32)
             valid = (key_pos[None, None, :] <= positions[:, :, None]) & (
                 key_pos[None, None, :] < seq_lens[:, None, None])  # [B, C, j]
             s = jnp.where(valid[:, None, None], s, _MASKED)
