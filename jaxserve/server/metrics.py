@@ -3,8 +3,8 @@
 Engine gauges and counters are read from `AsyncEngine.stats()` at scrape time; token counts,
 time to first token and inter-token latencies are observed as the server sees each request's
 outputs (so rates move while long requests run), end-to-end latency and the finish reason as it
-ends. Each app has its own registry,
-so several servers can live in one process (the tests start more than one).
+ends. Each app has its own registry, so several servers can live in one process (the tests
+start more than one).
 """
 
 from dataclasses import dataclass
