@@ -2,25 +2,26 @@
 (Poisson or gamma, as `--burstiness`), at most `max_concurrency` requests in flight (a closed
 loop: the next request goes in as one finishes), timestamps per token delivery.
 
-A request's clock starts when it is handed to the engine (as vLLM's client starts it when the
-request is sent), so time spent waiting for a concurrency slot is not TTFT.
+A request's clock starts at its send time (as vLLM's client starts it when the request is sent):
+its arrival time, or when a concurrency slot freed for it if that came later, so time spent
+waiting for a slot is not TTFT, and time spent waiting for the engine's step in progress is.
+Send times are `bench serve`'s (vLLM's): scaled so the last goes out at n / rate.
 
 Sweeps reuse one engine (one compile) and swap its scheduler between runs: `use_scheduler`
 accepts the options that only the scheduler reads, within the shapes the runner compiled.
 """
 
 import dataclasses
+import heapq
 import time
 
-import numpy as np
-
 from jaxserve.benchmarks.datasets import Sample
+from jaxserve.benchmarks.serve import serve_arrivals
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import make_scheduler
 from jaxserve.engine import LLMEngine
 from jaxserve.request import SamplingParams
 from jaxserve.sim.metrics import RequestRecord
-from jaxserve.sim.workload import arrival_times
 
 # options the scheduler alone reads; the two limits may shrink (the runner's shapes cover less)
 SCHEDULER_OPTIONS = frozenset({
@@ -62,12 +63,13 @@ def run_load(engine: LLMEngine, samples: list[Sample], *, request_rate: float = 
     from tqdm import tqdm
 
     n = len(samples)
-    arrivals = arrival_times(n, request_rate, np.random.default_rng(seed), burstiness)
+    arrivals = serve_arrivals(n, request_rate, burstiness, seed)
     records = [RequestRecord(0.0, s.prompt_len) for s in samples]
     errors: list[str | None] = [None] * n
     token_ids: list[list[int]] = [[] for _ in samples]
     seen = [0] * n
     limit = max_concurrency or n
+    slots = [0.0] * min(limit, n)  # when each free concurrency slot freed (a heap)
     nxt = in_flight = 0
     last = 0.0
     bar = tqdm(total=n, desc="requests", disable=not progress)
@@ -78,14 +80,19 @@ def run_load(engine: LLMEngine, samples: list[Sample], *, request_rate: float = 
             sample = samples[nxt]
             params = SamplingParams(max_tokens=sample.output_len, temperature=temperature,
                                     ignore_eos=True, seed=seed + nxt)
-            records[nxt].arrival = now
+            # sent at its time or when its slot freed: waiting for the engine's step in
+            # progress (the loop adds requests between steps) counts, as a server's queue does
+            freed = heapq.heappop(slots)
+            sent = max(float(arrivals[nxt]), freed)
+            records[nxt].arrival = sent
             try:
                 request = engine.add_request(str(nxt), sample.engine_prompt, params,
-                                             arrival_time=start + now)
+                                             arrival_time=start + sent)
                 records[nxt].prompt_len = len(request.prompt_ids)
                 in_flight += 1
             except ValueError as err:
                 errors[nxt] = str(err)
+                heapq.heappush(slots, freed)
                 bar.update(1)
             nxt += 1
         next_arrival = arrivals[nxt] if nxt < n and in_flight < limit else float("inf")
@@ -105,6 +112,7 @@ def run_load(engine: LLMEngine, samples: list[Sample], *, request_rate: float = 
             if output.finished:
                 token_ids[i] = list(ids)
                 in_flight -= 1
+                heapq.heappush(slots, now)
                 bar.update(1)
     while engine.has_unfinished_requests():  # an iteration still in flight holds no tokens
         engine.step()

@@ -111,21 +111,28 @@ async def _one(client, url: str, model: str, sample: Sample, ignore_eos: bool,
     if not record.times:
         return record, "no tokens received", ""
     generated = "".join(text)
-    if usage:  # the server's counts are exact (a chunk may hold several tokens, or none)
-        record.prompt_len = usage.get("prompt_tokens", record.prompt_len)
-        set_output_len(record, usage.get("completion_tokens", record.output_len))
+    if usage and usage.get("completion_tokens"):  # the server's counts are exact (a chunk
+        # may hold several tokens, or none); a missing or zero count leaves the chunks' own
+        record.prompt_len = usage.get("prompt_tokens") or record.prompt_len
+        set_output_len(record, usage["completion_tokens"])
     elif tokenizer is not None:  # as vLLM without usage: the text's tokens
         set_output_len(record, len(tokenizer.encode(generated, add_special_tokens=False)))
     return record, None, generated
 
 
 def set_output_len(record: RequestRecord, n: int) -> None:
-    """Make the record's deliveries hold n tokens in all: the difference goes to (or comes off)
-    the last ones, never below zero."""
+    """Make the record's deliveries hold n tokens in all: more tokens than deliveries spread
+    over them evenly (a server that merges outputs for a slow reader sends several a chunk; put
+    on the last chunk they would make a false peak of output tokens/s), fewer come off the last
+    ones, never below zero."""
     diff = n - record.output_len
+    if diff > 0 and record.counts:
+        share, extra = divmod(diff, len(record.counts))
+        for i in range(len(record.counts)):
+            record.counts[i] += share + (i >= len(record.counts) - extra)
+        return
     for i in range(len(record.counts) - 1, -1, -1):
         if diff >= 0:
-            record.counts[i] += diff
             return
         take = min(record.counts[i], -diff)
         record.counts[i] -= take

@@ -40,7 +40,7 @@ from jaxserve.benchmarks.datasets import (
 )
 from jaxserve.benchmarks.datasets import check_args as check_workload_args
 from jaxserve.benchmarks.metrics import serving_result
-from jaxserve.sim.metrics import LATENCIES, format_table, parse_slos
+from jaxserve.sim.metrics import LATENCIES, format_table, parse_slos, percentile_key
 
 KINDS = ("concurrency", "window", "modes")
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -53,6 +53,7 @@ SUMMARY = ("completed", "failed", "duration", "request_throughput", "output_thro
 # window sweep throughputs this close to the best are tied (an open loop's throughput is its
 # arrival rate give or take noise)
 TIED = 0.02
+FLAT = 0.05  # a throughput curve whose spread is within this fraction of its top is flat
 # engine keys a recommended config does not carry (they describe the run, not the setting)
 NOT_RECOMMENDED = ("load_format", "seed", "compilation_cache_dir", "kv_cache_bytes_cpu")
 
@@ -209,13 +210,17 @@ def sweep_modes(target, samples: list[Sample], concurrencies, num_prompts: int |
 # -- reading the results --------------------------------------------------------------------------
 
 def knee(xs: list, ys: list[float]):
-    """Kneedle on (log2 x, y): the point farthest above the chord of a rising, flattening curve."""
+    """Kneedle on (log2 x, y): the point farthest above the chord of a rising, flattening curve.
+    A curve flat within FLAT (run-to-run noise) from its first point has its knee there: more
+    concurrency bought nothing."""
     if len(xs) < 3:
         return None
     x = np.log2(np.asarray(xs, float))
     y = np.asarray(ys, float)
-    if np.ptp(x) == 0 or np.ptp(y) == 0:
+    if np.ptp(x) == 0:
         return None
+    if np.ptp(y) <= FLAT * y.max():
+        return xs[int(np.argmin(x))]
     gain = (y - y.min()) / np.ptp(y) - (x - x.min()) / np.ptp(x)
     if gain.max() <= 0:  # never above the chord: still scaling, no knee yet
         return None
@@ -250,7 +255,8 @@ def recommend(concurrency_rows: list[dict], window_rows: list[dict], slo: dict[s
     elif limit is not None:
         out["max_num_seqs"] = max(1, math.floor(limit["concurrency"] * (1 - backoff)))
         out["_why_max_num_seqs"] = (f"concurrency {limit['concurrency']} is the largest meeting "
-                                    f"the SLO; backed off {backoff:.0%}")
+                                    f"the SLO ({limit['batching']} batching); backed off "
+                                    f"{backoff:.0%}")
     ok = [r for r in window_rows if meets(r, slo, pct)]
     if ok:
         # the best throughput meeting the SLO; an open loop's throughput follows its arrival
@@ -259,12 +265,13 @@ def recommend(concurrency_rows: list[dict], window_rows: list[dict], slo: dict[s
         top = max(r["output_throughput"] for r in ok)
         best = min((r for r in ok if r["output_throughput"] >= (1 - TIED) * top),
                    key=lambda r: (r["window_ms"], r[f"{pct}_ttft_ms"]))
+        # the window as measured, not backed off: the smaller windows measured either missed
+        # the SLO or lost throughput, and one never measured is no safer
         out["batching"] = best["batching"]
-        out["window_ms"] = round(best["window_ms"] * (1 - backoff), 1)
+        out["window_ms"] = best["window_ms"]
         out["_why_window"] = (f"{best['batching']} at window {best['window_ms']:g} ms has the "
                               f"best throughput meeting the SLO ({best['output_throughput']:.1f} "
-                              f"out tok/s, ties within {TIED:.0%} to the smaller window); "
-                              f"window backed off {backoff:.0%}")
+                              f"out tok/s, ties within {TIED:.0%} to the smaller window)")
     return out
 
 
@@ -330,7 +337,7 @@ def run(args, engine_options: dict) -> dict:
 
     kinds = sweep_kinds(args)
     slo = parse_slos(args.slo)
-    pct = f"p{args.slo_percentile:g}"
+    pct = percentile_key(args.slo_percentile)
     concurrency = args.concurrency if "concurrency" in kinds else []
     modes_concurrency = args.modes_concurrency if "modes" in kinds else []
     # None: a window sweep alone runs at the engine's own max_num_seqs
@@ -409,6 +416,8 @@ def _target(args, engine_options: dict, max_concurrency: int | None, kinds: list
     from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
 
+    # no prompt-logprob steps to compile: the sweep asks for none (not a recommendation, so
+    # not written to the config)
     options = {"enable_prompt_logprobs": False} | engine_options
     if max_concurrency is not None:
         options.setdefault("max_num_seqs", max_concurrency)
@@ -421,7 +430,8 @@ def _target(args, engine_options: dict, max_concurrency: int | None, kinds: list
     engine = LLMEngine(args.model, EngineConfig.from_overrides(**options),
                        progress=sys.stderr.isatty())
     print(f"loaded {engine.model_path} and compiled in {time.perf_counter() - start:.1f} s")
-    engine_options.update(options)
+    engine_options.update({k: v for k, v in options.items()
+                           if k != "enable_prompt_logprobs" or k in engine_options})
     return (OfflineTarget(engine), engine.model_config.vocab_size, engine.tokenizer,
             engine.max_model_len)
 

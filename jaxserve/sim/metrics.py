@@ -49,6 +49,11 @@ class RequestRecord:
         return np.diff(self.times).tolist()
 
 
+def percentile_key(p: float) -> str:
+    """A percentile's name in result keys, as vLLM writes it: p99, p99.9, p99.99999."""
+    return f"p{int(p)}" if int(p) == p else f"p{p}"
+
+
 def _summary(name: str, values_s: list[float], percentiles: tuple[float, ...]) -> dict:
     ms = np.asarray(values_s, np.float64) * 1000.0
     if ms.size == 0:
@@ -56,7 +61,7 @@ def _summary(name: str, values_s: list[float], percentiles: tuple[float, ...]) -
     out = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
            f"std_{name}_ms": float(ms.std())}
     for p in percentiles:
-        out[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p))
+        out[f"{percentile_key(p)}_{name}_ms"] = float(np.percentile(ms, p))
     return out
 
 
