@@ -162,6 +162,33 @@ def test_min_batch_size_gates_admission_while_others_run():
     assert s.kv.pool.num_free == s.kv.pool.num_usable
 
 
+def test_a_preempted_request_does_not_open_the_window_for_new_arrivals():
+    """The window judges new arrivals: a preempted request (admitted once, arrived long ago)
+    neither counts toward min_batch_size nor makes the oldest waiter old, so a lone arrival
+    still waits while others run (it joined 3 ms after arriving)."""
+    clock = FakeClock()
+    s = small_scheduler(clock, window_ms=10, min_batch_size=2, max_batch_size=4, num_pages=6,
+                        max_num_seqs=4)
+    d = Driver(s, advance=False)
+    for rid, output_len in (("a", 4), ("b", 8), ("d", 4)):
+        s.add_request(make_request(rid, 3, output_len, arrival=0.0))
+    clock.now = 0.010
+    arrived = None
+    for _ in range(100):
+        entry = d.step()
+        if entry.preempted and arrived is None:
+            s.add_request(make_request("c", 2, 2, arrival=clock.now))
+            arrived = clock.now
+        if "c" in entry.ids:
+            break
+        clock.advance_ms(1)
+    assert arrived is not None and "c" in entry.ids
+    assert clock.now - arrived >= 0.010 - 1e-9 and entry.running == ["c"]
+    d.advance = True
+    d.drain()
+    assert s.kv.pool.num_free == s.kv.pool.num_usable
+
+
 def test_window_needs_the_oldest_to_wait_window_ms_while_others_run():
     clock = FakeClock()
     s = small_scheduler(clock, window_ms=10, min_batch_size=1, max_batch_size=4)

@@ -276,17 +276,24 @@ class Scheduler:
         self._batch_rows = len(batch)
         return batch
 
+    def _arrivals(self) -> list[Request]:
+        """The waiting requests the window judges: new arrivals (a preempted request was
+        admitted once already, and its old arrival would hold the window open for the rest)."""
+        return [r for r in self.waiting if not r.metrics.num_preemptions]
+
     def _window_open(self, now: float, idle: bool) -> bool:
-        n = len(self.waiting)
-        if n >= self.window.max_batch_size:  # open whatever the oldest: skip finding it
+        arrivals = self._arrivals()
+        n = len(arrivals)
+        if n == 0 or n >= self.window.max_batch_size:  # open whatever the oldest
             return True
-        return self.window.is_open(n, min(r.arrival_time for r in self.waiting), now, idle)
+        return self.window.is_open(n, min(r.arrival_time for r in arrivals), now, idle)
 
     def next_wakeup(self) -> float | None:
         """When admission may open for requests that wait on the window (None: not waiting)."""
-        if not self.waiting or self.running:
+        arrivals = self._arrivals() if self.waiting and not self.running else []
+        if not arrivals:
             return None
-        return self.window.opens_at(min(r.arrival_time for r in self.waiting))
+        return self.window.opens_at(min(r.arrival_time for r in arrivals))
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Append the tokens a step sampled and apply token stops; returns the requests touched.
