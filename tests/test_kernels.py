@@ -184,6 +184,30 @@ def test_prefill_matches_reference(name):
     _assert_close(out, ref, rows, case.dtype)
 
 
+@pytest.mark.parametrize(("dtype", "head_dim", "page_size", "group", "num_splits"), [
+    (F32, 64, 16, 1, 1), (BF16, 128, 16, 4, 4), (F16, 64, 8, 2, 2), (BF16, 64, 32, 2, None),
+])
+def test_kernels_lower_through_triton(dtype, head_dim, page_size, group, num_splits):
+    """Lowered for CUDA, here on the CPU: the Triton lowering runs its rules (no scalar
+    prefetch, no scratch, power-of-two blocks, the primitives it knows), which interpret mode
+    never checks, so a kernel change that only a GPU would refuse fails here."""
+    kv_heads, slots, pages_per_seq, chunk = 2, 4, 8, 32
+    q = jax.ShapeDtypeStruct((slots, kv_heads * group, head_dim), dtype)
+    pool = jax.ShapeDtypeStruct((64, page_size, kv_heads, head_dim), dtype)
+    table = jax.ShapeDtypeStruct((slots, pages_per_seq), jnp.int32)
+    lens = jax.ShapeDtypeStruct((slots,), jnp.int32)
+    decode = jax.jit(lambda q, k, v, t, n: decode_attention(q, k, v, t, n, 0.125,
+                                                              num_splits=num_splits))
+    text = decode.trace(q, pool, pool, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+    qc = jax.ShapeDtypeStruct((slots, chunk, kv_heads * group, head_dim), dtype)
+    positions = jax.ShapeDtypeStruct((slots, chunk), jnp.int32)
+    prefill = jax.jit(lambda q, k, v, t, p, n: prefill_attention(q, k, v, t, p, n, 0.125))
+    text = prefill.trace(qc, pool, pool, table, positions, lens).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+
+
 def test_interpreter_poisons_unwritten_outputs():
     """The premise of the finiteness checks: an output the kernel never writes comes out NaN."""
 
