@@ -24,6 +24,9 @@ def _convert(args) -> int:
     from jaxserve.config import ModelConfig
     from jaxserve.model.loader import load_hf_state, save_orbax
 
+    if Path(args.out_dir).resolve() == Path(args.hf_dir).resolve():
+        raise ValueError(f"OUT_DIR {args.out_dir} is HF_DIR itself: give another directory "
+                         "(writing there would overwrite the model's config.json)")
     cfg = ModelConfig.from_hf_dir(args.hf_dir)
     name = cfg.dtype if args.dtype == "auto" else args.dtype
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
@@ -86,6 +89,8 @@ def _bench(args) -> int:
     from jaxserve.benchmarks.datasets import check_args
 
     module = {"throughput": throughput, "serve": serve, "sweep": sweep}[args.bench]
+    if args.seed is None:  # the config file's seed, when it has one (the flag would hide it)
+        args.seed = _config_file(args).get("seed", 0)
     getattr(module, "check_args", check_args)(args)  # before a model loads or a request goes
     engine_options, _ = _options(args)
     module.run(args, engine_options)
@@ -122,18 +127,23 @@ def _add_bench_parser(sub) -> None:
         parser.set_defaults(func=_bench)
 
 
+def _config_file(args) -> dict[str, Any]:
+    """The --config file's keys ({} without one)."""
+    if getattr(args, "config", None) is None:
+        return {}
+    import yaml
+
+    data = yaml.safe_load(Path(args.config).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {args.config} must hold a mapping of option keys")
+    return data
+
+
 def _options(args) -> tuple[dict[str, Any], dict[str, Any]]:
     """(engine options, server options): the --config file's keys, then the flags given."""
     from jaxserve.server import ServerConfig
 
-    options: dict[str, Any] = {}
-    if getattr(args, "config", None) is not None:
-        import yaml
-
-        data = yaml.safe_load(Path(args.config).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {args.config} must hold a mapping of option keys")
-        options |= data
+    options = _config_file(args)
     server = {f.name for f in dataclasses.fields(ServerConfig)}
     names = server | {f.name for f in dataclasses.fields(EngineConfig)}
     options |= {name: getattr(args, name) for name in names if hasattr(args, name)}
@@ -224,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, OSError) as err:  # bad input, a missing file, a path in the way
         print(f"jaxserve: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # a server that `bench` cannot reach (httpx's errors)
+        if type(err).__module__.split(".")[0] != "httpx":
+            raise
+        where = getattr(args, "base_url", None) or "the server"
+        print(f"jaxserve: error: cannot reach {where}: {type(err).__name__}: {err}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before serving started (serve itself stops gracefully)
         return 130

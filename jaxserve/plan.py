@@ -11,7 +11,6 @@
 """
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from jaxserve.config import (
     EngineConfig,
     ModelConfig,
     compute_dtype,
+    host_memory_bytes,  # the cgroup's limit when lower: what the engine sizes itself by
     kv_cache_dtype,
 )
 
@@ -39,11 +39,6 @@ def this_device() -> Device:
     stats = device.memory_stats() if device.platform == "gpu" else None
     return Device(device.platform, getattr(device, "device_kind", str(device)),
                   stats["bytes_limit"] if stats else None, stats["bytes_in_use"] if stats else None)
-
-
-def host_memory_bytes() -> int:
-    """This machine's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def weight_bytes(cfg: ModelConfig, dtype: str) -> int:

@@ -43,8 +43,35 @@ def test_config_files_hold_engine_and_server_keys():
         server = ServerConfig(**{k: v for k, v in data.items() if k in server_keys})
         engine = EngineConfig.from_overrides(**{k: v for k, v in data.items()
                                                 if k not in server_keys})
-        if path.name == "default.yaml":  # it documents the defaults
+        if path.name == "default.yaml":  # it documents the defaults, every key of them
             assert (server, engine) == (ServerConfig(), EngineConfig())
+            assert set(data) == server_keys | set(EngineConfig.__dataclass_fields__)
+
+
+def test_bench_takes_the_config_files_seed_unless_seed_is_given(tmp_path, monkeypatch):
+    from jaxserve.benchmarks import throughput
+    from jaxserve.cli import main
+
+    seen = []
+    monkeypatch.setattr(throughput, "run", lambda args, options: seen.append(options["seed"]))
+    config = tmp_path / "c.yaml"
+    config.write_text("seed: 7\n")
+    assert main(["bench", "throughput", "--config", str(config)]) == 0
+    assert main(["bench", "throughput", "--config", str(config), "--seed", "3"]) == 0
+    assert main(["bench", "throughput"]) == 0
+    assert seen == [7, 3, 0]
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("port", "8000"), ("port", 8000.5), ("shutdown_grace_s", None),
+    ("max_waiting_requests", "64"), ("api_key", 12345), ("request_timeout_s", float("nan")),
+    ("host", None), ("max_body_bytes", 1.5),
+])
+def test_server_config_refuses_wrong_types_naming_the_key(key, value):
+    """A YAML file may hold any value: a ValueError naming the key before the model loads,
+    not a TypeError (or a failure after the model compiled)."""
+    with pytest.raises(ValueError, match=rf"^{key} must be"):
+        ServerConfig(**{key: value})
 
 
 @pytest.mark.parametrize(("key", "value"), [
@@ -146,3 +173,11 @@ def test_cli_generate_and_convert_refuse_bad_input_before_loading(stories_dir, t
     in_the_way.write_text("")
     assert main(["convert", str(stories_dir), str(in_the_way)]) == 2  # not a traceback
     assert "jaxserve: error:" in capsys.readouterr().err
+    assert main(["convert", str(stories_dir), str(stories_dir) + "/."]) == 2  # into itself
+    assert "is HF_DIR itself" in capsys.readouterr().err
+    # a server bench serve cannot reach: said in one line, not a traceback
+    closed = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    assert main(["bench", "serve", "--base-url", url, "--num-prompts", "1"]) == 2
+    assert f"cannot reach {url}" in capsys.readouterr().err

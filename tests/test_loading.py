@@ -318,6 +318,18 @@ def test_convert_to_orbax_and_dummy_weights(tmp_path):
     half = tmp_path / "bf16"  # the written config.json names the dtype written
     assert cli_main(["convert", str(HF_FIXTURES / "qwen2"), str(half), "--dtype", "bfloat16"]) == 0
     assert ModelConfig.from_hf_dir(half).dtype == "bfloat16"
+    # a chat template kept in its own file travels too, and a read-only source's files come
+    # out writable (a second convert into the same directory overwrites them)
+    source = tmp_path / "with-template"
+    shutil.copytree(HF_FIXTURES / "qwen2", source)
+    (source / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    for file in source.iterdir():
+        if file.is_file():
+            file.chmod(0o444)
+    for _ in range(2):
+        assert cli_main(["convert", str(source), str(out)]) == 0
+    assert (out / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }}"
+    assert (out / "chat_template.jinja").stat().st_mode & 0o200  # the owner may write it
 
 
 def test_a_pool_too_small_for_one_sequence_is_refused():

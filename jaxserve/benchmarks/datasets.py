@@ -215,6 +215,6 @@ def add_dataset_arguments(parser, input_flag: str = "--input-len",
                        help="output tokens (random: the centre; sharegpt: the median)")
     group.add_argument("--random-range-ratio", type=float, default=0.0,
                        help="random: lengths uniform in [len * (1 - r), len * (1 + r)]")
-    group.add_argument("--seed", type=int, default=0, help="the workload's seed (and the "
-                       "engine's, offline)")
+    group.add_argument("--seed", type=int, default=None, help="the workload's seed (and the "
+                       "engine's, offline; default: the --config file's seed, else 0)")
     parser.set_defaults(input_len_flag=input_flag, output_len_flag=output_flag)

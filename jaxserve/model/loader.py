@@ -20,7 +20,7 @@ ORBAX_DIR = "params"
 # Tensors some checkpoints carry that the model derives itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "generation_config.json", "byte_tokenizer.json")
+                    "generation_config.json", "byte_tokenizer.json", "chat_template.jinja")
 
 
 def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
@@ -185,7 +185,7 @@ def save_orbax(path: str | Path, cfg: ModelConfig, state: nnx.State,
         for name in _TOKENIZER_FILES:
             src = Path(extra_files_from) / name
             if src.is_file():
-                shutil.copy(src, path / name)
+                shutil.copyfile(src, path / name)  # not the mode: a read-only source stays ours
 
 
 def load_orbax_state(path: str | Path, cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:

@@ -35,6 +35,7 @@ from jaxserve.async_engine import (
     RequestStream,
     RequestTimeoutError,
 )
+from jaxserve.checks import is_finite, is_int, show
 from jaxserve.engine import LLMEngine
 from jaxserve.request import RequestOutput
 from jaxserve.server import protocol
@@ -63,16 +64,28 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, in-flight requests get this long
 
     def __post_init__(self):
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
-        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-        if self.max_body_bytes <= 0:
-            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
-        if self.shutdown_grace_s < 0:
-            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        # a config file may hold any YAML value: types first, so every mistake is a ValueError
+        # naming its key before the model loads
+        for name in ("host", "api_key", "served_model_name"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (value is None and name != "host")):
+                raise ValueError(f"{name} must be a string, got {show(value)}")
+        if not (is_int(self.port) and 0 <= self.port < 65536):
+            raise ValueError(f"port must be an integer in [0, 65536), got {show(self.port)}")
+        if self.max_waiting_requests is not None and not (
+                is_int(self.max_waiting_requests) and self.max_waiting_requests >= 0):
+            raise ValueError("max_waiting_requests must be an integer >= 0, got "
+                             f"{show(self.max_waiting_requests)}")
+        if self.request_timeout_s is not None and not (
+                is_finite(self.request_timeout_s) and self.request_timeout_s > 0):
+            raise ValueError(f"request_timeout_s must be a number > 0, got "
+                             f"{show(self.request_timeout_s)}")
+        if not (is_int(self.max_body_bytes) and self.max_body_bytes > 0):
+            raise ValueError(f"max_body_bytes must be a positive integer, got "
+                             f"{show(self.max_body_bytes)}")
+        if not (is_finite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
+            raise ValueError(f"shutdown_grace_s must be a number >= 0, got "
+                             f"{show(self.shutdown_grace_s)}")
 
 
 def _api_error(error: Exception, req: GenerateRequest | None = None) -> APIError:
