@@ -325,6 +325,17 @@ def test_cli_simulates_with_a_saved_fit(tmp_path, capsys):
     assert metrics["completed"] == 200 and "request_goodput" in metrics
     assert "mlfq" in capsys.readouterr().out
     assert main(["--fit", str(tmp_path / "fit.json"), "--policy", "lottery"]) == 2
+    # workload flags: errors naming the flag, not 1-token requests or numpy's words
+    for flags, named in ((["--output-len", "-5"], "--output-len"),
+                         (["--input-len", "nan"], "--input-len"),
+                         (["--num-prompts", "-1"], "--num-prompts"),
+                         (["--input-spread", "-1"], "--input-spread"),
+                         (["--burst", "a:b"], "--burst"), (["--request-rate", "0"], "--request-rate")):
+        capsys.readouterr()
+        assert main(["--fit", str(tmp_path / "fit.json"), *flags]) == 2
+        assert named in capsys.readouterr().err
+    assert main(["--fit", str(tmp_path / "fit.json"), "--num-prompts", "5",
+                 "--output-json", str(tmp_path)]) == 2  # a directory in the way: one line
     # the KV cache is sized by pages; --seed seeds the step-time draws as well as the workload
     assert main(["--fit", str(tmp_path / "fit.json"), "--set", "kv_cache_bytes_cpu=1000"]) == 2
     assert "pass --num-pages" in capsys.readouterr().err

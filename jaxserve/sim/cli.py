@@ -13,6 +13,7 @@ does not.
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -123,12 +124,7 @@ def workload(args, max_model_len: int) -> list[RequestSpec]:
         if args.save_trace is not None:
             write_trace(args.save_trace, specs)
         return specs
-    bursts = []
-    for item in args.burst:
-        parts = [float(x) for x in item.split(":")]
-        if len(parts) not in (2, 3):
-            raise ValueError(f"--burst takes START:DURATION[:FACTOR], got {item!r}")
-        bursts.append(Burst(*parts))
+    bursts = [Burst(*(float(x) for x in item.split(":"))) for item in args.burst]  # checked
     specs = synthetic(args.num_prompts, args.request_rate, seed=args.seed,
                       burstiness=args.burstiness, bursts=tuple(bursts), dist=args.length_dist,
                       input_len=args.input_len, output_len=args.output_len,
@@ -155,7 +151,36 @@ def load_fit(model: str, config: EngineConfig, path: Path | None) -> StepCostMod
     return calibrate(model, config, path)
 
 
+def check_args(args) -> None:
+    """The workload flags, before any fit loads or engine compiles: a ValueError naming the
+    flag (a negative length used to simulate 1-token requests, or fail deep in numpy)."""
+    def number(flag: str, value, low: float, inclusive: bool = True, inf: bool = False) -> None:
+        ok = isinstance(value, int | float) and not math.isnan(value) and (
+            value >= low if inclusive else value > low) and (inf or math.isfinite(value))
+        if not ok:
+            raise ValueError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}"
+                             f"{'' if inf else ' and finite'}, got {value}")
+
+    number("--num-prompts", args.num_prompts, 1)
+    number("--repeats", args.repeats, 1)
+    number("--request-rate", args.request_rate, 0, inclusive=False, inf=True)
+    number("--burstiness", args.burstiness, 0, inclusive=False, inf=True)
+    for flag in ("input_len", "output_len"):
+        number("--" + flag.replace("_", "-"), getattr(args, flag), 1)
+    for flag in ("input_spread", "output_spread"):
+        number("--" + flag.replace("_", "-"), getattr(args, flag), 0)
+    for item in args.burst:
+        try:
+            parts = [float(x) for x in item.split(":")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (2, 3) or parts[0] < 0 or not all(p > 0 for p in parts[1:]):
+            raise ValueError(f"--burst takes START:DURATION[:FACTOR] (start >= 0, duration "
+                             f"and factor > 0), got {item!r}")
+
+
 def run(args) -> int:
+    check_args(args)
     config = engine_config(args)
     if args.validate:
         return _validate(args, config)
@@ -226,6 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # bad input, a missing file, a path in the way
         print(f"jaxserve simulate: error: {err}", file=sys.stderr)
         return 2
