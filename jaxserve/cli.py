@@ -69,7 +69,7 @@ def _serve(args) -> int:
     import logging
 
     from jaxserve.engine import DEMO, LLMEngine, freeze_gc
-    from jaxserve.server import ServerConfig, serve
+    from jaxserve.server import ServerConfig, bind, serve
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -78,10 +78,16 @@ def _serve(args) -> int:
     server_config = ServerConfig(**server_options)
     engine_config = EngineConfig.from_overrides(**engine_options)
     model = args.model or DEMO
-    print(f"jaxserve: loading {model} (weights, then a compile for every step shape)", flush=True)
-    engine = LLMEngine(model, engine_config, progress=True)
+    sock = bind(server_config)  # a port in use fails now, not after the compile
+    try:
+        print(f"jaxserve: loading {model} (weights, then a compile for every step shape)",
+              flush=True)
+        engine = LLMEngine(model, engine_config, progress=True)
+    except BaseException:
+        sock.close()
+        raise
     freeze_gc()  # this process serves one engine until it exits
-    return serve(engine, server_config, model_name=str(model))
+    return serve(engine, server_config, model_name=str(model), sock=sock)
 
 
 def _bench(args) -> int:

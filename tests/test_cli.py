@@ -48,6 +48,18 @@ def test_config_files_hold_engine_and_server_keys():
             assert set(data) == server_keys | set(EngineConfig.__dataclass_fields__)
 
 
+def test_serve_binds_its_port_before_loading_the_model(capsys):
+    """A port in use fails at once (the model here does not even exist: loading it would fail
+    differently), not after minutes of compiling."""
+    from jaxserve.cli import main
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert main(["serve", "/nonexistent/model", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert "in use" in err and "nonexistent" not in err
+
+
 def test_bench_takes_the_config_files_seed_unless_seed_is_given(tmp_path, monkeypatch):
     from jaxserve.benchmarks import throughput
     from jaxserve.cli import main

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP server (Starlette + uvicorn) over an `AsyncEngine`."""
 
-from jaxserve.server.app import ServerConfig, build_app, serve
+from jaxserve.server.app import ServerConfig, bind, build_app, serve
 
-__all__ = ["ServerConfig", "build_app", "serve"]
+__all__ = ["ServerConfig", "bind", "build_app", "serve"]

@@ -461,11 +461,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Sta
                      middleware=[Middleware(AccessLog), Middleware(APIKey, key=config.api_key)])
 
 
-def serve(engine: LLMEngine, config: ServerConfig, model_name: str) -> int:
+def bind(config: ServerConfig) -> socket.socket:
+    """The server's listening socket. `jaxserve serve` binds it before the model loads (as
+    vLLM does), so a port in use fails at once, not after minutes of compiling."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    return socket.create_server((config.host, config.port), family=family)
+
+
+def serve(engine: LLMEngine, config: ServerConfig, model_name: str,
+          sock: socket.socket | None = None) -> int:
     """Serve until SIGTERM or SIGINT: then stop accepting, give in-flight requests
     `shutdown_grace_s`, abort the rest (a stream gets a 503 error event and [DONE], a request
     a 503), stop the engine, and return 0. If the engine dies, clients get 503s and this
-    returns 1, so that a supervisor restarts the server."""
+    returns 1, so that a supervisor restarts the server. `sock`: bound already (`bind`)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -479,9 +487,8 @@ def serve(engine: LLMEngine, config: ServerConfig, model_name: str) -> int:
                                request_timeout_s=config.request_timeout_s)
     name = config.served_model_name or model_name
     app = build_app(async_engine, config, name)
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-    sock = socket.create_server((config.host, config.port), family=family)
-    host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
+    sock = bind(config) if sock is None else sock
+    host = f"[{config.host}]" if sock.family == socket.AF_INET6 else config.host
     print(f"jaxserve: serving {name!r} at http://{host}:{sock.getsockname()[1]}/v1 "
           "(Ctrl+C to stop)", flush=True)
     uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
