@@ -366,6 +366,11 @@ def test_cli_simulates_with_a_saved_fit(tmp_path, capsys):
     assert "max_num_seqs: 16 -> 8" in capsys.readouterr().err
     assert main(["--fit", str(tmp_path / "fit.json"), "--prefill-chunk-sizes", "512"]) == 2
     assert "prefill_chunk_sizes [512]: none fits max_model_len 256" in capsys.readouterr().err
+    # --max-model-len is honoured with a fit measured at another (the workload is cut to it)
+    saved = tmp_path / "cut.jsonl"
+    assert main(["--fit", str(tmp_path / "fit.json"), "--num-prompts", "20", "--max-model-len",
+                 "128", "--save-trace", str(saved), "--prefill-chunk-sizes", "16,64"]) == 0
+    assert max(s.prompt_len + s.output_len for s in read_trace(saved)) <= 128
 
 
 def test_cli_plots(tmp_path):

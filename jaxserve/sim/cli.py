@@ -199,12 +199,15 @@ def run(args) -> int:
     if mismatches:  # a fit given by --fit may come from another engine shape
         print(f"warning: the fit was measured with other engine settings ({'; '.join(mismatches)}"
               "): its step costs may not hold", file=sys.stderr)
-    specs = workload(args, fit.info["max_model_len"])
+    # the engine's limits as given, else the fit's: its pool's tokens, in this page size
+    max_model_len = config.max_model_len or fit.info["max_model_len"]
+    measured = fit.info.get("engine") if isinstance(fit.info.get("engine"), dict) else {}
+    fit_tokens = fit.info["num_pages"] * measured.get("page_size", config.page_size)
+    num_pages = config.num_pages or fit_tokens // config.page_size
+    specs = workload(args, max_model_len)
     start = time.perf_counter()
-    num_pages = config.num_pages or fit.info["num_pages"]
     # --seed seeds the workload and the step-time draws alike
-    result = Simulator(config, fit, num_pages, fit.info["max_model_len"],
-                       seed=args.seed).run(specs)
+    result = Simulator(config, fit, num_pages, max_model_len, seed=args.seed).run(specs)
     elapsed = time.perf_counter() - start
     slos = parse_slos(args.goodput)
     metrics = result.metrics(slos)
