@@ -366,6 +366,18 @@ def test_cli_simulates_with_a_saved_fit(tmp_path, capsys):
     assert "max_num_seqs: 16 -> 8" in capsys.readouterr().err
     assert main(["--fit", str(tmp_path / "fit.json"), "--prefill-chunk-sizes", "512"]) == 2
     assert "prefill_chunk_sizes [512]: none fits max_model_len 256" in capsys.readouterr().err
+    # a config file (server keys and all, as configs/*.yaml hold) and sizes as the other
+    # commands take them, space-separated
+    config = tmp_path / "c.yaml"
+    config.write_text("max_num_seqs: 8\nprefill_chunk_sizes: [16, 64]\nport: 9000\n")
+    assert main(["--fit", str(tmp_path / "fit.json"), "--num-prompts", "5", "--config",
+                 str(config), "--output-json", str(out)]) == 0
+    assert main(["--fit", str(tmp_path / "fit.json"), "--num-prompts", "5", "--max-num-seqs",
+                 "8", "--prefill-chunk-sizes", "16", "64"]) == 0
+    config.write_text("max_num_seqs: 0\n")  # the file is read: its bad value is refused
+    capsys.readouterr()
+    assert main(["--fit", str(tmp_path / "fit.json"), "--config", str(config)]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err
     # --max-model-len is honoured with a fit measured at another (the workload is cut to it)
     saved = tmp_path / "cut.jsonl"
     assert main(["--fit", str(tmp_path / "fit.json"), "--num-prompts", "20", "--max-model-len",

@@ -41,8 +41,8 @@ def _flag_type(field: dataclasses.Field):
     default = field.default
     if isinstance(default, bool):
         return None  # a store_true flag
-    if field.name == "prefill_chunk_sizes":
-        return lambda v: tuple(int(x) for x in v.split(","))
+    if field.name == "prefill_chunk_sizes":  # "16 64" as the other commands, or "16,64"
+        return lambda v: [int(x) for x in v.split(",")]
     if isinstance(default, float):
         return float
     if isinstance(default, int) or field.name in ("num_pages", "max_model_len", "max_batch_size"):
@@ -85,10 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag, kind = "--" + name.replace("_", "-"), _flag_type(fields[name])
         if kind is None:
             e.add_argument(flag, action="store_true", default=None)
+        elif name == "prefill_chunk_sizes":
+            e.add_argument(flag, type=kind, nargs="+", default=None)
         else:
             e.add_argument(flag, type=kind, default=None)
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other engine option")
+    e.add_argument("--config", type=Path, help="a YAML file of engine options (configs/*.yaml, "
+                   "or what `jaxserve bench sweep --write-config` wrote); flags override it")
     o = parser.add_argument_group("output")
     o.add_argument("--goodput", nargs="*", metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
     o.add_argument("--output-json", type=Path)
@@ -105,8 +109,12 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def engine_config(args) -> EngineConfig:
-    overrides = {name: getattr(args, name) for name in ENGINE_FLAGS
-                 if getattr(args, name, None) is not None}
+    overrides = _config_file(args.config) if getattr(args, "config", None) else {}
+    overrides |= {name: getattr(args, name) for name in ENGINE_FLAGS
+                  if getattr(args, name, None) is not None}
+    if "prefill_chunk_sizes" in overrides and args.prefill_chunk_sizes is not None:
+        overrides["prefill_chunk_sizes"] = tuple(n for part in args.prefill_chunk_sizes
+                                                 for n in part)
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
@@ -116,6 +124,19 @@ def engine_config(args) -> EngineConfig:
         except json.JSONDecodeError:
             overrides[key] = value
     return EngineConfig.from_overrides(**overrides)
+
+
+def _config_file(path: Path) -> dict:
+    """A config file's engine options; its server keys (port, api_key, ...) do not apply."""
+    import yaml
+
+    from jaxserve.server.app import ServerConfig  # only here: the simulator loads without jax
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of option keys")
+    server = {f.name for f in dataclasses.fields(ServerConfig)}
+    return {k: v for k, v in data.items() if k not in server}
 
 
 def workload(args, max_model_len: int) -> list[RequestSpec]:
