@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from jaxserve.checks import is_finite, is_int, show
 
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -72,7 +74,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """temperature below GREEDY_BELOW samples greedily (as vLLM's: dividing by it would
+        only turn exact ties into coin flips)."""
+        return self.temperature < GREEDY_BELOW
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The params of sample `index` of n: one sample each, the seed (if any) + index, so the

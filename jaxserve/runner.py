@@ -112,6 +112,9 @@ class ModelRunner:
                  config: EngineConfig):
         self.model_config = model_config
         self.config = config
+        if config.max_top_logprobs > model_config.vocab_size:  # before loading: top_k fails
+            raise ValueError(f"max_top_logprobs {config.max_top_logprobs} exceeds the model's "
+                             f"vocabulary of {model_config.vocab_size}")
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.backend = jax.default_backend()
         dtype = compute_dtype(config.dtype, model_config.dtype, self.backend,
@@ -307,7 +310,7 @@ class ModelRunner:
             positions[i] = chunk.start + np.arange(c)
             query_lens[i] = chunk.num_tokens
             page_table[i, :len(request.pages)] = request.pages
-            temperature[i] = p.temperature
+            temperature[i] = 0.0 if p.greedy else p.temperature
             top_k[i] = min(p.top_k or vocab, vocab)  # a top_k past the vocabulary is off
             top_p[i] = p.top_p
             seeds[i] = request.seed % 2**32

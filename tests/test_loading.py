@@ -338,6 +338,9 @@ def test_a_pool_too_small_for_one_sequence_is_refused():
     with pytest.raises(ValueError, match=r"num_pages 10 holds fewer than the 64 pages one "
                        r"sequence of max_model_len 256 needs"):
         LLM(HF_FIXTURES / "llama", page_size=4, num_pages=10)
+    # more top logprobs than the vocabulary has: named, before anything compiles
+    with pytest.raises(ValueError, match="max_top_logprobs 200 exceeds the model's vocabulary"):
+        LLM(HF_FIXTURES / "llama", max_top_logprobs=200)
 
 
 def test_generation_config_gives_the_default_sampling_params(tmp_path, caplog):

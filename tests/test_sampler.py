@@ -61,6 +61,18 @@ def test_top_k_and_top_p_restrict_the_support(logits):
     assert set(_tokens(_sample(logits, _meta(top_p=1e-6), TOP))) == {int(order[0])}
 
 
+def test_top_k_keeps_ties_at_its_cut_and_tiny_temperatures_are_greedy():
+    """As vLLM's: top_k 2 over [3, 1, 1, 0] samples from the three tokens as likely as the
+    second (it kept exactly two, dropping the tie by id), and a temperature under 1e-5 is
+    greedy (ties to the lowest id), not a coin flip between tied logits."""
+    tied = jnp.tile(jnp.array([3.0, 1.0, 1.0, 0.0] + [-30.0] * (VOCAB - 4)), (ROWS, 1))
+    tokens = _tokens(_sample(tied, _meta(top_k=2), TOP))
+    assert set(tokens.tolist()) == {0, 1, 2}
+    from jaxserve.request import SamplingParams
+
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
 def test_seeds_make_sampling_reproducible_and_independent_of_the_row(logits):
     same_seed = jnp.full((ROWS,), 7, jnp.uint32)
     positions = jnp.arange(ROWS, dtype=jnp.int32) % 8

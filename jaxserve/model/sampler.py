@@ -48,7 +48,9 @@ def _sample_random(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:  # [B]
     scaled = logits / temperature[:, None]
     order = jnp.argsort(-scaled, axis=-1)  # [B, V] token ids, most likely first
     ranked = jnp.take_along_axis(scaled, order, axis=-1)
-    keep = jnp.arange(vocab)[None, :] < sm.top_k[:, None]
+    # top-k keeps every token as likely as the k-th (a tie at the cut stays in, as vLLM's)
+    kth = jnp.take_along_axis(ranked, jnp.clip(sm.top_k - 1, 0, vocab - 1)[:, None], axis=-1)
+    keep = ranked >= kth
     probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
     # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays)
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < sm.top_p[:, None]
