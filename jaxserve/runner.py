@@ -70,6 +70,13 @@ class TokenLogprobs:
     top_logprobs: np.ndarray  # [K] float32
 
 
+def device_seed(seed: int) -> int:
+    """A request's seed as the device's 32-bit key: a 64-bit seed (as vLLM takes) folded, its
+    high word into its low, so seeds 2**32 apart still differ (seeds below 2**32 keep theirs)."""
+    seed %= 2**64
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
+
+
 def _unpack(packed: np.ndarray) -> TokenLogprobs:
     """[2 + 2K] int32 (logprob bits, rank, top ids, top bits) -> TokenLogprobs."""
     k = (packed.shape[-1] - 2) // 2
@@ -313,7 +320,7 @@ class ModelRunner:
             temperature[i] = 0.0 if p.greedy else p.temperature
             top_k[i] = min(p.top_k or vocab, vocab)  # a top_k past the vocabulary is off
             top_p[i] = p.top_p
-            seeds[i] = request.seed % 2**32
+            seeds[i] = device_seed(request.seed)
         seq_lens = positions[:, 0] + query_lens
         md = AttentionMetadata(positions=positions, query_lens=query_lens, seq_lens=seq_lens,
                                page_table=page_table)

@@ -73,6 +73,13 @@ def test_top_k_keeps_ties_at_its_cut_and_tiny_temperatures_are_greedy():
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
 
 
+def test_64_bit_seeds_reach_the_device_distinct():
+    from jaxserve.runner import device_seed
+
+    assert [device_seed(s) for s in (5, 2**32 - 1)] == [5, 2**32 - 1]  # 32-bit seeds as they are
+    assert len({device_seed(s) for s in (5, 5 + 2**32, 5 + 2**33, 2**63)}) == 4
+
+
 def test_seeds_make_sampling_reproducible_and_independent_of_the_row(logits):
     same_seed = jnp.full((ROWS,), 7, jnp.uint32)
     positions = jnp.arange(ROWS, dtype=jnp.int32) % 8
