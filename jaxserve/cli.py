@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, read_config_file
 
 
 def _convert(args) -> int:
@@ -135,14 +135,7 @@ def _add_bench_parser(sub) -> None:
 
 def _config_file(args) -> dict[str, Any]:
     """The --config file's keys ({} without one)."""
-    if getattr(args, "config", None) is None:
-        return {}
-    import yaml
-
-    data = yaml.safe_load(Path(args.config).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {args.config} must hold a mapping of option keys")
-    return data
+    return {} if getattr(args, "config", None) is None else read_config_file(args.config)
 
 
 def _options(args) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -30,6 +30,16 @@ def kv_cache_dtype(dtype: str, backend: str, attention_impl: str) -> str:
     return dtype
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's keys (configs/*.yaml: engine and server options side by side)."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of option keys")
+    return data
+
+
 def host_memory_bytes() -> int:
     """This process's memory: the machine's, or its cgroup's limit when that is lower."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, read_config_file
 from jaxserve.sim.cost_model import StepCostModel, default_fit_path, fit_mismatches
 from jaxserve.sim.metrics import format_table, parse_slos
 from jaxserve.sim.simulator import Simulator
@@ -128,13 +128,9 @@ def engine_config(args) -> EngineConfig:
 
 def _config_file(path: Path) -> dict:
     """A config file's engine options; its server keys (port, api_key, ...) do not apply."""
-    import yaml
-
     from jaxserve.server.app import ServerConfig  # only here: the simulator loads without jax
 
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of option keys")
+    data = read_config_file(path)
     server = {f.name for f in dataclasses.fields(ServerConfig)}
     return {k: v for k, v in data.items() if k not in server}
 
