@@ -1,5 +1,5 @@
-"""Tokenizers: a Hugging Face `tokenizers` wrapper, a byte-level tokenizer for the demo model, chat
-templates and an incremental detokenizer.
+"""Tokenizers: a Hugging Face `tokenizers` wrapper, a byte-level tokenizer for the demo model and
+an incremental detokenizer (chat templates render in `chat_template.py`).
 
 The one entry point is `load_tokenizer(path)`: a directory with `tokenizer.json` gives a
 `Tokenizer`, one with `byte_tokenizer.json` gives a `ByteTokenizer`. Both implement
@@ -12,26 +12,21 @@ import functools
 import json
 import re
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from jaxserve.chat_template import (
+    DEFAULT_CHAT_TEMPLATE,
+    TEMPLATE_TOKENS,
+    check_messages,
+    compile_template,
+    pick_template,
+)
 
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
 
-# Used when a model ships no chat template: "role: content" lines, then the assistant's turn.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
-
-# the special-token names transformers passes to chat templates (its special_tokens_map)
-_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                    "mask_token")
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first generated one (as vLLM)
 
@@ -76,8 +71,8 @@ class BaseTokenizer:
         (or `DEFAULT_CHAT_TEMPLATE`), given the special tokens' texts (`bos_token`, `eos_token`,
         `unk_token`, `pad_token`, ... as tokenizer_config.json names them) as transformers does.
         `chat_prompt_ids` encodes the result."""
-        _check_messages(messages)
-        template = _compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+        check_messages(messages)
+        template = compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         return template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
@@ -122,7 +117,7 @@ class Tokenizer(BaseTokenizer):
         # as transformers gives them to templates: those tokenizer_config.json names (a BOS id
         # from generation_config.json alone is no `bos_token`: Qwen's templates render "")
         self.template_tokens = {
-            name: text for name in _TEMPLATE_TOKENS
+            name: text for name in TEMPLATE_TOKENS
             if (text := _token_text(config.get(name))) is not None}
 
         self._post_processor_adds_bos = (
@@ -134,7 +129,7 @@ class Tokenizer(BaseTokenizer):
         if add_bos is not None and not isinstance(add_bos, bool):
             raise ValueError(f"add_bos_token must be true or false, got {add_bos!r}")
         self.add_bos_token = self._post_processor_adds_bos if add_bos is None else add_bos
-        self.chat_template = _pick_template(config.get("chat_template"))
+        self.chat_template = pick_template(config.get("chat_template"))
 
         added = hf_tokenizer.get_added_tokens_decoder()
         self.all_special_ids = frozenset(i for i, tok in added.items() if tok.special)
@@ -391,60 +386,6 @@ class IncrementalDetokenizer:
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`, which templates for assistant-only training
-    use to mark the assistant's text: rendered as its body (transformers tracks the marked
-    spans; serving needs none of that)."""
-
-    tags = frozenset({"generation"})
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body, lineno=lineno)
-
-
-@functools.cache
-def _compile_template(source: str) -> jinja2.Template:
-    # As transformers: sandboxed, trim_blocks/lstrip_blocks, the same helpers.
-    def raise_exception(message: str) -> None:
-        raise ValueError(f"chat template: {message}")
-
-    def tojson(x: Any, ensure_ascii: bool = False, **kwargs: Any) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, **kwargs)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, list | tuple) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
-        for field in ("role", "content"):
-            if field not in message:
-                raise ValueError(f"messages[{i}] has no '{field}'")
-            if not isinstance(message[field], str):
-                kind = type(message[field]).__name__
-                raise ValueError(f"messages[{i}].{field} must be a str, got {kind}")
-
-
-def _pick_template(value: Any) -> str | None:
-    # tokenizer_config.json holds one template, or a list of {"name", "template"}.
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = named.get("default")
-    return value if isinstance(value, str) else None
 
 
 def _token_text(token: Any) -> str | None:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from jaxserve.async_engine import RequestStream
 from jaxserve.request import CompletionOutput, RequestOutput
-from jaxserve.server.app import _merge
+from jaxserve.server.streams import merge
 
 
 def _output(rid: str, n: int, finished: bool = False) -> RequestOutput:
@@ -37,7 +37,7 @@ def test_merged_streams_hold_one_output_per_choice():
     async def main():
         loop = asyncio.get_running_loop()
         streams = [_stream(rid, loop) for rid in ("a", "b")]
-        merged = _merge(streams)
+        merged = merge(streams)
         streams[0]._push(_output("a", 1), 1.0)
         got = [await anext(merged)]  # the reader starts, then stalls while both run on
         for n in range(2, 501):

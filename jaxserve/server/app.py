@@ -2,8 +2,9 @@
 
     POST /v1/completions, /v1/chat/completions    GET /v1/models, /health, /metrics
 
-A request is parsed and tokenized on the event loop, then handed to the `AsyncEngine`; the loop
-only ever awaits (it never waits on the device). A client that goes away, streaming or not,
+A request is parsed on the event loop and tokenized in a worker thread (a long prompt would
+stall every stream), then handed to the `AsyncEngine`; the loop only ever awaits (it never
+waits on the device). A client that goes away, streaming or not,
 aborts its request: its pages are free before the engine's next step. Every error is an
 `APIError` in vLLM's envelope, and touches no other request.
 """
@@ -42,6 +43,7 @@ from jaxserve.server import protocol
 from jaxserve.server.metrics import CONTENT_TYPE, Metrics, Seen
 from jaxserve.server.middleware import AccessLog, APIKey
 from jaxserve.server.protocol import APIError, GenerateRequest
+from jaxserve.server.streams import follow, merge, sse_event, until_disconnect
 
 log = logging.getLogger("jaxserve.server")
 
@@ -313,7 +315,7 @@ class _API:
             self.metrics.progress(seen[i], out, streams[i].inter_token_latencies)
 
         try:
-            done = await _until_disconnect(request, _follow(streams, progress))
+            done = await until_disconnect(request, follow(streams, progress))
         except _STREAM_ERRORS as error:
             raise _api_error(error, req) from None
         finally:
@@ -331,19 +333,19 @@ class _API:
         seen = [Seen() for _ in streams]
         try:
             try:
-                async with contextlib.aclosing(_merge(streams)) as updates:
+                async with contextlib.aclosing(merge(streams)) as updates:
                     async for i, out in updates:
                         last[i] = out
                         self.metrics.progress(seen[i], out, streams[i].inter_token_latencies)
                         chunk = fmt.chunk(i, out)
                         if chunk is not None:
-                            yield _event(chunk)
+                            yield sse_event(chunk)
                 if fmt.req.include_usage:
-                    yield _event(fmt.usage_chunk(last))
+                    yield sse_event(fmt.usage_chunk(last))
             except _STREAM_ERRORS as error:
                 api_error = _api_error(error, fmt.req)
                 info["error"] = api_error.message
-                yield _event(api_error.body())
+                yield sse_event(api_error.body())
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away: the task is cancelled at an await
             for stream in streams:
@@ -365,75 +367,6 @@ class _API:
                  if o.metrics is not None and o.metrics.first_token_time is not None]
         if first:
             info["ttft"] = f"{max(first):.3f}s"
-
-
-def _event(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) from several streams as they come."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    # the newest output per choice (outputs are cumulative: a slow reader skips the ones between,
-    # and holds one output per choice however far it falls behind)
-    latest: dict[int, RequestOutput] = {}
-    ended: set[int] = set()
-    errors: list[Exception] = []
-    changed = asyncio.Event()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                latest[i] = out
-                changed.set()
-        except Exception as error:
-            errors.append(error)
-        ended.add(i)
-        changed.set()
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        while True:
-            await changed.wait()
-            changed.clear()
-            if errors:
-                raise errors[0]
-            while latest:
-                i = next(iter(latest))
-                yield i, latest.pop(i)
-            if len(ended) == len(streams) and not latest:
-                return
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _follow(streams: list[RequestStream], on_output) -> None:
-    async with contextlib.aclosing(_merge(streams)) as updates:
-        async for i, out in updates:
-            on_output(i, out)
-
-
-async def _until_disconnect(request: Request, work) -> bool:
-    """Run `work` unless the client disconnects first; True when it completed."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task.done() and not task.cancelled():
-        task.result()  # an engine error raises here
-        return True
-    return False
 
 
 async def _http_error(request: Request, error: HTTPException) -> Response:
