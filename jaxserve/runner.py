@@ -312,6 +312,7 @@ class ModelRunner:
         top_k = np.full((b,), vocab, np.int32)
         top_p = np.ones((b,), np.float32)
         seeds = np.zeros((b,), np.uint32)
+        logprobs = np.zeros((b,), bool)
         for i, chunk in enumerate(chunks):
             request, p = chunk.request, chunk.request.params
             positions[i] = chunk.start + np.arange(c)
@@ -321,11 +322,12 @@ class ModelRunner:
             top_k[i] = min(p.top_k or vocab, vocab)  # a top_k past the vocabulary is off
             top_p[i] = p.top_p
             seeds[i] = device_seed(request.seed)
+            logprobs[i] = p.logprobs is not None
         seq_lens = positions[:, 0] + query_lens
         md = AttentionMetadata(positions=positions, query_lens=query_lens, seq_lens=seq_lens,
                                page_table=page_table)
         sm = SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds,
-                              positions=seq_lens)
+                              positions=seq_lens, logprobs=logprobs)
         return md, sm
 
     # -- start-up ----------------------------------------------------------------------------
@@ -367,7 +369,7 @@ class ModelRunner:
                                page_table=np.zeros((b, self.pages_per_seq), np.int32))
         sm = SamplingMetadata(np.zeros((b,), np.float32), np.ones((b,), np.int32),
                               np.ones((b,), np.float32), np.zeros((b,), np.uint32),
-                              np.zeros((b,), np.int32))
+                              np.zeros((b,), np.int32), np.zeros((b,), bool))
         tokens = np.zeros((b, c), np.int32)
         if kind == "decode":
             src = np.full((b,), -1, np.int32)

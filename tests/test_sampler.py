@@ -11,7 +11,7 @@ VOCAB, ROWS, TOP = 16, 512, 4
 _sample = jax.jit(sample, static_argnums=2)
 
 
-def _meta(temperature=1.0, top_k=VOCAB, top_p=1.0, seeds=None, positions=None):
+def _meta(temperature=1.0, top_k=VOCAB, top_p=1.0, seeds=None, positions=None, logprobs=True):
     rows = ROWS
     return SamplingMetadata(
         temperature=jnp.full((rows,), temperature, jnp.float32),
@@ -19,6 +19,7 @@ def _meta(temperature=1.0, top_k=VOCAB, top_p=1.0, seeds=None, positions=None):
         top_p=jnp.full((rows,), top_p, jnp.float32),
         seeds=jnp.arange(rows, dtype=jnp.uint32) if seeds is None else seeds,
         positions=jnp.zeros((rows,), jnp.int32) if positions is None else positions,
+        logprobs=jnp.full((rows,), logprobs),
     )
 
 
@@ -41,6 +42,20 @@ def test_greedy_and_its_logprobs(logits):
     assert (packed[:, 2] == 1).all()  # rank
     top_ids = packed[0, 3:3 + TOP]
     np.testing.assert_array_equal(top_ids, np.argsort(-np.asarray(logits[0]))[:TOP])
+
+
+def test_logprobs_only_when_a_row_asks(logits):
+    """A step where no row asked for logprobs skips them (zeros the host never reads) and
+    samples the same tokens; one asking row brings back every row's logprobs."""
+    with_lp = np.asarray(_sample(logits, _meta(seeds=jnp.full((ROWS,), 7, jnp.uint32)), TOP))
+    without = np.asarray(_sample(logits, _meta(seeds=jnp.full((ROWS,), 7, jnp.uint32),
+                                               logprobs=False), TOP))
+    np.testing.assert_array_equal(without[:, 0], with_lp[:, 0])
+    assert (without[:, 1:] == 0).all()
+    meta = _meta(seeds=jnp.full((ROWS,), 7, jnp.uint32))
+    one = SamplingMetadata(meta.temperature, meta.top_k, meta.top_p, meta.seeds, meta.positions,
+                           jnp.arange(ROWS) == 3)
+    np.testing.assert_array_equal(np.asarray(_sample(logits, one, TOP)), with_lp)
 
 
 def test_temperature_sampling_follows_the_distribution(logits):
@@ -95,7 +110,8 @@ def test_seeds_make_sampling_reproducible_and_independent_of_the_row(logits):
 def test_greedy_rows_mixed_with_sampled_rows(logits):
     temperature = jnp.where(jnp.arange(ROWS) % 2 == 0, 0.0, 1.0)
     meta = _meta()
-    meta = SamplingMetadata(temperature, meta.top_k, meta.top_p, meta.seeds, meta.positions)
+    meta = SamplingMetadata(temperature, meta.top_k, meta.top_p, meta.seeds, meta.positions,
+                            meta.logprobs)
     tokens = _tokens(_sample(logits, meta, TOP))
     assert (tokens[::2] == int(np.argmax(logits[0]))).all()
     assert len(set(tokens[1::2].tolist())) > 1
