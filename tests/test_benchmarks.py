@@ -228,6 +228,18 @@ def test_peer_pure_parts():
     assert peer.row_buckets_x15(4) == (2, 4) and peer.row_buckets_x15(1) == (2,)
 
 
+
+def test_profile_step_reads_xla_op_times(stories_dir, capsys):
+    """bench/profile_step.py traces the engine's decode step and sums XLA's ops by kind."""
+    profile = _load(ROOT / "bench" / "profile_step.py")
+    profile.main(["--model", str(stories_dir), "--rows", "2", "--context", "20", "--iters", "1",
+                  "--top", "50"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "decode step of 2 rows at about 20 tokens" in lines[0]
+    ops = {kind: float(ms) for ms, _, kind in (line.split() for line in lines[2:])}
+    assert ops and all(ms >= 0 for ms in ops.values()) and sum(ops.values()) > 0
+    assert not any(kind.startswith(profile._WRAPPERS) for kind in ops)
+
 # -- the commands -------------------------------------------------------------------------------
 
 def test_plan(stories_dir, capsys):

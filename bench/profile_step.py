@@ -1,0 +1,136 @@
+"""Where a decode step's time goes: XLA's own profile of the engine's jitted step, by op kind.
+
+    python bench/profile_step.py                       # the peer model's shape, 64 rows x 300
+    python bench/profile_step.py --model bench/models/llama-20m --rows 32 --context 200
+
+Builds the engine's runner on the model's shape with random weights, times one decode step of
+`--rows` sequences near `--context` tokens each (their pages scattered over the pool, as a busy
+engine's are), then traces a few steps with `jax.profiler` and sums XLA's ops by kind (the
+numeric suffix dropped: every `transpose_copy_fusion.N` is one kind). On the CPU the ops of both
+executor threads add up and a `while` op counts its body's ops again, so the column sums to more
+than the step's wall time; read it for the large entries.
+"""
+
+import argparse
+import collections
+import re
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
+from jaxserve.model.kv_cache import AttentionMetadata  # noqa: E402
+from jaxserve.model.sampler import SamplingMetadata  # noqa: E402
+from jaxserve.runner import ModelRunner  # noqa: E402
+
+_WRAPPERS = ("ThunkExecutor", "SlinkyThreadPool", "end:")  # the executor's own spans
+
+
+def op_totals(profile: jax.profiler.ProfileData, steps: int) -> dict[str, tuple[float, float]]:
+    """Op kind -> (milliseconds, calls) per step, from XLA's op events: a GPU's "XLA Ops" line
+    when the trace has a device, else the CPU client's executor threads."""
+    planes = [p for p in profile.planes if p.name.startswith("/device:")]
+    lines = ([ln for p in planes for ln in p.lines if ln.name == "XLA Ops"] if planes else
+             [ln for p in profile.planes for ln in p.lines if "XLAEigen" in ln.name])
+    ms, calls = collections.Counter(), collections.Counter()
+    for line in lines:
+        for event in line.events:
+            if event.name.startswith(_WRAPPERS):
+                continue
+            kind = re.sub(r"\.\d+$", "", event.name)
+            ms[kind] += event.duration_ns / 1e6 / steps
+            calls[kind] += 1 / steps
+    return {k: (ms[k], calls[k]) for k, _ in ms.most_common()}
+
+
+def decode_inputs(runner: ModelRunner, rows: int, context: int, seed: int = 0):
+    """A decode step's arrays: `rows` sequences of context +-10% tokens on random pages."""
+    rng = np.random.default_rng(seed)
+    pages = rng.permutation(np.arange(1, runner.num_pages))[:rows * runner.pages_per_seq]
+    table = pages.reshape(rows, runner.pages_per_seq).astype(np.int32)
+    spread = max(1, context // 10)
+    lens = rng.integers(max(1, context - spread), context + spread + 1, rows).astype(np.int32)
+    md = AttentionMetadata(positions=(lens - 1)[:, None], query_lens=np.ones(rows, np.int32),
+                           seq_lens=lens, page_table=table)
+    vocab = runner.model_config.vocab_size
+    sm = SamplingMetadata(temperature=np.zeros(rows, np.float32),
+                          top_k=np.full(rows, vocab, np.int32), top_p=np.ones(rows, np.float32),
+                          seeds=np.zeros(rows, np.uint32), positions=lens,
+                          logprobs=np.zeros(rows, bool))
+    tokens = rng.integers(0, vocab, rows).astype(np.int32)
+    return tokens, np.full(rows, -1, np.int32), md, sm
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a directory with config.json (default: bench/peer_hf.py's model)")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--top", type=int, default=15, help="op kinds to print")
+    args = parser.parse_args(argv)
+    if args.rows < 2 or args.context < 1:
+        raise SystemExit("--rows must be at least 2 and --context at least 1")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or _peer_config(Path(tmp))
+        mc = ModelConfig.from_hf_dir(model)
+        max_len = mc.max_position_embeddings
+        if args.context * 11 // 10 + 2 > max_len:
+            raise SystemExit(f"--context {args.context} leaves no room in the model's "
+                             f"{max_len} positions")
+        config = EngineConfig(load_format="dummy", max_num_seqs=args.rows,
+                              row_buckets=(args.rows,), enable_prompt_logprobs=False)
+        config = replace(config, num_pages=args.rows * config.pages_per_seq(max_len) + 1)
+        runner = ModelRunner(model, mc, config)
+        tokens, src, md, sm = decode_inputs(runner, args.rows, args.context)
+
+        def step():
+            packed, _, runner.kv = runner.fns.decode(runner.weights, runner.kv, tokens, src,
+                                                     *runner._carries, md, sm, steps=1)
+            packed.block_until_ready()
+
+        step()
+        times = []
+        for _ in range(args.iters):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        with tempfile.TemporaryDirectory() as trace_dir:
+            jax.profiler.start_trace(trace_dir)
+            for _ in range(5):
+                step()
+            jax.profiler.stop_trace()
+            trace = next(Path(trace_dir).rglob("*.xplane.pb"))
+            totals = op_totals(jax.profiler.ProfileData.from_file(str(trace)), 5)
+
+    print(f"{mc.num_params / 1e6:.1f}M parameters on {jax.default_backend()}: decode step of "
+          f"{args.rows} rows at about {args.context} tokens: median "
+          f"{1e3 * np.median(times):.1f} ms, best {1e3 * min(times):.1f} ms")
+    print(f"{'ms/step':>9} {'calls':>7}  op kind")
+    for kind, (ms, calls) in list(totals.items())[:args.top]:
+        print(f"{ms:9.2f} {calls:7.1f}  {kind}")
+
+
+def _peer_config(folder: Path) -> Path:
+    import json
+
+    from peer_hf import PEER_MODEL
+
+    config = dict(PEER_MODEL, architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5,
+                  dtype="float32", rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+if __name__ == "__main__":
+    main()
