@@ -38,8 +38,12 @@ def op_totals(profile: jax.profiler.ProfileData, steps: int) -> dict[str, tuple[
     """Op kind -> (milliseconds, calls) per step, from XLA's op events: a GPU's "XLA Ops" line
     when the trace has a device, else the CPU client's executor threads."""
     planes = [p for p in profile.planes if p.name.startswith("/device:")]
-    lines = ([ln for p in planes for ln in p.lines if ln.name == "XLA Ops"] if planes else
-             [ln for p in profile.planes for ln in p.lines if "XLAEigen" in ln.name])
+    if planes:
+        lines = [ln for p in planes for ln in p.lines if ln.name == "XLA Ops"]
+    else:  # the executor's threads; other jax versions may name them otherwise
+        host = [ln for p in profile.planes for ln in p.lines]
+        lines = ([ln for ln in host if "XLAEigen" in ln.name] or
+                 [ln for ln in host if "python" not in ln.name.lower()])
     ms, calls = collections.Counter(), collections.Counter()
     for line in lines:
         for event in line.events:
