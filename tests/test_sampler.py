@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.sampler import SamplingMetadata, sample
+from jaxserve.model.sampler import SamplingMetadata, first_argmax, sample
 
 VOCAB, ROWS, TOP = 16, 512, 4
 _sample = jax.jit(sample, static_argnums=2)
@@ -42,6 +42,18 @@ def test_greedy_and_its_logprobs(logits):
     assert (packed[:, 2] == 1).all()  # rank
     top_ids = packed[0, 3:3 + TOP]
     np.testing.assert_array_equal(top_ids, np.argsort(-np.asarray(logits[0]))[:TOP])
+
+
+def test_first_argmax_is_numpys():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 1000)).astype(np.float32)
+    x[0, [5, 700]] = 9.0  # a tie: the first id wins, as np.argmax's
+    x[1, :] = -np.inf
+    x[1, 3] = -1e30
+    x[2, :] = 0.0
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got[0] == 5 and got[1] == 3 and got[2] == 0
 
 
 def test_logprobs_only_when_a_row_asks(logits):

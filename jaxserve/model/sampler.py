@@ -63,9 +63,19 @@ def _sample_random(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:  # [B]
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
+def first_argmax(logits: jax.Array) -> jax.Array:  # [B, V] -> [B] int32
+    """jnp.argmax over the last axis (the first of tied maxima) as two plain reductions: XLA on
+    the CPU runs argmax's paired value-index reduction about 4x slower (64 x 8192: 1.1 ms
+    against 0.3 ms a step). A row holding NaN gives the last id."""
+    vocab = logits.shape[-1]
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    return jnp.minimum(jnp.min(jnp.where(logits == best, ids, vocab), axis=-1), vocab - 1)
+
+
 def sample(logits: jax.Array, sm: SamplingMetadata, num_top: int) -> jax.Array:
     """logits [B, V] float32 -> packed [B, 3 + 2 * num_top] int32 (see module docstring)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(logits)
     tokens = jax.lax.cond(
         jnp.all(sm.temperature == 0),
         lambda: greedy,
