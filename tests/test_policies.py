@@ -96,6 +96,24 @@ def test_priority_batch_progresses_under_a_stream_of_realtime():
     assert "batch" in admitted[:5]
 
 
+def test_priority_victim_is_the_largest_priority_value_then_the_newest():
+    """As vLLM's: within a class the victim has the largest priority value, then the latest
+    first admission; a re-admitted request keeps its seniority; a batch request preempted
+    `batch_preemptions` times is given up last of all."""
+    policy = PriorityPolicy()
+    old, urgent = make_request("old", 3, priority=0), make_request("urgent", 3, priority=-10)
+    batch, newer = make_request("batch", 3, priority=1), make_request("newer", 3, priority=1)
+    for r in (old, urgent, batch, newer):
+        policy.on_admit(r, 0.0)
+    assert policy.victim([urgent, old], 0.0) is old  # urgent came later, ranks higher
+    assert policy.victim([old, urgent, batch, newer], 0.0) is newer
+    policy.on_admit(batch, 0.0)  # re-admitted after a preemption: still the senior one
+    assert policy.victim([batch, newer], 0.0) is newer
+    batch.metrics.num_preemptions = newer.metrics.num_preemptions = policy.batch_preemptions
+    assert policy.victim([batch, old, urgent], 0.0) is old
+    assert policy.victim([batch, newer], 0.0) is newer  # both promoted: the newest goes
+
+
 def test_priority_idle_class_banks_no_credit():
     s = scheduler("priority")
     d = Driver(s)
@@ -140,12 +158,33 @@ def test_sjf_takes_any_callable_and_predicts_once_per_request():
         return 100 - len(request.prompt_ids)  # longest prompt first
 
     policy = SJF(predictor, aging_tokens_per_s=0.0)
-    requests = [make_request("p3", 3), make_request("p9", 9), make_request("p5", 5)]
+    requests = [make_request(f"p{n}", n, 200) for n in (3, 9, 5)]
     for _ in range(3):
         assert [r.request_id for r in policy.order(requests, 0.0)] == ["p9", "p5", "p3"]
     assert sorted(calls) == ["p3", "p5", "p9"]
     assert [r.request_id for r in SJF(PromptLengthPredictor()).order(requests, 0.0)] == [
         "p3", "p5", "p9"]
+
+
+def test_sjf_predictions_stop_at_max_tokens():
+    """A request may not produce more than its max_tokens, whatever the predictor says."""
+    policy = SJF(lambda r: 2000.0 if r.request_id == "classify" else 10.0, aging_tokens_per_s=0)
+    classify = make_request("classify", 40, 1)
+    chat = make_request("chat", 3, 1000, arrival=0.001)
+    assert policy.predicted(classify) == 1.0 and policy.predicted(chat) == 10.0
+    assert [r.request_id for r in policy.order([chat, classify], 0.0)] == ["classify", "chat"]
+
+
+def test_sjf_key_holds_while_pending_tokens_are_read():
+    """A preempted request's tokens still in flight count as served already: its key does not
+    change when they are read while it waits in the (sorted) queue."""
+    policy = SJF(oracle, aging_tokens_per_s=0.0)
+    r = make_request("r", 3, 20)
+    r.num_pending = 2
+    before = policy.key(r, 0.0)
+    r.output_ids += [5, 6]
+    r.num_pending = 0
+    assert policy.key(r, 0.0) == before
 
 
 def test_sjf_aging_lets_a_long_request_overtake_newcomers():
@@ -241,7 +280,9 @@ def test_edf_old_deadlines_beat_newcomers():
     s = scheduler(policy)
     requests = [make_request("old", 3, 2, arrival=0.0, slo_ms=900.0)]
     requests += [make_request(f"new{i}", 3, 2, arrival=0.5 + i / 1000) for i in range(3)]
-    assert admission_order(s, requests) == ["old", "new0", "new1", "new2"]
+    # arriving last, due first (0.503 + 0.1 s): it goes ahead of everything, which FCFS would not
+    requests.append(make_request("urgent", 3, 2, arrival=0.503, slo_ms=100.0))
+    assert admission_order(s, requests) == ["urgent", "old", "new0", "new1", "new2"]
 
 
 def test_sampling_params_validate_slo_ms():

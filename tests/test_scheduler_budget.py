@@ -161,8 +161,10 @@ def _under_a_stream(policy, num_pages: int, long: Request, steps: int = 1500) ->
 
 @pytest.mark.parametrize(("policy", "num_pages", "priority", "output_len"), [
     ("fcfs", 12, 0, 40),  # the oldest needs every page: the newest running one gives its up
-    ("priority", 10, 1, 20),  # a batch request admitted on its share keeps its pages
+    ("priority", 10, 1, 30),  # a batch request preempted twice keeps its pages from then on
     (MLFQ(starvation_s=0.05), 16, 0, 40),  # demoted, then promoted for a quantum: it progresses
+    ("mlfq", 16, 0, 40),  # the defaults: two fruitless preemptions promote it, not 5 s
+    ("mlfq", 10, 0, 30),
 ])
 def test_page_pressure_never_starves_a_request(policy, num_pages, priority, output_len):
     """A long request among a steady stream of short ones, pages short: it finishes with its

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from jaxserve.core.policies import POLICIES
 from jaxserve.core.scheduler import BATCHING_MODES
 
 # -- random workloads -----------------------------------------------------------------------------
@@ -20,7 +21,7 @@ from jaxserve.core.scheduler import BATCHING_MODES
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / abort / step / clock sequences on small pools."""
 
-    @initialize(batching=st.sampled_from(BATCHING_MODES), policy=st.sampled_from(["fcfs", "priority"]),
+    @initialize(batching=st.sampled_from(BATCHING_MODES), policy=st.sampled_from(sorted(POLICIES)),
                 decode_steps=st.sampled_from([1, 4]), overlap=st.booleans(),
                 num_pages=st.integers(4, 16), page_size=st.sampled_from([2, 4]),
                 max_num_seqs=st.integers(1, 4), extra_budget=st.integers(0, 16),

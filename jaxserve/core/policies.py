@@ -69,9 +69,11 @@ class PriorityPolicy(Policy):
 
     Admitting from c advances pass_c by 1 / weight_c, and lifts a class with nothing waiting to
     pass_c, so an idle class banks no credit. Lower `priority` first within a class. When pages
-    run short the batch class gives its pages up first, the request admitted last first; but a
-    batch request preempted `batch_preemptions` times already counts as realtime there, so
-    realtime load that keeps the pool full cannot starve it (it would recompute for ever).
+    run short the batch class gives its pages up first, then within a class the highest
+    `priority` value, then the request first admitted last (as vLLM's victim: the largest
+    (priority, arrival)); a re-admission keeps the first one's seniority. A batch request
+    preempted `batch_preemptions` times is given up last of all, so realtime load that keeps
+    the pool full cannot starve it (it would recompute for ever).
     """
 
     name = "priority"
@@ -120,14 +122,18 @@ class PriorityPolicy(Policy):
         for idle in self._idle:
             self._pass[idle] = max(self._pass[idle], self._pass[c])
         self._admissions += 1
-        self._admitted[request] = self._admissions
+        self._admitted.setdefault(request, self._admissions)  # seniority survives preemption
 
     def victim(self, running: list[Request], now: float) -> Request:
-        """Batch before realtime (a batch request preempted `batch_preemptions` times counts
-        as realtime), then the one admitted last (never admitted here: before all others)."""
+        """Batch before realtime, then the highest priority value, then the one first admitted
+        last (never admitted here: before all others). A batch request preempted
+        `batch_preemptions` times ranks after every other: it was the one given up each time,
+        and a newer stamp would make it the victim again at once."""
         def rank(r: Request):
-            batch = self.qos_class(r) == 1 and r.metrics.num_preemptions < self.batch_preemptions
-            return (batch, self._admitted.get(r, 0), self.key(r, now))
+            batch = self.qos_class(r) == 1
+            promoted = batch and r.metrics.num_preemptions >= self.batch_preemptions
+            return (batch and not promoted, -math.inf if promoted else r.priority,
+                    self._admitted.get(r, 0), self.key(r, now))
 
         return max(running, key=rank)
 
@@ -149,14 +155,19 @@ class SJF(Policy):
         self._predicted: weakref.WeakKeyDictionary[Request, float] = weakref.WeakKeyDictionary()
 
     def predicted(self, request: Request) -> float:
-        """Predicted total output tokens, computed once per request."""
+        """Predicted total output tokens, computed once per request, never past what the
+        request may produce (its max_tokens, or the room left in max_model_len)."""
         value = self._predicted.get(request)
         if value is None:
-            value = self._predicted[request] = float(self.predictor(request))
+            value = self._predicted[request] = min(float(self.predictor(request)),
+                                                   float(request.max_len - len(request.prompt_ids)))
         return value
 
     def key(self, request: Request, now: float) -> Any:
-        remaining = max(0.0, self.predicted(request) - len(request.output_ids))
+        # tokens still in flight count as served: a preempted request's key must not change
+        # while it waits in the queue, which is kept sorted
+        served = request.num_tokens - len(request.prompt_ids)
+        remaining = max(0.0, self.predicted(request) - served)
         waited = now - request.arrival_time
         return (remaining - self.aging_tokens_per_s * waited, request.arrival_time,
                 request.request_id)
@@ -170,20 +181,24 @@ class MLFQ(Policy):
     `starvation_s` since arrival or its last preemption is promoted to level 0, and once
     admitted keeps level 0 until served `quantum_tokens` more (FastServe's promotion), so it is
     not the first victim when pages run short and makes progress. A preemption after which it
-    made no progress does not restart its wait. FCFS within a level."""
+    made no progress does not restart its wait, and `fruitless_preemptions` of them in a row
+    count as starving: the demoted request is the victim every time pages run short, and would
+    recompute and be preempted over and over until `starvation_s`. FCFS within a level."""
 
     name = "mlfq"
 
     def __init__(self, num_levels: int = 4, quantum_tokens: float = 16.0,
-                 prompt_token_cost: float = 0.25, starvation_s: float = 5.0):
+                 prompt_token_cost: float = 0.25, starvation_s: float = 5.0,
+                 fruitless_preemptions: int = 2):
         self.num_levels = num_levels
         self.quantum_tokens = quantum_tokens
         self.prompt_token_cost = prompt_token_cost
         self.starvation_s = starvation_s
+        self.fruitless_preemptions = fruitless_preemptions
         # promoted requests once admitted: the output length up to which they stay at level 0
         self._boost: weakref.WeakKeyDictionary[Request, float] = weakref.WeakKeyDictionary()
-        # per request: its output length when its wait began, and when that was
-        self._wait: weakref.WeakKeyDictionary[Request, tuple[int, float]] = (
+        # per request: its output length and preemptions when its wait began, and when
+        self._wait: weakref.WeakKeyDictionary[Request, tuple[int, int, float]] = (
             weakref.WeakKeyDictionary())
 
     def level(self, request: Request, now: float) -> int:
@@ -196,12 +211,13 @@ class MLFQ(Policy):
 
     def _starving(self, request: Request, now: float) -> bool:
         preempted = request.metrics.last_preempted_time
-        n = len(request.output_ids)
+        n, k = len(request.output_ids), request.metrics.num_preemptions
         wait = self._wait.get(request)
         if wait is None or n > wait[0]:  # first seen, or served since: the wait starts anew
-            wait = self._wait[request] = (n, request.arrival_time if preempted is None
+            wait = self._wait[request] = (n, k, request.arrival_time if preempted is None
                                           else preempted)
-        return now - wait[1] >= self.starvation_s
+        return (now - wait[2] >= self.starvation_s
+                or k - wait[1] >= self.fruitless_preemptions)
 
     def on_admit(self, request: Request, now: float) -> None:
         if self._starving(request, now):
