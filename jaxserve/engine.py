@@ -312,7 +312,7 @@ class LLMEngine:
         completes a stop string ends the output, and the tokens after it are dropped, as the
         scheduler drops those after a stop token, so the output never depends on how tokens
         were grouped into steps. A stop token's text (EOS or one of stop_token_ids) is left
-        out, as vLLM leaves it out."""
+        out unless include_stop_str_in_output, as vLLM does."""
         request = tracker.request
         if tracker.detok is None:
             return
@@ -321,7 +321,7 @@ class LLMEngine:
         new_ids = ids[first:]
         tracker.num_detokenized = len(ids)
         if request.status == RequestStatus.FINISHED_STOPPED and not isinstance(
-                request.stop_reason, str):
+                request.stop_reason, str) and not request.params.include_stop_str_in_output:
             new_ids = new_ids[:-1]  # EOS or a stop token ended it: not text
         stops = request.params.stop
         if not stops:
@@ -332,8 +332,8 @@ class LLMEngine:
         for j, token in enumerate(new_ids):
             before = len(tracker.text)
             tracker.text += tracker.detok.push([token])
-            # what a run of byte tokens spells so far counts (a character completed by its last
-            # byte), though the detokenizer holds it until the run ends
+            # text the detokenizer holds back (it ends in an incomplete character, or a byte
+            # token could yet change it) counts where it would complete a stop string
             if self._stop_string(tracker, before, keep=first + j + 1,
                                  pending=tracker.detok.peek()):
                 return

@@ -172,7 +172,10 @@ class Request:
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids
         )
-        self.named_stop_ids = frozenset(params.stop_token_ids) | (
+        # the tokenizer's own EOS reports no stop reason even when stop_token_ids names it (vLLM
+        # checks EOS first)
+        own_eos = frozenset() if params.ignore_eos else eos_token_ids - named_eos_ids
+        self.named_stop_ids = (frozenset(params.stop_token_ids) - own_eos) | (
             frozenset() if params.ignore_eos else named_eos_ids & eos_token_ids
         )
         self.output_ids: list[int] = []

@@ -313,7 +313,11 @@ class IncrementalDetokenizer:
     Text is held back while it ends in U+FFFD (a character still incomplete) and, for decoders
     with byte fallback, while ids end in a run of byte tokens (one later invalid byte would turn
     the whole run into U+FFFD). So the deltas never need taking back, and together they equal the
-    decode of prompt + generated ids past the decode of the prompt; `finish()` flushes the rest.
+    decode of prompt + generated ids past the decode of the prompt, with two exceptions that
+    follow vLLM: a prompt that ends inside a character leaves its last ids pending, so the
+    character they begin is output text once generated ids complete it; and `finish()` returns
+    a run cut inside a character as its whole characters and one U+FFFD (the decoder would make
+    every byte of the run U+FFFD, the complete characters too).
     """
 
     def __init__(
@@ -326,7 +330,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids = self._kept(prompt_ids)
-        self._read = len(self._ids)
+        self._read = len(self._ids) - self._incomplete_tail(self._ids[-4:])
         self._prefix = max(self._read - _CONTEXT_TOKENS, 0)
         # Never start the window inside a run of byte tokens.
         in_run = tokenizer.byte_fallback_ids
@@ -366,7 +370,34 @@ class IncrementalDetokenizer:
         if self._finished:
             return ""
         self._finished = True
-        return self._advance(len(self._ids), final=True)
+        tail = self._byte_run_tail()
+        if not tail:
+            return self._advance(len(self._ids), final=True)
+        # byte tokens of an unfinished character: decoded with them, the run's complete
+        # characters would turn into U+FFFD too
+        delta = self._advance(len(self._ids) - tail, final=True) + "\ufffd"
+        self._read = len(self._ids)
+        self.text += "\ufffd"
+        return delta
+
+    def _byte_run_tail(self) -> int:
+        """How many of the last ids are byte-fallback tokens (one byte each) that begin a
+        character without finishing it; never ids already returned."""
+        run = self._tokenizer.byte_fallback_ids
+        start = len(self._ids)
+        while start > max(self._read, len(self._ids) - 4) and self._ids[start - 1] in run:
+            start -= 1
+        return self._incomplete_tail(self._ids[start:])
+
+    def _incomplete_tail(self, ids: Sequence[int]) -> int:
+        """How many of `ids`' last tokens hold the bytes of a character they begin but do not
+        finish (0 when their bytes end on a character boundary)."""
+        pieces = [self._tokenizer.token_bytes(i) for i in ids]
+        missing, count = _incomplete_utf8_tail(b"".join(pieces)), 0
+        while missing > 0 and count < len(pieces):
+            count += 1
+            missing -= len(pieces[-count])
+        return count
 
     def _advance(self, end: int, final: bool) -> str:
         if end <= self._read:
@@ -386,6 +417,19 @@ class IncrementalDetokenizer:
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+
+def _incomplete_utf8_tail(data: bytes) -> int:
+    """How many of `data`'s last bytes begin a UTF-8 character without finishing it (0 when it
+    ends on a character boundary, or in bytes no character could continue)."""
+    for back in range(1, min(4, len(data)) + 1):
+        if data[-back] & 0xC0 != 0x80:  # not a continuation byte: the last character starts here
+            try:
+                data[-back:].decode("utf-8")
+            except UnicodeDecodeError as err:
+                return back if err.start == 0 and err.reason == "unexpected end of data" else 0
+            return 0
+    return 0
 
 
 def _token_text(token: Any) -> str | None:

@@ -300,16 +300,24 @@ def test_stop_conditions(decode_steps, overlap):
         make_request("ignore-eos", prompt, 6, eos=frozenset({third}), ignore_eos=True),
         # a generation_config stop id beside the tokenizer's EOS: its id is the reason (vLLM)
         make_request("named-eos", prompt, 6, eos=frozenset({third}), named_eos=frozenset({third})),
+        # the tokenizer's EOS named in stop_token_ids too: EOS wins, no reason (vLLM checks it
+        # first); with ignore_eos only the stop id ends it, and names itself
+        make_request("eos-as-stop-id", prompt, 6, eos=frozenset({third}), stop_token_ids=(third,)),
+        make_request("ignored-eos-as-stop-id", prompt, 6, eos=frozenset({third}),
+                     stop_token_ids=(third,), ignore_eos=True),
     ]
     s = small_scheduler(decode_steps=decode_steps)
     result = run(s, requests, overlap=overlap)
     full = expected_output(prompt, 6)
     assert result.outputs == {"length": full, "stop-id": full[:3], "eos": full[:3],
-                              "ignore-eos": full, "named-eos": full[:3]}
+                              "ignore-eos": full, "named-eos": full[:3],
+                              "eos-as-stop-id": full[:3], "ignored-eos-as-stop-id": full[:3]}
     assert result.finish_reasons == {"length": "length", "stop-id": "stop", "eos": "stop",
-                                     "ignore-eos": "length", "named-eos": "stop"}
+                                     "ignore-eos": "length", "named-eos": "stop",
+                                     "eos-as-stop-id": "stop", "ignored-eos-as-stop-id": "stop"}
     assert result.stop_reasons == {"length": None, "stop-id": third, "eos": None,
-                                   "ignore-eos": None, "named-eos": third}
+                                   "ignore-eos": None, "named-eos": third,
+                                   "eos-as-stop-id": None, "ignored-eos-as-stop-id": third}
 
 
 # -- multi-step decode ----------------------------------------------------------------------------

@@ -77,6 +77,14 @@ def test_stop_strings_and_stop_tokens(stories):
                                                       stop_token_ids=[stop_id]))[0].outputs[0]
     assert out.token_ids == case["generated_ids"][:6]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # the stop token's text stays in with include_stop_str_in_output, as vLLM keeps it
+    kept = llm.generate(case["prompt"], SamplingParams(
+        max_tokens=60, temperature=0.0, stop_token_ids=[stop_id],
+        include_stop_str_in_output=True))[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    assert kept.token_ids == out.token_ids and kept.stop_reason == stop_id
+    assert kept.text.startswith(out.text) and len(kept.text) > len(out.text)
+    assert kept.text.strip() == tokenizer.decode(case["generated_ids"][:6]).strip()
 
 
 def test_stop_strings_end_the_same_token_whatever_the_steps(stories, stories_dir):
