@@ -35,20 +35,21 @@ def cases(stories_dir: Path) -> list[dict]:
 
 
 def cut_run(tokenizer, ids) -> int:
-    """How many of `ids`' last byte-fallback tokens begin a character they do not finish."""
-    run = []
+    """How many of `ids`' last byte-fallback tokens begin a character they do not finish: the
+    shortest run tail that some continuation bytes would complete into one valid character."""
+    run = b""
     for i in reversed(ids):
-        if i not in tokenizer.byte_fallback_ids or len(run) == 4:
+        if i not in tokenizer.byte_fallback_ids:
             break
-        run.insert(0, tokenizer.token_bytes(i))
-    for cut in range(len(run) + 1):
-        try:
-            b"".join(run[:len(run) - cut]).decode("utf-8")
-        except UnicodeDecodeError as err:
-            if err.reason != "unexpected end of data":
-                return 0  # invalid, not cut: the decoder's U+FFFD for every byte stands
-            continue
-        return cut
+        run = tokenizer.token_bytes(i) + run
+    for k in range(1, min(3, len(run)) + 1):
+        for extra in range(1, 5 - k):
+            for c in range(0x80, 0xC0):
+                try:
+                    if len((run[-k:] + bytes([c]) + b"\x80" * (extra - 1)).decode("utf-8")) == 1:
+                        return k
+                except UnicodeDecodeError:
+                    pass
     return 0
 
 
@@ -58,8 +59,9 @@ def stream(tokenizer, prompt_ids, ids, chunk=1, skip_special_tokens=True) -> tup
     ids that end inside a character end in one U+FFFD instead)."""
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
     prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens)
-    cut = cut_run(tokenizer, ids)
-    full = tokenizer.decode([*prompt_ids, *ids[:len(ids) - cut]], skip_special_tokens)
+    kept = [i for i in ids if not (skip_special_tokens and i in tokenizer.all_special_ids)]
+    cut = cut_run(tokenizer, kept)  # a run of byte tokens spans the skipped ones
+    full = tokenizer.decode([*prompt_ids, *kept[:len(kept) - cut]], skip_special_tokens)
     assert full.startswith(prompt_text)
     expected = full[len(prompt_text) :] + "\ufffd" * (cut > 0)
     out = ""

@@ -1,0 +1,297 @@
+"""The model's shape, read and checked from a Hugging Face config.json (and the files beside it).
+
+`ModelConfig.from_hf_dir` fills in transformers' defaults per architecture and names the field
+of any value it refuses.
+"""
+
+import contextlib
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from jaxserve.checks import is_finite, is_int, show
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+# transformers 5's defaults for keys a config.json leaves out, where the architectures differ
+# (all three: rms_norm_eps 1e-6, rope_theta 10000); a null num_key_value_heads is one per head
+_HF_DEFAULTS = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8},
+}
+
+_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                 "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling; `rope_type` is one of SUPPORTED_ROPE_TYPES other than default."""
+
+    rope_type: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            _check_positive_number(f"rope_scaling.{name}", getattr(self, name))
+        _check_positive_int("rope_scaling.original_max_position_embeddings",
+                            self.original_max_position_embeddings)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder (Llama 2/3, Qwen2, Mistral)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # the checkpoint's own dtype
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("rms_norm_eps", "rope_theta"):
+            _check_positive_number(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        try:
+            hf = json.loads(config_file.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{config_file}: not valid JSON ({error})") from None
+        # generation_config.json's stop ids stop generation too (Llama-3's <|eot_id|>), with or
+        # without a tokenizer in the directory
+        generation = path / "generation_config.json"
+        if generation.is_file():
+            with contextlib.suppress(json.JSONDecodeError):
+                extra = json.loads(generation.read_text()).get("eos_token_id")
+                hf = hf | {"eos_token_id": _id_list(hf.get("eos_token_id")) + [
+                    i for i in _id_list(extra) if i not in _id_list(hf.get("eos_token_id"))]}
+        if not (hf.get("dtype") or hf.get("torch_dtype")):  # as transformers: the weights' own
+            hf = hf | {"dtype": _safetensors_dtype(path) or "float32"}
+        try:
+            return cls.from_hf_dict(hf)
+        except KeyError as error:
+            raise ValueError(f"{config_file}: missing {error.args[0]!r}") from None
+        except ValueError as error:
+            raise ValueError(f"{config_file}: {error}") from None
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Read a transformers config.json, in the transformers 4 or 5 style."""
+        archs = hf.get("architectures") or []
+        if len(archs) != 1:
+            raise ValueError(
+                f"config.json 'architectures' must name one architecture, got {archs!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: 'silu'")
+        if hf.get("mlp_bias", False):
+            raise ValueError("mlp_bias=true is not supported; supported: mlp_bias=false")
+        quant = hf.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise ValueError(f"quantization_config ({method}): quantized checkpoints are not "
+                             "supported; use the model's float16/bfloat16/float32 weights")
+        # each integer is checked here under its config.json name, before any arithmetic on it
+        sizes = {key: _check_positive_int(key, hf[key]) for key in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads")}
+        defaults = _HF_DEFAULTS[arch]
+        num_heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+        # transformers: an absent key takes the architecture's default, a null one (and a null
+        # head_dim) is derived from the heads
+        num_kv_heads = hf.get("num_key_value_heads", defaults["num_key_value_heads"])
+        head_dim = hf.get("head_dim")
+        max_len = _check_positive_int("max_position_embeddings", hf.get(
+            "max_position_embeddings", defaults["max_position_embeddings"]))
+        theta, scaling = _read_rope(hf, max_len)
+        # as transformers: Llama's attention_bias covers q, k, v and o; Qwen2 has q, k, v biases
+        # and no o bias; Mistral has none
+        attention_bias = bool(hf.get("attention_bias", False)) and arch == "LlamaForCausalLM"
+        qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
+        sliding = _sliding_window(arch, hf)
+        eos_ids = tuple(_id_list(hf.get("eos_token_id")))
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        if dtype not in _TORCH_DTYPES:
+            raise ValueError(f"config dtype {dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
+        return cls(
+            architecture=arch,
+            vocab_size=sizes["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=sizes["intermediate_size"],
+            num_layers=sizes["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=_check_positive_int(
+                "num_key_value_heads", num_heads if num_kv_heads is None else num_kv_heads),
+            head_dim=hidden // num_heads if head_dim is None else head_dim,
+            max_position_embeddings=max_len,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=attention_bias,
+            sliding_window=sliding,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            dtype=_TORCH_DTYPES[dtype],
+        )
+
+    @property
+    def num_params(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A transformers-5 style config.json for this shape (used by saved checkpoints)."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope |= dataclasses.asdict(self.rope_scaling)
+        return {
+            "architectures": [self.architecture], "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.o_bias, "hidden_act": "silu",
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "max_window_layers": 0, "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids), "dtype": self.dtype,
+        }
+
+
+def _safetensors_dtype(path: Path) -> str | None:
+    """The dtype of the first floating-point tensor in the directory's safetensors (read from
+    the file's header alone), or None. The model's own files (model*.safetensors) come first:
+    an adapter_model.safetensors beside them, which the loader skips, may hold another dtype."""
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    files = sorted(path.glob("*.safetensors"), key=lambda f: (not f.name.startswith("model"), f))
+    for file in files:
+        try:
+            with file.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size)) if 0 < size < 1 << 26 else {}
+        except (OSError, ValueError):
+            continue
+        for key, entry in header.items():
+            if key != "__metadata__" and isinstance(entry, dict) and entry.get("dtype") in names:
+                return names[entry["dtype"]]
+    return None
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    """`value` if it is an integer > 0, else a ValueError naming the field."""
+    if not is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {show(value)}")
+    return int(value)
+
+
+def _check_positive_number(name: str, value: Any) -> float:
+    """`value` as a float if it is a finite number > 0, else a ValueError naming the field (a
+    null or a string here used to be a TypeError inside the model)."""
+    if not is_finite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {show(value)}")
+    return float(value)
+
+
+def _id_list(value: Any) -> list[int]:
+    """A token id field (an int, a list of them, or null) as a list."""
+    return list(value) if isinstance(value, list) else [] if value is None else [value]
+
+
+def _sliding_window(arch: str, hf: dict[str, Any]) -> int | None:
+    """The attention window, None for full attention, as transformers reads each architecture:
+    Llama has none; Mistral's defaults to 4096 when the key is absent (null: none); Qwen2's
+    applies only with use_sliding_window, to the layers from max_window_layers (default 28)
+    on, 4096 when absent."""
+    if arch == "MistralForCausalLM":
+        return hf.get("sliding_window", 4096)
+    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window", False):
+        if hf.get("max_window_layers", 28) >= hf["num_hidden_layers"]:
+            return None  # no layer slides
+        return hf.get("sliding_window", 4096)
+    return None
+
+
+def _read_rope(hf: dict[str, Any], max_position_embeddings: int
+               ) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`
+    (4). As transformers 5 reads them, a non-empty `rope_scaling` wins over `rope_parameters`."""
+    base = dict(hf.get("rope_parameters") or {})
+    params = dict(hf.get("rope_scaling") or {}) or base
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = _check_positive_number("rope_theta", params.get(
+        "rope_theta", hf.get("rope_theta", base.get("rope_theta", 10000.0))))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    needed = ("factor",) if rope_type == "linear" else (
+        "factor", "low_freq_factor", "high_freq_factor")
+    missing = [k for k in needed if k not in params]
+    if missing:
+        raise ValueError(f"rope_scaling of type {rope_type!r} needs {', '.join(missing)}")
+    values = {k: params[k] for k in needed}
+    if rope_type == "llama3":  # as transformers: the top-level key, else the model's length
+        values["original_max_position_embeddings"] = params.get(
+            "original_max_position_embeddings", hf.get("original_max_position_embeddings",
+                                                       max_position_embeddings))
+    return theta, RopeScaling(rope_type=rope_type, **values)
