@@ -211,7 +211,7 @@ def main() -> None:
     import torch
 
     from jaxserve.benchmarks.roofline import measure_matmul_flops, workload_flops
-    from jaxserve.config import ModelConfig
+    from jaxserve.model_config import ModelConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_model(Path(tmp) / "llama-27m", args.seed)

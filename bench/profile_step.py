@@ -26,9 +26,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
+from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.model.kv_cache import AttentionMetadata  # noqa: E402
 from jaxserve.model.sampler import SamplingMetadata  # noqa: E402
+from jaxserve.model_config import ModelConfig  # noqa: E402
 from jaxserve.runner import ModelRunner  # noqa: E402
 
 _WRAPPERS = ("ThunkExecutor", "SlinkyThreadPool", "end:")  # the executor's own spans

@@ -21,8 +21,8 @@ def _convert(args) -> int:
 
     import jax.numpy as jnp
 
-    from jaxserve.config import ModelConfig
     from jaxserve.model.loader import load_hf_state, save_orbax
+    from jaxserve.model_config import ModelConfig
 
     if Path(args.out_dir).resolve() == Path(args.hf_dir).resolve():
         raise ValueError(f"OUT_DIR {args.out_dir} is HF_DIR itself: give another directory "

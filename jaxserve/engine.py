@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.checks import is_int, show
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import SchedulerOutput, make_scheduler
+from jaxserve.model_config import ModelConfig
 from jaxserve.request import (
     CompletionOutput,
     Logprob,

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxserve.config import (
-    SUPPORTED_DTYPES,
     EngineConfig,
-    ModelConfig,
     compute_dtype,
     host_memory_bytes,  # the cgroup's limit when lower: what the engine sizes itself by
     kv_cache_dtype,
 )
+from jaxserve.model_config import SUPPORTED_DTYPES, ModelConfig
 
 
 @dataclass(frozen=True)

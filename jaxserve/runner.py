@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
-from jaxserve.config import EngineConfig, ModelConfig, compute_dtype, kv_cache_dtype
+from jaxserve.config import EngineConfig, compute_dtype, kv_cache_dtype
 from jaxserve.core.buckets import bucket, prefill_calls, prefill_row_buckets
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.model.attention import resolve_attention_impl
@@ -36,6 +36,7 @@ from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
+from jaxserve.model_config import ModelConfig
 
 log = logging.getLogger("jaxserve")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

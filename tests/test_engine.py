@@ -115,7 +115,8 @@ def test_auto_dtype_computes_a_16_bit_checkpoint_in_float32_on_the_cpu(tmp_path)
     import json
     import shutil
 
-    from jaxserve.config import EngineConfig, ModelConfig, compute_dtype
+    from jaxserve.config import EngineConfig, compute_dtype
+    from jaxserve.model_config import ModelConfig
     from jaxserve.plan import format_plan, plan
     from jaxserve.runner import ModelRunner
 

@@ -15,13 +15,14 @@ FORBIDDEN = {
                        "jaxserve.async_engine", "jaxserve.server", "jaxserve.tokenizer"),
     "jaxserve.checks": ("jaxserve.",),
     "jaxserve.config": ("jaxserve.",),
+    "jaxserve.model_config": ("jaxserve.",),
     "jaxserve.request": ("jaxserve.",),
     "jaxserve.sim": ("jaxserve.runner", "jaxserve.model", "jax"),
     "jaxserve.server": ("jaxserve.runner", "jaxserve.model"),
     "pallas_kernels": ("jaxserve",),
 }
 # leaves the modules above may import all the same
-ALLOWED = ("jaxserve.checks",)
+ALLOWED = ("jaxserve.checks", "jaxserve.model_config")
 
 
 def _modules():

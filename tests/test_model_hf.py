@@ -12,9 +12,9 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.loader import load_state
+from jaxserve.model_config import ModelConfig
 
 
 def _expected(name):

@@ -201,7 +201,7 @@ def first_model(base_url: str, api_key: str | None) -> str:
 def model_info(tokenizer_dir: str | None, model: str) -> tuple[int, object, int | None]:
     """(vocab size, tokenizer or None, max_model_len) from a local model directory: --tokenizer,
     else the served model's name when it names one (or "demo")."""
-    from jaxserve.config import ModelConfig
+    from jaxserve.model_config import ModelConfig
 
     candidate = tokenizer_dir or model
     if candidate == "demo":

@@ -26,7 +26,6 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from jaxserve.config import ModelConfig
 from jaxserve.demo import CHECKPOINT_DIR
 from jaxserve.demo.data import (
     Corpus,
@@ -37,6 +36,7 @@ from jaxserve.demo.data import (
 )
 from jaxserve.model.llama import LlamaForCausalLM, apply_rope, rope_inv_freq
 from jaxserve.model.loader import save_orbax
+from jaxserve.model_config import ModelConfig
 from jaxserve.tokenizer import ByteTokenizer
 
 REPORT_FILE = "training_report.json"

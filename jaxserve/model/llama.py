@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import ModelConfig
 from jaxserve.model.attention import paged_attention
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, write_kv
+from jaxserve.model_config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [head_dim // 2] float32

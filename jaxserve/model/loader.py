@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import ModelConfig
 from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model_config import ModelConfig
 
 ORBAX_DIR = "params"
 # Tensors some checkpoints carry that the model derives itself.
