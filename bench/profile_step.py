@@ -32,7 +32,8 @@ from jaxserve.model.sampler import SamplingMetadata  # noqa: E402
 from jaxserve.model_config import ModelConfig  # noqa: E402
 from jaxserve.runner import ModelRunner  # noqa: E402
 
-_WRAPPERS = ("ThunkExecutor", "SlinkyThreadPool", "end:")  # the executor's own spans
+# the executor's own spans
+_WRAPPERS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "end:")
 
 
 def op_totals(profile: jax.profiler.ProfileData, steps: int) -> dict[str, tuple[float, float]]:
@@ -41,9 +42,10 @@ def op_totals(profile: jax.profiler.ProfileData, steps: int) -> dict[str, tuple[
     planes = [p for p in profile.planes if p.name.startswith("/device:")]
     if planes:
         lines = [ln for p in planes for ln in p.lines if ln.name == "XLA Ops"]
-    else:  # the executor's threads; other jax versions may name them otherwise
+    else:  # the executor's threads (its pool's, and the client's, which runs a step with a
+        # custom call in it); other jax versions may name them otherwise
         host = [ln for p in profile.planes for ln in p.lines]
-        lines = ([ln for ln in host if "XLAEigen" in ln.name] or
+        lines = ([ln for ln in host if ln.name.startswith("tf_XLA")] or
                  [ln for ln in host if "python" not in ln.name.lower()])
     ms, calls = collections.Counter(), collections.Counter()
     for line in lines:
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=15, help="op kinds to print")
+    parser.add_argument("--attention-impl", default="auto", help="as the engine's option")
     args = parser.parse_args(argv)
     if args.rows < 2 or args.context < 1:
         raise SystemExit("--rows must be at least 2 and --context at least 1")
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--context {args.context} leaves no room in the model's "
                              f"{max_len} positions")
         config = EngineConfig(load_format="dummy", max_num_seqs=args.rows,
-                              row_buckets=(args.rows,), enable_prompt_logprobs=False)
+                              row_buckets=(args.rows,), enable_prompt_logprobs=False,
+                              attention_impl=args.attention_impl)
         config = replace(config, num_pages=args.rows * config.pages_per_seq(max_len) + 1)
         runner = ModelRunner(model, mc, config)
         tokens, src, md, sm = decode_inputs(runner, args.rows, args.context)
@@ -118,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
             trace = next(Path(trace_dir).rglob("*.xplane.pb"))
             totals = op_totals(jax.profiler.ProfileData.from_file(str(trace)), 5)
 
-    print(f"{mc.num_params / 1e6:.1f}M parameters on {jax.default_backend()}: decode step of "
+    print(f"{mc.num_params / 1e6:.1f}M parameters on {jax.default_backend()} "
+          f"({runner.attention_impl} attention): decode step of "
           f"{args.rows} rows at about {args.context} tokens: median "
           f"{1e3 * np.median(times):.1f} ms, best {1e3 * min(times):.1f} ms")
     print(f"{'ms/step':>9} {'calls':>7}  op kind")

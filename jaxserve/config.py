@@ -17,10 +17,10 @@ from jaxserve.model_config import SUPPORTED_DTYPES, ModelConfig
 
 def kv_cache_dtype(dtype: str, backend: str, attention_impl: str) -> str:
     """The KV pool's dtype: the model's, except float32 for a 16-bit model under the reference
-    attention on the CPU. XLA on the CPU has no 16-bit float gather or scatter: it converts the
+    or cpu attention on the CPU (the C++ kernel reads float32 pages). XLA on the CPU has no 16-bit float gather or scatter: it converts the
     whole pool to float32 and back, every layer of every step (a 2-row decode step of a
     32-layer bf16 model took 214 ms with 4096 pages and 45 ms with 512)."""
-    if backend == "cpu" and attention_impl == "reference" and dtype != "float32":
+    if backend == "cpu" and attention_impl in ("reference", "cpu") and dtype != "float32":
         return "float32"
     return dtype
 
@@ -67,10 +67,10 @@ def compute_dtype(requested: str, checkpoint: str, backend: str, num_params: int
 
 
 Batching = Literal["static", "dynamic", "continuous"]
-AttentionImpl = Literal["auto", "pallas", "reference"]
+AttentionImpl = Literal["auto", "pallas", "cpu", "reference"]
 _CHOICES = {
     "batching": ("static", "dynamic", "continuous"),
-    "attention_impl": ("auto", "pallas", "reference"),
+    "attention_impl": ("auto", "pallas", "cpu", "reference"),
     "dtype": ("auto", *SUPPORTED_DTYPES),
     "policy": ("fcfs", "priority", "sjf", "mlfq", "edf"),
     "load_format": ("auto", "dummy"),

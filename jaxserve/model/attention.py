@@ -1,28 +1,47 @@
-"""The one call site of paged attention; `attention_impl` picks Pallas kernels or the reference."""
+"""The one call site of paged attention; `attention_impl` picks the kernels or the reference.
+
+    pallas     Pallas kernels (Triton on the GPU; interpret mode elsewhere, for tests)
+    cpu        a C++ decode kernel through XLA's FFI, built on first use; prefill as reference
+    reference  plain XLA, the block walk of pallas_kernels/blocked.py
+    auto       pallas on the GPU where the kernels take the shape, cpu on the CPU where the
+               kernel builds, reference otherwise
+"""
 
 import logging
 
 import jax
 
 from jaxserve.model.kv_cache import AttentionMetadata
+from pallas_kernels import cpu_decode
 from pallas_kernels.blocked import decode_attention_blocked, prefill_attention_blocked
 from pallas_kernels.decode import kernel_shape_problem
 
 log = logging.getLogger(__name__)
 
-ATTENTION_IMPLS = ("auto", "pallas", "reference")
+ATTENTION_IMPLS = ("auto", "pallas", "cpu", "reference")
 
 
 def resolve_attention_impl(impl: str, backend: str, head_dim: int | None = None,
                            page_size: int | None = None) -> str:
-    """auto -> pallas on GPU, reference elsewhere, and where the kernels cannot take the
-    model's head_dim or the page_size (Triton blocks are powers of two); an explicit pallas
-    they cannot take is a ValueError naming the value."""
+    """auto -> pallas on GPU, cpu on the CPU, and reference where the kernels cannot take the
+    model's head_dim or the page_size (Triton blocks are powers of two) or the CPU kernel
+    cannot be built; an explicit choice that cannot run is a ValueError saying why."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     problem = None if head_dim is None else kernel_shape_problem(head_dim, page_size or 1)
     if impl == "pallas" and problem:
         raise ValueError(f"attention_impl='pallas': {problem}; use attention_impl='reference'")
+    if impl == "cpu":
+        if backend != "cpu":
+            raise ValueError(f"attention_impl='cpu' runs on the CPU backend, not {backend!r}")
+        if reason := cpu_decode.unavailable_reason():
+            raise ValueError(f"attention_impl='cpu': the kernel cannot be built here: {reason}")
+    if impl == "auto" and backend == "cpu":
+        if reason := cpu_decode.unavailable_reason():
+            log.warning("the CPU attention kernel cannot be built (%s): using the reference "
+                        "attention, which is slower", reason)
+            return "reference"
+        return "cpu"
     if impl == "auto":
         if backend == "gpu" and problem:
             log.warning("Pallas attention cannot run this model (%s): using the reference "
@@ -37,10 +56,13 @@ def paged_attention(
     v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     md: AttentionMetadata,
     scale: float,
-    impl: str,  # "pallas" | "reference" (already resolved)
+    impl: str,  # "pallas" | "cpu" | "reference" (already resolved)
 ) -> jax.Array:  # [B, C, num_heads, head_dim]
     decode = q.shape[1] == 1
-    if impl == "reference":  # pure XLA; walks only the pages the longest sequence uses
+    if impl == "cpu" and decode:
+        return cpu_decode.decode_attention_cpu(q[:, 0], k_pages, v_pages, md.page_table,
+                                               md.seq_lens, scale)[:, None]
+    if impl in ("reference", "cpu"):  # pure XLA; walks only the pages the longest sequence uses
         if decode:
             return decode_attention_blocked(q[:, 0], k_pages, v_pages, md.page_table,
                                             md.seq_lens, scale)[:, None]

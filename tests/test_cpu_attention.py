@@ -1,0 +1,115 @@
+"""The C++ decode attention for the CPU (pallas_kernels/cpu_decode.cc, through XLA's FFI)
+equals the gather-everything reference, and the engine picks it, or falls back, as it says."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import kv_cache_dtype
+from jaxserve.model.attention import resolve_attention_impl
+from pallas_kernels import cpu_decode, decode_attention_ref
+from pallas_kernels.cpu_decode import KernelUnavailable, decode_attention_cpu
+
+
+def _case(rng, slots, kv_heads, group, head_dim, page_size, pages_per_seq, num_pages,
+          dtype=jnp.float32):
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    v = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    table = rng.permutation(num_pages - 1)[:slots * pages_per_seq].reshape(slots, -1) + 1
+    q = jnp.asarray(rng.standard_normal((slots, kv_heads * group, head_dim)), dtype)
+    return q, k, v, jnp.asarray(table, jnp.int32)
+
+
+# slots < 2 x threads: each slot's KV heads are shared among the threads; more: whole slots
+@pytest.mark.parametrize(("slots", "kv_heads", "group", "head_dim", "page_size"), [
+    (1, 2, 1, 16, 4), (3, 4, 2, 32, 8), (6, 2, 4, 16, 16), (37, 1, 8, 64, 4), (70, 4, 2, 8, 2),
+])
+def test_cpu_decode_equals_reference(slots, kv_heads, group, head_dim, page_size):
+    rng = np.random.default_rng(slots)
+    pages_per_seq = 7
+    q, k, v, table = _case(rng, slots, kv_heads, group, head_dim, page_size, pages_per_seq,
+                           slots * pages_per_seq + 5)
+    lens = rng.integers(0, page_size * pages_per_seq + 1, slots)
+    lens[0] = max(lens[0], 1)
+    lens[-1] = page_size * pages_per_seq  # a full table
+    if slots > 2:
+        lens[1] = 0  # an empty slot: zeros
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    want = np.asarray(decode_attention_ref(q, k, v, table, seq_lens, 0.3))
+    got = np.asarray(jax.jit(decode_attention_cpu, static_argnums=5)(q, k, v, table, seq_lens,
+                                                                     0.3))
+    live = lens > 0
+    np.testing.assert_allclose(got[live], want[live], atol=2e-6, rtol=1e-5)
+    assert (got[~live] == 0).all()
+
+
+def test_cpu_decode_reads_neither_stale_pages_nor_past_the_table():
+    # row 0 is short: its table entries past its pages and its last page's tail hold NaN (a
+    # reused page after an overflow), which it never reads; row 1's length exceeds its table:
+    # the 16 keys the table holds count, as in the reference; row 2 names pages outside the
+    # pool, read as the null page rather than out of bounds
+    rng = np.random.default_rng(11)
+    q, k, v, _ = _case(rng, 3, 2, 2, 16, 4, 4, 16)
+    k_nan = k.at[11].set(jnp.nan).at[1, 3:].set(jnp.nan)
+    v_nan = v.at[11].set(jnp.nan).at[1, 3:].set(jnp.nan)
+    table = jnp.array([[1, 11, 11, 11], [2, 3, 4, 5], [6, 99, -7, 0]], jnp.int32)
+    got = np.asarray(decode_attention_cpu(q, k_nan, v_nan, table,
+                                          jnp.array([3, 20, 16], jnp.int32), 0.25))
+    want = np.asarray(decode_attention_ref(q, k, v, table.at[2].set(jnp.array([6, 0, 0, 0])),
+                                           jnp.array([3, 16, 16], jnp.int32), 0.25))
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_cpu_decode_takes_16_bit_queries_and_gives_their_dtype():
+    rng = np.random.default_rng(2)
+    q, k, v, table = _case(rng, 4, 2, 2, 16, 4, 3, 16, dtype=jnp.bfloat16)
+    seq_lens = jnp.array([5, 12, 1, 7], jnp.int32)
+    got = decode_attention_cpu(q, k, v, table, seq_lens, 0.25)
+    want = decode_attention_ref(q.astype(jnp.float32), k, v, table, seq_lens, 0.25)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"seq_lens": jnp.zeros((1,), jnp.int32)}, r"seq_lens is int32\[1\], expected int32\[2\]"),
+    ({"q": jnp.zeros((2, 6, 16), jnp.float32)}, "q has 6 heads, not a multiple of k_pages' 4"),
+    ({"q": jnp.zeros((2, 8), jnp.float32)}, r"expected \[slots, num_heads, head_dim\]"),
+    ({"k_pages": jnp.zeros((5, 4, 4, 16), jnp.bfloat16),
+      "v_pages": jnp.zeros((5, 4, 4, 16), jnp.bfloat16)}, "reads float32 pages, got bfloat16"),
+])
+def test_cpu_decode_rejects_bad_inputs(args, message):
+    call = {"q": jnp.zeros((2, 8, 16), jnp.float32), "k_pages": jnp.zeros((5, 4, 4, 16)),
+            "v_pages": jnp.zeros((5, 4, 4, 16)), "page_table": jnp.zeros((2, 3), jnp.int32),
+            "seq_lens": jnp.zeros((2,), jnp.int32), "scale": 0.25} | args
+    with pytest.raises(ValueError, match=message):
+        decode_attention_cpu(**call)
+
+
+def test_the_build_is_cached_and_a_failed_one_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
+    built = cpu_decode.build()
+    assert built.parent == tmp_path / "kernels" and built.suffix == ".so"
+    stamp = built.stat().st_mtime_ns
+    assert cpu_decode.build() == built and built.stat().st_mtime_ns == stamp  # not rebuilt
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails: a new cache key, no library
+    with pytest.raises(KernelUnavailable, match="failed"):
+        cpu_decode.build()
+    assert list((tmp_path / "kernels").iterdir()) == [built]  # no half-written file left
+
+
+def test_auto_attention_takes_the_cpu_kernel_where_it_builds(monkeypatch, caplog):
+    assert resolve_attention_impl("auto", "cpu", 64, 16) == "cpu"
+    assert resolve_attention_impl("cpu", "cpu", 64, 16) == "cpu"
+    assert kv_cache_dtype("bfloat16", "cpu", "cpu") == "float32"  # the kernel reads float32
+    with pytest.raises(ValueError, match="attention_impl='cpu' runs on the CPU backend"):
+        resolve_attention_impl("cpu", "gpu", 64, 16)
+    monkeypatch.setattr(cpu_decode, "unavailable_reason", lambda: "no C++ compiler found")
+    with caplog.at_level(logging.WARNING):
+        assert resolve_attention_impl("auto", "cpu", 64, 16) == "reference"
+    assert "no C++ compiler found" in caplog.text
+    with pytest.raises(ValueError, match="cannot be built here: no C\\+\\+ compiler found"):
+        resolve_attention_impl("cpu", "cpu", 64, 16)
