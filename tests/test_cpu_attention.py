@@ -27,6 +27,7 @@ def _case(rng, slots, kv_heads, group, head_dim, page_size, pages_per_seq, num_p
 # slots < 2 x threads: each slot's KV heads are shared among the threads; more: whole slots
 @pytest.mark.parametrize(("slots", "kv_heads", "group", "head_dim", "page_size"), [
     (1, 2, 1, 16, 4), (3, 4, 2, 32, 8), (6, 2, 4, 16, 16), (37, 1, 8, 64, 4), (70, 4, 2, 8, 2),
+    (9, 2, 2, 12, 4),  # head_dim not a multiple of 8: plain loops, not the AVX2 sums
 ])
 def test_cpu_decode_equals_reference(slots, kv_heads, group, head_dim, page_size):
     rng = np.random.default_rng(slots)
@@ -45,6 +46,37 @@ def test_cpu_decode_equals_reference(slots, kv_heads, group, head_dim, page_size
     live = lens > 0
     np.testing.assert_allclose(got[live], want[live], atol=2e-6, rtol=1e-5)
     assert (got[~live] == 0).all()
+
+
+def _attention_float64(q, k, v, table, seq_lens, scale):
+    """Decode attention in numpy float64, a slot at a time: the truth both float32 paths
+    approximate."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    kv_heads, head_dim = k.shape[2:]
+    group = q.shape[1] // kv_heads
+    out = np.zeros_like(q)
+    for s, n in enumerate(np.asarray(seq_lens)):
+        pages = np.asarray(table)[s]
+        keys = k[pages].reshape(-1, kv_heads, head_dim)[:n]
+        values = v[pages].reshape(-1, kv_heads, head_dim)[:n]
+        for h in range(q.shape[1]):
+            scores = keys[:, h // group] @ q[s, h] * scale
+            weights = np.exp(scores - scores.max())
+            out[s, h] = weights @ values[:, h // group] / weights.sum()
+    return out
+
+
+def test_cpu_decode_softmax_holds_for_peaked_and_flat_scores():
+    # the kernel's own exponential (a polynomial) across the range: scores about a hundred
+    # apart (all weight on a few keys, the rest below float32's smallest normal) and all equal.
+    # Against float64: at these scores float32 rounding alone moves the reference by 4e-5
+    rng = np.random.default_rng(4)
+    q, k, v, table = _case(rng, 4, 2, 2, 32, 8, 5, 24)
+    seq_lens = jnp.array([40, 33, 17, 1], jnp.int32)
+    for q_scaled in (q * 40.0, jnp.zeros_like(q)):
+        want = _attention_float64(q_scaled, k, v, table, seq_lens, 0.5)
+        got = np.asarray(decode_attention_cpu(q_scaled, k, v, table, seq_lens, 0.5))
+        np.testing.assert_allclose(got, want, atol=2e-5)
 
 
 def test_cpu_decode_reads_neither_stale_pages_nor_past_the_table():
