@@ -7,7 +7,7 @@
 Needs torch and transformers (the `ref` extra). In one process, each timed after its warm-up,
 float32, greedy, every request at its own output length (EOS ignored):
 
-    jaxserve    LLM.generate (continuous batching)
+    jaxserve    LLM.generate (continuous batching), once per --attention-impl
     hf-static   model.generate on batches of --static-batch requests in order, left padded: a
                 batch runs until its longest request is done (each keeps its own length)
     hf-cb       transformers' own continuous batching (ContinuousBatchingManager: paged cache,
@@ -100,7 +100,8 @@ def run_jaxserve(model: Path, samples: list[Sample], options: dict) -> dict:
     elapsed = time.perf_counter() - start
     ids = [o.outputs[0].token_ids for o in outs]
     setting = (f"max_num_seqs {options['max_num_seqs']}, "
-               f"{options['max_num_batched_tokens']} tok/step")
+               f"{options['max_num_batched_tokens']} tok/step, "
+               f"{llm.engine.runner.attention_impl} attention")
     return _row("jaxserve", setting, elapsed, ids)
 
 
@@ -117,7 +118,7 @@ def row_buckets_x15(max_num_seqs: int) -> tuple[int, ...]:
 
 def _row(name: str, setting: str, elapsed: float, ids: list[list[int]]) -> dict:
     out = sum(len(x) for x in ids)
-    print(f"{name:<9} {setting:<36} {elapsed:7.2f} s {out / elapsed:8.1f} out tok/s", flush=True)
+    print(f"{name:<9} {setting:<54} {elapsed:7.2f} s {out / elapsed:8.1f} out tok/s", flush=True)
     return {"name": name, "setting": setting, "elapsed_s": elapsed,
             "output_tokens_per_s": out / elapsed, "token_ids": ids}
 
@@ -204,6 +205,9 @@ def main() -> None:
                         help="jaxserve's decode row buckets (default: steps of 1.5x from 8, "
                              "row_buckets_x15: 5-8%% faster here than powers of two)")
     parser.add_argument("--decode-steps", type=int, default=1, help="jaxserve")
+    parser.add_argument("--attention-impl", nargs="+", default=["auto"],
+                        help="jaxserve, one run each (auto reference: the CPU kernel beside the "
+                             "plain-XLA attention); the ratios take the fastest")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
@@ -227,7 +231,8 @@ def main() -> None:
                        prefill_chunk_sizes=tuple(args.prefill_chunk_sizes),
                        row_buckets=tuple(args.row_buckets or row_buckets_x15(args.max_num_seqs)),
                        decode_steps=args.decode_steps, enable_prompt_logprobs=False)
-        rows = [run_jaxserve(model, samples, options)]
+        rows = [run_jaxserve(model, samples, options | {"attention_impl": impl})
+                for impl in args.attention_impl]
         hf = _hf_model(model)
         rows += [run_hf_static(hf, samples, b) for b in args.static_batch]
         rows += [run_hf_cb(hf, samples, b) for b in args.budgets]
@@ -246,7 +251,7 @@ def main() -> None:
     print(f"\ncompute floor: {flops / 1e12:.3f} TFLOP / {rate / 1e9:.0f} GFLOP/s (float32 "
           f"matmul, measured) = {floor_s:.2f} s")
     for r in summary["rows"]:
-        print(f"  {r['name']:<9} {r['setting']:<36} {r['elapsed_s']:7.2f} s = "
+        print(f"  {r['name']:<9} {r['setting']:<54} {r['elapsed_s']:7.2f} s = "
               f"{100 * r['floor_fraction']:5.1f}% of the floor's speed")
     for name, r in summary["ratios"].items():
         print(f"jaxserve / {name} (best: {r['best_setting']}, {r['peer_tokens_per_s']:.1f} "

@@ -17,9 +17,10 @@ from jaxserve.model_config import SUPPORTED_DTYPES, ModelConfig
 
 def kv_cache_dtype(dtype: str, backend: str, attention_impl: str) -> str:
     """The KV pool's dtype: the model's, except float32 for a 16-bit model under the reference
-    or cpu attention on the CPU (the C++ kernel reads float32 pages). XLA on the CPU has no 16-bit float gather or scatter: it converts the
-    whole pool to float32 and back, every layer of every step (a 2-row decode step of a
-    32-layer bf16 model took 214 ms with 4096 pages and 45 ms with 512)."""
+    or cpu attention on the CPU. The C++ decode kernel reads float32 pages, and XLA on the CPU
+    has no 16-bit float gather or scatter: it converts the whole pool to float32 and back, every
+    layer of every step (a 2-row decode step of a 32-layer bf16 model took 214 ms with 4096
+    pages and 45 ms with 512)."""
     if backend == "cpu" and attention_impl in ("reference", "cpu") and dtype != "float32":
         return "float32"
     return dtype
