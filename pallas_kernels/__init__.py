@@ -1,5 +1,6 @@
 """Paged attention for jaxserve's KV cache: Pallas GPU kernels and their pure-jnp reference twins,
-the plain-XLA block walk (`blocked`) and a C++ decode kernel for the CPU (`cpu_decode`).
+the plain-XLA block walk (`blocked`) and C++ decode and prefill kernels for the CPU
+(`cpu_attention`).
 
 This package imports jax only and knows nothing of the engine. The KV layout, shared by kernels
 and references, is per layer:

@@ -17,15 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode import check_paged_inputs
+from pallas_kernels.decode import check_lengths, check_paged_inputs
 
 _MASKED = -1e30
-
-
-def _check_lengths(name: str, array: jax.Array, shape: tuple[int, ...]) -> None:
-    if array.shape != shape or array.dtype != jnp.int32:
-        raise ValueError(f"{name} is {array.dtype}{list(array.shape)}, expected "
-                         f"int32{list(shape)}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "pages_per_block", "page_tail"))
@@ -54,8 +48,8 @@ def prefill_attention_blocked(
         raise ValueError(f"q has shape {q.shape}: a chunk of at least 1 query")
     check_paged_inputs(num_heads, head_dim, q.dtype, k_pages, v_pages, page_table, batch,
                        kernel=False)
-    _check_lengths("positions", positions, (batch, chunk))
-    _check_lengths("seq_lens", seq_lens, (batch,))
+    check_lengths("positions", positions, (batch, chunk))
+    check_lengths("seq_lens", seq_lens, (batch,))
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     ppb = min(pages_per_block, page_table.shape[1])
@@ -134,7 +128,7 @@ def decode_attention_blocked(
     if q.ndim != 3:
         raise ValueError(f"q has shape {q.shape}, expected [slots, num_heads, head_dim]")
     slots = q.shape[0]
-    _check_lengths("seq_lens", seq_lens, (slots,))
+    check_lengths("seq_lens", seq_lens, (slots,))
 
     def walk(q, page_table, seq_lens):
         out = prefill_attention_blocked(q[:, None], k_pages, v_pages, page_table,

@@ -140,6 +140,13 @@ def normalise(o, row_sum):
     return o / jnp.maximum(row_sum, 1e-30)[:, None]
 
 
+def check_lengths(name: str, array: jax.Array, shape: tuple[int, ...]) -> None:
+    """An int32 array of per-row (or per-query) lengths or positions has `shape`."""
+    if array.shape != shape or array.dtype != jnp.int32:
+        raise ValueError(f"{name} is {array.dtype}{list(array.shape)}, expected "
+                         f"int32{list(shape)}")
+
+
 def check_paged_inputs(q_heads, q_head_dim, q_dtype, k_pages, v_pages, page_table, batch,
                        kernel: bool = True):
     """Shape and dtype checks shared by decode and prefill (and, with kernel=False, the XLA

@@ -1,5 +1,5 @@
-"""The C++ decode attention for the CPU (pallas_kernels/cpu_decode.cc, through XLA's FFI)
-equals the gather-everything reference, and the engine picks it, or falls back, as it says."""
+"""The C++ attention for the CPU (pallas_kernels/cpu_decode.cc and cpu_prefill.cc, through XLA's
+FFI) equals the gather-everything reference, and the engine picks it, or falls back, as it says."""
 
 import logging
 
@@ -10,8 +10,12 @@ import pytest
 
 from jaxserve.config import kv_cache_dtype
 from jaxserve.model.attention import resolve_attention_impl
-from pallas_kernels import cpu_decode, decode_attention_ref
-from pallas_kernels.cpu_decode import KernelUnavailable, decode_attention_cpu
+from pallas_kernels import cpu_attention, decode_attention_ref, prefill_attention_ref
+from pallas_kernels.cpu_attention import (
+    KernelUnavailable,
+    decode_attention_cpu,
+    prefill_attention_cpu,
+)
 
 
 def _case(rng, slots, kv_heads, group, head_dim, page_size, pages_per_seq, num_pages,
@@ -111,7 +115,7 @@ def test_cpu_decode_takes_16_bit_queries_and_gives_their_dtype():
     ({"q": jnp.zeros((2, 6, 16), jnp.float32)}, "q has 6 heads, not a multiple of k_pages' 4"),
     ({"q": jnp.zeros((2, 8), jnp.float32)}, r"expected \[slots, num_heads, head_dim\]"),
     ({"k_pages": jnp.zeros((5, 4, 4, 16), jnp.bfloat16),
-      "v_pages": jnp.zeros((5, 4, 4, 16), jnp.bfloat16)}, "reads float32 pages, got bfloat16"),
+      "v_pages": jnp.zeros((5, 4, 4, 16), jnp.bfloat16)}, "read float32 pages, got bfloat16"),
 ])
 def test_cpu_decode_rejects_bad_inputs(args, message):
     call = {"q": jnp.zeros((2, 8, 16), jnp.float32), "k_pages": jnp.zeros((5, 4, 4, 16)),
@@ -121,15 +125,87 @@ def test_cpu_decode_rejects_bad_inputs(args, message):
         decode_attention_cpu(**call)
 
 
+def _chunks(rng, starts, query_lens, chunk):
+    """positions and seq_lens of prompt chunks as the runner builds them: row b's queries at
+    starts[b] + 0 .. chunk-1, the first query_lens[b] real (the rest padding)."""
+    starts, query_lens = np.asarray(starts), np.asarray(query_lens)
+    positions = starts[:, None] + np.arange(chunk)[None]
+    return jnp.asarray(positions, jnp.int32), jnp.asarray(starts + query_lens, jnp.int32)
+
+
+# work items are blocks of 16 queries: chunks below, at and past one block, a partial last one
+@pytest.mark.parametrize(("chunk", "kv_heads", "group", "head_dim", "page_size"), [
+    (5, 2, 1, 16, 4), (16, 4, 2, 32, 8), (37, 2, 4, 16, 16), (64, 1, 8, 64, 4),
+    (20, 2, 2, 12, 4),  # head_dim not a multiple of 8: plain loops, not the AVX2 sums
+])
+def test_cpu_prefill_equals_reference(chunk, kv_heads, group, head_dim, page_size):
+    rng = np.random.default_rng(chunk)
+    pages_per_seq = -(-(2 * chunk + 8) // page_size)
+    rows = 4
+    q, k, v, table = _case(rng, rows, kv_heads, group, head_dim, page_size, pages_per_seq,
+                           rows * pages_per_seq + 3)
+    q = jnp.asarray(rng.standard_normal((rows, chunk, kv_heads * group, head_dim)), jnp.float32)
+    # a first chunk, a later chunk, a short last chunk (padding queries), an empty row
+    query_lens = [chunk, chunk, max(1, chunk // 3), 0]
+    starts = [0, chunk + 3, 7, 0]
+    positions, seq_lens = _chunks(rng, starts, query_lens, chunk)
+    want = np.asarray(prefill_attention_ref(q, k, v, table, positions, seq_lens, 0.3))
+    got = np.asarray(jax.jit(prefill_attention_cpu, static_argnums=6)(
+        q, k, v, table, positions, seq_lens, 0.3))
+    for b, n in enumerate(query_lens):
+        np.testing.assert_allclose(got[b, :n], want[b, :n], atol=2e-6, rtol=1e-5)
+        assert (got[b, n:] == 0).all()  # padding queries and the empty row: zeros
+
+
+def test_cpu_prefill_reads_neither_stale_pages_nor_past_the_table():
+    # row 0's chunk ends inside its second page, whose tail and the table entries after it hold
+    # NaN (a reused page); row 1's chunk runs past what its table holds: the 16 keys the table
+    # holds count, as in the reference; row 2 names pages outside the pool, read as page 0
+    rng = np.random.default_rng(5)
+    q, k, v, _ = _case(rng, 3, 2, 2, 16, 4, 4, 16)
+    q = jnp.asarray(rng.standard_normal((3, 8, 4, 16)), jnp.float32)
+    k_nan = k.at[11].set(jnp.nan).at[1, 3:].set(jnp.nan)
+    v_nan = v.at[11].set(jnp.nan).at[1, 3:].set(jnp.nan)
+    table = jnp.array([[2, 1, 11, 11], [2, 3, 4, 5], [6, 99, -7, 0]], jnp.int32)
+    positions, seq_lens = _chunks(rng, [0, 12, 4], [7, 8, 8], 8)
+    got = np.asarray(prefill_attention_cpu(q, k_nan, v_nan, table, positions, seq_lens, 0.25))
+    clean = table.at[2].set(jnp.array([6, 0, 0, 0]))
+    want = np.asarray(prefill_attention_ref(q, k, v, clean, positions, seq_lens, 0.25))
+    np.testing.assert_allclose(got[0, :7], want[0, :7], atol=2e-6)
+    assert np.isfinite(got).all()
+    held = np.asarray(jnp.minimum(positions[1], 15)) + 1  # keys row 1's queries see in the table
+    want_1 = prefill_attention_ref(q[1:2], k, v, table[1:2], jnp.minimum(positions[1:2], 15),
+                                   jnp.array([16], jnp.int32), 0.25)
+    assert (held == 16).sum() >= 4
+    np.testing.assert_allclose(got[1], np.asarray(want_1)[0], atol=2e-6)
+    np.testing.assert_allclose(got[2], want[2], atol=2e-6)
+
+
+def test_cpu_prefill_takes_16_bit_queries_and_rejects_bad_inputs():
+    rng = np.random.default_rng(3)
+    q, k, v, table = _case(rng, 2, 2, 2, 16, 4, 4, 12)
+    q = jnp.asarray(rng.standard_normal((2, 6, 4, 16)), jnp.bfloat16)
+    positions, seq_lens = _chunks(rng, [0, 3], [6, 4], 6)
+    got = prefill_attention_cpu(q, k, v, table, positions, seq_lens, 0.25)
+    want = prefill_attention_ref(q.astype(jnp.float32), k, v, table, positions, seq_lens, 0.25)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32)[:, :4], np.asarray(want)[:, :4],
+                               atol=2e-2)
+    with pytest.raises(ValueError, match=r"positions is int32\[2, 5\], expected int32\[2, 6\]"):
+        prefill_attention_cpu(q, k, v, table, positions[:, :5], seq_lens, 0.25)
+    with pytest.raises(ValueError, match=r"expected \[batch, chunk, num_heads, head_dim\]"):
+        prefill_attention_cpu(q[0], k, v, table, positions, seq_lens, 0.25)
+
+
 def test_the_build_is_cached_and_a_failed_one_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
-    built = cpu_decode.build()
+    built = cpu_attention.build()
     assert built.parent == tmp_path / "kernels" and built.suffix == ".so"
     stamp = built.stat().st_mtime_ns
-    assert cpu_decode.build() == built and built.stat().st_mtime_ns == stamp  # not rebuilt
+    assert cpu_attention.build() == built and built.stat().st_mtime_ns == stamp  # not rebuilt
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails: a new cache key, no library
     with pytest.raises(KernelUnavailable, match="failed"):
-        cpu_decode.build()
+        cpu_attention.build()
     assert list((tmp_path / "kernels").iterdir()) == [built]  # no half-written file left
 
 
@@ -139,7 +215,7 @@ def test_auto_attention_takes_the_cpu_kernel_where_it_builds(monkeypatch, caplog
     assert kv_cache_dtype("bfloat16", "cpu", "cpu") == "float32"  # the kernel reads float32
     with pytest.raises(ValueError, match="attention_impl='cpu' runs on the CPU backend"):
         resolve_attention_impl("cpu", "gpu", 64, 16)
-    monkeypatch.setattr(cpu_decode, "unavailable_reason", lambda: "no C++ compiler found")
+    monkeypatch.setattr(cpu_attention, "unavailable_reason", lambda: "no C++ compiler found")
     with caplog.at_level(logging.WARNING):
         assert resolve_attention_impl("auto", "cpu", 64, 16) == "reference"
     assert "no C++ compiler found" in caplog.text

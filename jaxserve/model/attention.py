@@ -1,7 +1,7 @@
 """The one call site of paged attention; `attention_impl` picks the kernels or the reference.
 
     pallas     Pallas kernels (Triton on the GPU; interpret mode elsewhere, for tests)
-    cpu        a C++ decode kernel through XLA's FFI, built on first use; prefill as reference
+    cpu        C++ kernels through XLA's FFI (decode and prefill), built on first use
     reference  plain XLA, the block walk of pallas_kernels/blocked.py
     auto       pallas on the GPU where the kernels take the shape, cpu on the CPU where the
                kernel builds, reference otherwise
@@ -12,7 +12,7 @@ import logging
 import jax
 
 from jaxserve.model.kv_cache import AttentionMetadata
-from pallas_kernels import cpu_decode
+from pallas_kernels import cpu_attention
 from pallas_kernels.blocked import decode_attention_blocked, prefill_attention_blocked
 from pallas_kernels.decode import kernel_shape_problem
 
@@ -34,10 +34,10 @@ def resolve_attention_impl(impl: str, backend: str, head_dim: int | None = None,
     if impl == "cpu":
         if backend != "cpu":
             raise ValueError(f"attention_impl='cpu' runs on the CPU backend, not {backend!r}")
-        if reason := cpu_decode.unavailable_reason():
+        if reason := cpu_attention.unavailable_reason():
             raise ValueError(f"attention_impl='cpu': the kernel cannot be built here: {reason}")
     if impl == "auto" and backend == "cpu":
-        if reason := cpu_decode.unavailable_reason():
+        if reason := cpu_attention.unavailable_reason():
             log.warning("the CPU attention kernel cannot be built (%s): using the reference "
                         "attention, which is slower", reason)
             return "reference"
@@ -60,9 +60,12 @@ def paged_attention(
 ) -> jax.Array:  # [B, C, num_heads, head_dim]
     decode = q.shape[1] == 1
     if impl == "cpu" and decode:
-        return cpu_decode.decode_attention_cpu(q[:, 0], k_pages, v_pages, md.page_table,
-                                               md.seq_lens, scale)[:, None]
-    if impl in ("reference", "cpu"):  # pure XLA; walks only the pages the longest sequence uses
+        return cpu_attention.decode_attention_cpu(q[:, 0], k_pages, v_pages, md.page_table,
+                                                  md.seq_lens, scale)[:, None]
+    if impl == "cpu":
+        return cpu_attention.prefill_attention_cpu(q, k_pages, v_pages, md.page_table,
+                                                   md.positions, md.seq_lens, scale)
+    if impl == "reference":  # pure XLA; walks only the pages the longest sequence uses
         if decode:
             return decode_attention_blocked(q[:, 0], k_pages, v_pages, md.page_table,
                                             md.seq_lens, scale)[:, None]

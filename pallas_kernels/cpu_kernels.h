@@ -1,0 +1,201 @@
+// What the CPU attention kernels share (cpu_decode.cc, cpu_prefill.cc; built together into one
+// library by cpu_attention.py): the paged pool's addressing, the vectorised sums and
+// exponential, and work items spread over XLA's intra-op thread pool.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace jaxserve_cpu {
+
+namespace ffi = xla::ffi;
+
+// One sequence's view of a KV page pool [P, page, KV, D]: a token's keys (or values) for all KV
+// heads are one contiguous row of KV * D floats.
+struct PagedSeq {
+  const int32_t* table;  // the sequence's page_table row
+  int64_t pages, page_size, token_stride;
+
+  // Token t's row, from KV head `kv` on; page ids outside [0, pages) read page 0, the null page.
+  const float* row(const float* pool, int64_t t, int64_t kv, int64_t dim) const {
+    int64_t page = table[t / page_size];
+    if (page < 0 || page >= pages) page = 0;
+    return pool + (page * page_size + t % page_size) * token_stride + kv * dim;
+  }
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// q against 8 keys: out[j] = q . keys[j]. Eight independent sums, not one dependent chain per
+// key; with AVX2, eight vector accumulators reduced together.
+inline void dot8(const float* q, const float* const* keys, int64_t n, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < n; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + d), acc[j]);
+    }
+    const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                        _mm256_permute2f128_ps(s0123, s4567, 0x31)));
+    return;
+  }
+#endif
+  for (int j = 0; j < 8; ++j) out[j] = dot(q, keys[j], n);
+}
+
+// e^x for x <= 0 in plain arithmetic: 2^(x log2 e) = 2^i * 2^f, f in [0, 1) by a degree-6
+// polynomial (relative error 7e-9); below -87 it gives about 1e-38 rather than 0. GCC does not
+// vectorise a loop of these (the bit cast), hence the AVX2 twin below.
+constexpr float kExpPoly[7] = {2.168343130e-04f, 1.243794637e-03f, 9.679985256e-03f,
+                               5.548215028e-02f, 2.402303083e-01f, 6.931469140e-01f, 1.0f};
+
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504089f;
+  const float i = std::floor(t);
+  const float f = t - i;
+  float p = kExpPoly[0];
+  for (int c = 1; c < 7; ++c) p = std::fma(p, f, kExpPoly[c]);
+  const int32_t bits = (static_cast<int32_t>(i) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)),
+                                 _mm256_set1_ps(1.44269504089f));
+  const __m256 i = _mm256_floor_ps(t);
+  const __m256 f = _mm256_sub_ps(t, i);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int c = 1; c < 7; ++c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpPoly[c]));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float horizontal_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+#endif
+
+// s[0, n) <- softmax(s * scale) over [0, n); s[n, len) <- 0 (n >= 1).
+inline void softmax_prefix(float* s, int64_t n, int64_t len, float scale) {
+  int64_t i = 0;
+  float m = s[0] * scale, sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vscale = _mm256_set1_ps(scale);
+  if (n >= 8) {
+    __m256 vm = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_mul_ps(_mm256_loadu_ps(s + i), vscale));
+    m = horizontal_max(vm);
+  }
+  for (; i < n; ++i) m = std::max(m, s[i] * scale);
+  const __m256 vmax = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_fmsub_ps(_mm256_loadu_ps(s + i), vscale, vmax));
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = horizontal_sum(vsum);
+#else
+  for (i = 1; i < n; ++i) m = std::max(m, s[i] * scale);
+  i = 0;
+#endif
+  for (; i < n; ++i) {
+    s[i] = exp_nonpositive(s[i] * scale - m);
+    sum += s[i];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (i = 0; i < n; ++i) s[i] *= inv;
+  std::fill(s + n, s + len, 0.f);
+}
+
+// o[0, n) += w[0] v0 + w[1] v1 + w[2] v2 + w[3] v3: four value rows into one output.
+inline void add_weighted4(float* o, const float* w, const float* v0, const float* v1,
+                          const float* v2, const float* v3, int64_t n) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]);
+  const __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
+  for (; d + 8 <= n; d += 8) {
+    __m256 acc = _mm256_loadu_ps(o + d);
+    acc = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + d), acc);
+    acc = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + d), acc);
+    acc = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v2 + d), acc);
+    acc = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v3 + d), acc);
+    _mm256_storeu_ps(o + d, acc);
+  }
+#endif
+  for (; d < n; ++d) o[d] += w[0] * v0[d] + w[1] * v1[d] + w[2] * v2[d] + w[3] * v3[d];
+}
+
+// o[0, n) += w v
+inline void add_weighted(float* o, float w, const float* v, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) o[d] += w * v[d];
+}
+
+// Work items 0 .. total-1, taken in order by the calling thread and by tasks on XLA's pool, each
+// with its own scratch vector. A task that starts after the items ran out returns at once; the
+// caller waits only for items taken, so it never waits on a task the pool has not started.
+// `work(item, scratch)` is copied into state the late tasks share, so it must hold values only.
+template <class Work>
+void parallel_items(ffi::ThreadPool& pool, int64_t total, Work work) {
+  struct Items {
+    Items(Work w, int64_t n) : work(std::move(w)), total(n) {}
+    void run() {
+      std::vector<float> scratch;
+      for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+        work(i, scratch);
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+    Work work;
+    const int64_t total;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  if (total <= 0) return;
+  auto items = std::make_shared<Items>(std::move(work), total);
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t helpers = std::min<int64_t>(threads, total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([items] { items->run(); });
+  items->run();
+  while (items->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+}  // namespace jaxserve_cpu

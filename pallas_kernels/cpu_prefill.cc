@@ -1,0 +1,154 @@
+// Paged prefill attention for the CPU, called from XLA through its FFI (see cpu_attention.py).
+//
+// A chunk of queries per row, causal over the row's pages. The plain-XLA block walk gathers
+// every block of pages into a copy, scores the whole chunk against it and masks afterwards;
+// this kernel reads the keys and values in place and scores each query only against the keys
+// it may see:
+//
+//   row b, queries c0 .. c0+15 (one item per KV head), positions p_c:
+//     keys 0 .. p_c of each, read once for the 16 queries and their group's query heads
+//
+// Contract (as pallas_kernels.reference.prefill_attention_ref), float32 throughout:
+//   q          [B, C, H, D]      a chunk of C queries per row
+//   k, v       [P, page, KV, D]  the page pool, the chunk's own keys and values written
+//   page_table [B, pages_per_seq] int32
+//   positions  [B, C] int32       query (b, c) sees keys j <= positions[b, c]
+//   seq_lens   [B] int32          keys the row holds, chunk included
+//   out        [B, C, H, D]
+// A query at a position >= seq_lens[b] is padding (the reference gives garbage there that
+// callers ignore): its output is zeros, and so is every query of a row with seq_lens 0.
+// A row reads at most pages_per_seq * page tokens; page ids outside [0, P) read page 0.
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+using namespace jaxserve_cpu;
+
+constexpr int64_t kQueries = 16;  // queries of a row per work item
+
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* page_table;
+  const int32_t* positions;
+  const int32_t* seq_lens;
+  float* out;
+  int64_t rows, chunk, heads, head_dim, pages, page_size, kv_heads, pages_per_seq;
+  float scale;
+};
+
+// Queries [c0, c0 + kQueries) of `row`, the query heads of KV head `kv`. Query vector i is
+// query c0 + i / group, head kv * group + i % group; scores[i * len + j] its score for key j.
+void attend(const Problem& p, int64_t row, int64_t kv, int64_t c0, std::vector<float>& scores) {
+  const int64_t group = p.heads / p.kv_heads, dim = p.head_dim;
+  const int64_t c1 = std::min(c0 + kQueries, p.chunk);
+  const int64_t held = std::min<int64_t>(std::max(p.seq_lens[row], 0),
+                                         p.pages_per_seq * p.page_size);
+  const int32_t* positions = p.positions + row * p.chunk;
+  auto keys_seen = [&](int64_t c) {  // keys query c sees; 0 for padding
+    const int64_t pos = positions[c];
+    return pos < 0 || pos >= p.seq_lens[row] ? int64_t{0} : std::min(pos + 1, held);
+  };
+  auto q_at = [&](int64_t i) {
+    return p.q + (((row * p.chunk + c0 + i / group) * p.heads) + kv * group + i % group) * dim;
+  };
+  auto out_at = [&](int64_t i) {
+    return p.out + (((row * p.chunk + c0 + i / group) * p.heads) + kv * group + i % group) * dim;
+  };
+  const int64_t nq = (c1 - c0) * group;
+  int64_t len = 0;  // keys any query of the item sees
+  for (int64_t c = c0; c < c1; ++c) len = std::max(len, keys_seen(c));
+  for (int64_t i = 0; i < nq; ++i) std::fill(out_at(i), out_at(i) + dim, 0.f);
+  if (len == 0) return;
+  const PagedSeq seq{p.page_table + row * p.pages_per_seq, p.pages, p.page_size,
+                     p.kv_heads * dim};
+
+  scores.resize(nq * len);
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {  // scores, 8 keys at a time, each read once for every query
+    const float* keys[8];
+    for (int j = 0; j < 8; ++j) keys[j] = seq.row(p.k, t + j, kv, dim);
+    for (int64_t i = 0; i < nq; ++i) dot8(q_at(i), keys, dim, scores.data() + i * len + t);
+  }
+  for (; t < len; ++t) {
+    const float* key = seq.row(p.k, t, kv, dim);
+    for (int64_t i = 0; i < nq; ++i) scores[i * len + t] = dot(q_at(i), key, dim);
+  }
+  // weights, zero past the keys each query sees (those keys are written: finite)
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t n = keys_seen(c0 + i / group);
+    if (n == 0) {
+      std::fill(scores.data() + i * len, scores.data() + (i + 1) * len, 0.f);
+    } else {
+      softmax_prefix(scores.data() + i * len, n, len, p.scale);
+    }
+  }
+  t = 0;
+  for (; t + 4 <= len; t += 4) {  // values, 4 at a time: one load and store of each output
+    const float* v0 = seq.row(p.v, t, kv, dim);
+    const float* v1 = seq.row(p.v, t + 1, kv, dim);
+    const float* v2 = seq.row(p.v, t + 2, kv, dim);
+    const float* v3 = seq.row(p.v, t + 3, kv, dim);
+    for (int64_t i = 0; i < nq; ++i) {
+      const float* w = scores.data() + i * len + t;
+      if (w[0] == 0.f && w[1] == 0.f && w[2] == 0.f && w[3] == 0.f) continue;  // unseen keys
+      add_weighted4(out_at(i), w, v0, v1, v2, v3, dim);
+    }
+  }
+  for (; t < len; ++t) {
+    const float* value = seq.row(p.v, t, kv, dim);
+    for (int64_t i = 0; i < nq; ++i) add_weighted(out_at(i), scores[i * len + t], value, dim);
+  }
+}
+
+using Queries = ffi::BufferR4<ffi::F32>;
+using Pool = ffi::BufferR4<ffi::F32>;
+using Table = ffi::BufferR2<ffi::S32>;
+using Positions = ffi::BufferR2<ffi::S32>;
+using Lens = ffi::BufferR1<ffi::S32>;
+using Out = ffi::ResultBufferR4<ffi::F32>;
+
+ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, Pool k, Pool v, Table page_table,
+                            Positions positions, Lens seq_lens, Out out, float scale) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  const auto vd = v.dimensions();
+  const auto td = page_table.dimensions();
+  const auto pd = positions.dimensions();
+  Problem p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
+            positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
+            qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], td[1], scale};
+  if (kd[3] != p.head_dim || p.kv_heads == 0 || p.heads % p.kv_heads != 0 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()) || td[0] != p.rows || pd[0] != p.rows ||
+      pd[1] != p.chunk || seq_lens.dimensions()[0] != p.rows) {
+    return ffi::Error::InvalidArgument("cpu prefill attention: inconsistent shapes");
+  }
+  const int64_t blocks = (p.chunk + kQueries - 1) / kQueries;
+  // items: (row, KV head, block of queries), each row's last and longest block first
+  parallel_items(pool, p.rows * p.kv_heads * blocks,
+                 [p, blocks](int64_t i, std::vector<float>& scores) {
+                   const int64_t block = blocks - 1 - i % blocks, rest = i / blocks;
+                   attend(p, rest / p.kv_heads, rest % p.kv_heads, block * kQueries, scores);
+                 });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttention, PrefillAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Queries>()
+                                  .Arg<Pool>()
+                                  .Arg<Pool>()
+                                  .Arg<Table>()
+                                  .Arg<Positions>()
+                                  .Arg<Lens>()
+                                  .Ret<Queries>()
+                                  .Attr<float>("scale"));
