@@ -79,7 +79,7 @@ void attend(const Problem& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
   for (; t < len; ++t) {
     const float* row = token_row(p.k, t);
     for (int64_t h = 0; h < heads; ++h)
-      scores[h * len + t] = dot(q + h * dim, row + (h / group) * dim, dim);
+      scores[h * len + t] = dot1(q + h * dim, row + (h / group) * dim, dim);
   }
   for (int64_t h = 0; h < heads; ++h) softmax_prefix(scores.data() + h * len, len, len, p.scale);
   t = 0;

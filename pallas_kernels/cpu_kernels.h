@@ -37,11 +37,32 @@ struct PagedSeq {
   }
 };
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// The attention kernels compute every score, weight and output of a query the same way
+// wherever it falls among the others (in a group of 8 keys or the tail, a chunk's block of
+// queries or a decode slot), so a token's attention does not depend on the batch or on how its
+// prompt was cut into chunks: dot1 sums as dot8 does for one key, the value sums are one chain
+// of fused multiply-adds over the tokens, and the softmax's tail rounds as its vector body.
+
+inline float dot(const float* a, const float* b, int64_t n) {  // n not a multiple of 8
   float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) sum = std::fma(a[i], b[i], sum);
   return sum;
+}
+
+// q . key, summed as dot8 sums each of its keys.
+inline float dot1(const float* q, const float* key, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < n; d += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), acc);
+    // ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), dot8's order
+    const __m128 h = _mm_hadd_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 h2 = _mm_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+  }
+#endif
+  return dot(q, key, n);
 }
 
 // q against 8 keys: out[j] = q . keys[j]. Eight independent sums, not one dependent chain per
@@ -53,7 +74,8 @@ inline void dot8(const float* q, const float* const* keys, int64_t n, float* out
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < n; d += 8) {
       const __m256 qv = _mm256_loadu_ps(q + d);
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + d), acc[j]);
+      for (int j = 0; j < 8; ++j)
+        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + d), acc[j]);
     }
     const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
     const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
@@ -63,7 +85,7 @@ inline void dot8(const float* q, const float* const* keys, int64_t n, float* out
     return;
   }
 #endif
-  for (int j = 0; j < 8; ++j) out[j] = dot(q, keys[j], n);
+  for (int j = 0; j < 8; ++j) out[j] = dot1(q, keys[j], n);
 }
 
 // e^x for x <= 0 in plain arithmetic: 2^(x log2 e) = 2^i * 2^f, f in [0, 1) by a degree-6
@@ -118,7 +140,8 @@ inline void softmax_prefix(float* s, int64_t n, int64_t len, float scale) {
   const __m256 vscale = _mm256_set1_ps(scale);
   if (n >= 8) {
     __m256 vm = _mm256_set1_ps(m);
-    for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_mul_ps(_mm256_loadu_ps(s + i), vscale));
+    for (; i + 8 <= n; i += 8)
+      vm = _mm256_max_ps(vm, _mm256_mul_ps(_mm256_loadu_ps(s + i), vscale));
     m = horizontal_max(vm);
   }
   for (; i < n; ++i) m = std::max(m, s[i] * scale);
@@ -135,7 +158,7 @@ inline void softmax_prefix(float* s, int64_t n, int64_t len, float scale) {
   i = 0;
 #endif
   for (; i < n; ++i) {
-    s[i] = exp_nonpositive(s[i] * scale - m);
+    s[i] = exp_nonpositive(std::fma(s[i], scale, -m));  // rounded once, as the fmsub above
     sum += s[i];
   }
   const float inv = 1.f / sum;
@@ -160,13 +183,20 @@ inline void add_weighted4(float* o, const float* w, const float* v0, const float
     _mm256_storeu_ps(o + d, acc);
   }
 #endif
-  for (; d < n; ++d) o[d] += w[0] * v0[d] + w[1] * v1[d] + w[2] * v2[d] + w[3] * v3[d];
+  for (; d < n; ++d)
+    o[d] = std::fma(w[3], v3[d],
+                    std::fma(w[2], v2[d], std::fma(w[1], v1[d], std::fma(w[0], v0[d], o[d]))));
 }
 
-// o[0, n) += w v
+// o[0, n) += w v, rounded as add_weighted4 rounds each of its four
 inline void add_weighted(float* o, float w, const float* v, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) o[d] += w * v[d];
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; d + 8 <= n; d += 8)
+    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+#endif
+  for (; d < n; ++d) o[d] = std::fma(w, v[d], o[d]);
 }
 
 // Work items 0 .. total-1, taken in order by the calling thread and by tasks on XLA's pool, each

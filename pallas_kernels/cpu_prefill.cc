@@ -78,7 +78,7 @@ void attend(const Problem& p, int64_t row, int64_t kv, int64_t c0, std::vector<f
   }
   for (; t < len; ++t) {
     const float* key = seq.row(p.k, t, kv, dim);
-    for (int64_t i = 0; i < nq; ++i) scores[i * len + t] = dot(q_at(i), key, dim);
+    for (int64_t i = 0; i < nq; ++i) scores[i * len + t] = dot1(q_at(i), key, dim);
   }
   // weights, zero past the keys each query sees (those keys are written: finite)
   for (int64_t i = 0; i < nq; ++i) {

@@ -10,12 +10,9 @@ import pytest
 
 from jaxserve.config import kv_cache_dtype
 from jaxserve.model.attention import resolve_attention_impl
-from pallas_kernels import cpu_attention, decode_attention_ref, prefill_attention_ref
-from pallas_kernels.cpu_attention import (
-    KernelUnavailable,
-    decode_attention_cpu,
-    prefill_attention_cpu,
-)
+from pallas_kernels import cpu_library, decode_attention_ref, prefill_attention_ref
+from pallas_kernels.cpu_attention import decode_attention_cpu, prefill_attention_cpu
+from pallas_kernels.cpu_library import KernelUnavailable
 
 
 def _case(rng, slots, kv_heads, group, head_dim, page_size, pages_per_seq, num_pages,
@@ -199,13 +196,13 @@ def test_cpu_prefill_takes_16_bit_queries_and_rejects_bad_inputs():
 
 def test_the_build_is_cached_and_a_failed_one_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
-    built = cpu_attention.build()
+    built = cpu_library.build()
     assert built.parent == tmp_path / "kernels" and built.suffix == ".so"
     stamp = built.stat().st_mtime_ns
-    assert cpu_attention.build() == built and built.stat().st_mtime_ns == stamp  # not rebuilt
+    assert cpu_library.build() == built and built.stat().st_mtime_ns == stamp  # not rebuilt
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails: a new cache key, no library
     with pytest.raises(KernelUnavailable, match="failed"):
-        cpu_attention.build()
+        cpu_library.build()
     assert list((tmp_path / "kernels").iterdir()) == [built]  # no half-written file left
 
 
@@ -215,7 +212,7 @@ def test_auto_attention_takes_the_cpu_kernel_where_it_builds(monkeypatch, caplog
     assert kv_cache_dtype("bfloat16", "cpu", "cpu") == "float32"  # the kernel reads float32
     with pytest.raises(ValueError, match="attention_impl='cpu' runs on the CPU backend"):
         resolve_attention_impl("cpu", "gpu", 64, 16)
-    monkeypatch.setattr(cpu_attention, "unavailable_reason", lambda: "no C++ compiler found")
+    monkeypatch.setattr(cpu_library, "unavailable_reason", lambda: "no C++ compiler found")
     with caplog.at_level(logging.WARNING):
         assert resolve_attention_impl("auto", "cpu", 64, 16) == "reference"
     assert "no C++ compiler found" in caplog.text

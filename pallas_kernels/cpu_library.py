@@ -1,0 +1,124 @@
+"""The C++ kernels for the CPU, called through XLA's FFI: their build, cache and registration.
+
+    cpu_decode.cc, cpu_prefill.cc   paged attention (wrapped by cpu_attention.py)
+    cpu_matmul.cc                   the linear layers' matmul (wrapped by cpu_matmul.py)
+    cpu_kernels.h                   what they share
+
+The kernels are compiled into one library on first use with the machine's C++ compiler ($CXX,
+else c++ or g++) against the headers jaxlib ships (`jax.ffi.include_dir()`), for this CPU
+(-march=native), and cached under $JAXSERVE_CACHE_DIR (default ~/.cache/jaxserve) by a hash of
+the sources, the flags, the compiler, jax's version and the CPU. `available()` says whether it
+could be built, and why not; callers fall back to the plain-XLA walk then.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+_HERE = Path(__file__).parent
+_SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_prefill.cc", _HERE / "cpu_matmul.cc")
+_HEADERS = (_HERE / "cpu_kernels.h",)
+# FFI target -> the library's symbol
+TARGETS = {
+    "jaxserve_cpu_decode_attention": "JaxserveCpuDecodeAttention",
+    "jaxserve_cpu_prefill_attention": "JaxserveCpuPrefillAttention",
+    "jaxserve_cpu_matmul": "JaxserveCpuMatmul",
+    "jaxserve_cpu_matmul_transposed": "JaxserveCpuMatmulTransposed",
+}
+_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+
+
+class KernelUnavailable(RuntimeError):
+    """The C++ kernels could not be built or loaded on this machine (the message says why)."""
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise KernelUnavailable("no C++ compiler found ($CXX, c++, g++ or clang++)")
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep))) or platform.machine()
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("JAXSERVE_CACHE_DIR"):
+        return Path(os.environ["JAXSERVE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxserve"
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library's path, building it if this machine has none cached. `extra_flags`
+    follow the usual ones (the tests build the AVX2 and plain paths with -mno-avx512f ...)."""
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    sources = [f.read_text() for f in (*_SOURCES, *_HEADERS)]
+    flags = (*_FLAGS, *extra_flags)
+    key = hashlib.sha256("\n".join([
+        *sources, " ".join(flags), version, jax.__version__, _cpu_signature(),
+    ]).encode()).hexdigest()[:16]
+    path = _cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # same file system: atomic rename
+        built = Path(tmp) / path.name
+        cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o",
+               str(built)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
+        os.replace(built, path)
+    return path
+
+
+def register(path: Path, suffix: str = "") -> None:
+    """Registers the library's kernels as XLA FFI targets (each TARGETS name + `suffix`)."""
+    library = ctypes.cdll.LoadLibrary(str(path))
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target + suffix, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
+
+
+@functools.cache
+def _register() -> None:
+    register(build())
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None when the kernels are built and registered; otherwise why it cannot be."""
+    try:
+        _register()
+    except (KernelUnavailable, OSError) as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def call(target: str, out: jax.ShapeDtypeStruct, *args, suffix: str = "", **attrs) -> jax.Array:
+    """The kernel `target` on `args` (attributes as keywords); raises KernelUnavailable where
+    the library could not be built. `suffix` names a library `register`ed by hand."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnavailable(reason)
+    return jax.ffi.ffi_call(target + suffix, out, vmap_method="sequential")(*args, **attrs)

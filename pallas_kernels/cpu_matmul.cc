@@ -1,0 +1,237 @@
+// The linear layers' matmul for the CPU, called from XLA through its FFI (see cpu_kernels.py).
+//
+//   out[M, N] = x[M, K] @ w[K, N]    float32, row-major, w as a linear layer stores it
+//   out[M, N] = x[M, K] @ w[N, K]^T  the same for a tied LM head (w: the embedding table); each
+//                                    block of w is first transposed into the layout above
+//
+// What XLA's CPU dot does not give a serving engine:
+//   - batch invariance: every output element is one chain of fused multiply-adds over
+//     k = 0 .. K-1 in order, whatever M is and wherever its row sits, so a request's logits do
+//     not depend on how many others share its step (XLA's dot sums a row one way for M = 1,
+//     another for M = 2..32 and a third for 48 and 64). Partial columns use masked loads, and
+//     the scalar path std::fma: the same correctly rounded steps, bit for bit;
+//   - few rows at the weights' pace: a decode step's handful of rows streams w once, where
+//     XLA's dot runs M = 16 at a third of its large-M rate.
+//
+// Blocking: work items are (a block of kMC rows, a panel of kNC columns); within one, K in
+// blocks of kKC (the panel of w stays in L2 while every row tile uses it; partial sums pass
+// through `out` unchanged, so the chain per element is the same as one pass), then tiles of up
+// to kMR rows x kNC columns held in registers.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+using namespace jaxserve_cpu;
+
+constexpr int64_t kMR = 6;    // rows per register tile
+constexpr int64_t kNC = 64;   // columns per panel: four AVX-512 registers, eight AVX2 ones
+constexpr int64_t kKC = 256;  // k per block
+constexpr int64_t kMC = 96;   // rows per work item
+constexpr int64_t kAhead = 8;  // rows of w to prefetch ahead
+
+struct Problem {
+  const float* x;
+  const float* w;  // [K, N], or [N, K] when transposed
+  float* out;
+  int64_t m, k, n;
+  bool transposed;
+};
+
+// Rows [row, row + R) x columns [col, col + cols) of out (cols <= kNC) over k in [k0, k0 + kc);
+// w: row k0 of the panel, rows ldw floats apart.
+#if defined(__AVX512F__)
+// The accumulators are named registers, not an array: GCC keeps an array of 24 vectors in
+// memory and stores all of them on every step of k.
+#define JAXSERVE_ROWS(DO) DO(0) DO(1) DO(2) DO(3) DO(4) DO(5)
+template <int R>
+void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float* w, int64_t ldw,
+          int64_t k0, int64_t kc) {
+  static_assert(kMR == 6 && kNC == 64, "the register tile is 6 rows x 4 vectors of 16");
+  auto lane_mask = [cols](int v) {
+    const int64_t left = std::clamp<int64_t>(cols - 16 * v, 0, 16);
+    return static_cast<__mmask16>((1u << left) - 1u);
+  };
+  const __mmask16 m0 = lane_mask(0), m1 = lane_mask(1), m2 = lane_mask(2), m3 = lane_mask(3);
+  float* c = p.out + row * p.n + col;
+  const float* x = p.x + row * p.k + k0;
+#define JAXSERVE_DECLARE(r) __m512 a##r##0, a##r##1, a##r##2, a##r##3;
+  JAXSERVE_ROWS(JAXSERVE_DECLARE)
+#define JAXSERVE_LOAD(r)                                                              \
+  if constexpr (R > r) {                                                              \
+    float* cr = c + r * p.n;                                                          \
+    a##r##0 = k0 ? _mm512_maskz_loadu_ps(m0, cr) : _mm512_setzero_ps();               \
+    a##r##1 = k0 ? _mm512_maskz_loadu_ps(m1, cr + 16) : _mm512_setzero_ps();          \
+    a##r##2 = k0 ? _mm512_maskz_loadu_ps(m2, cr + 32) : _mm512_setzero_ps();          \
+    a##r##3 = k0 ? _mm512_maskz_loadu_ps(m3, cr + 48) : _mm512_setzero_ps();          \
+  }
+  JAXSERVE_ROWS(JAXSERVE_LOAD)
+  for (int64_t k = 0; k < kc; ++k, w += ldw) {
+    // each row of the panel is in another 4 KiB page, where the hardware prefetcher stops
+    const char* ahead = reinterpret_cast<const char*>(w + kAhead * ldw);
+    for (int64_t b = 0; b < kNC * 4; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    const __m512 w0 = _mm512_maskz_loadu_ps(m0, w), w1 = _mm512_maskz_loadu_ps(m1, w + 16);
+    const __m512 w2 = _mm512_maskz_loadu_ps(m2, w + 32), w3 = _mm512_maskz_loadu_ps(m3, w + 48);
+#define JAXSERVE_FMA(r)                                                               \
+  if constexpr (R > r) {                                                              \
+    const __m512 xr = _mm512_set1_ps(x[r * p.k + k]);                                 \
+    a##r##0 = _mm512_fmadd_ps(xr, w0, a##r##0);                                       \
+    a##r##1 = _mm512_fmadd_ps(xr, w1, a##r##1);                                       \
+    a##r##2 = _mm512_fmadd_ps(xr, w2, a##r##2);                                       \
+    a##r##3 = _mm512_fmadd_ps(xr, w3, a##r##3);                                       \
+  }
+    JAXSERVE_ROWS(JAXSERVE_FMA)
+  }
+#define JAXSERVE_STORE(r)                                                             \
+  if constexpr (R > r) {                                                              \
+    float* cr = c + r * p.n;                                                          \
+    _mm512_mask_storeu_ps(cr, m0, a##r##0);                                           \
+    _mm512_mask_storeu_ps(cr + 16, m1, a##r##1);                                      \
+    _mm512_mask_storeu_ps(cr + 32, m2, a##r##2);                                      \
+    _mm512_mask_storeu_ps(cr + 48, m3, a##r##3);                                      \
+  }
+  JAXSERVE_ROWS(JAXSERVE_STORE)
+#undef JAXSERVE_DECLARE
+#undef JAXSERVE_LOAD
+#undef JAXSERVE_FMA
+#undef JAXSERVE_STORE
+#undef JAXSERVE_ROWS
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+template <int R>
+void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float* w_k0,
+          int64_t ldw, int64_t k0, int64_t kc) {
+  constexpr int V = kNC / 8;  // 8 registers of 8: tiles of R <= 1 row use 8 + 1; rows loop
+  __m256i mask[V];
+  for (int v = 0; v < V; ++v) {
+    const int64_t left = std::clamp<int64_t>(cols - 8 * v, 0, 8);
+    alignas(32) int32_t bits[8];
+    for (int j = 0; j < 8; ++j) bits[j] = j < left ? -1 : 0;
+    mask[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+  }
+  // 6 rows x 64 columns do not fit in 16 registers: two rows at a time, w re-read from L1
+  for (int r0 = 0; r0 < R; r0 += 2) {
+    const int rows = std::min(2, R - r0);
+    __m256 acc[2][V];
+    float* c = p.out + (row + r0) * p.n + col;
+    for (int r = 0; r < rows; ++r)
+      for (int v = 0; v < V; ++v)
+        acc[r][v] = k0 == 0 ? _mm256_setzero_ps()
+                            : _mm256_maskload_ps(c + r * p.n + 8 * v, mask[v]);
+    const float* x = p.x + (row + r0) * p.k + k0;
+    const float* w = w_k0;
+    for (int64_t k = 0; k < kc; ++k, w += ldw) {
+      for (int r = 0; r < rows; ++r) {
+        const __m256 xr = _mm256_set1_ps(x[r * p.k + k]);
+        for (int v = 0; v < V; ++v)
+          acc[r][v] = _mm256_fmadd_ps(xr, _mm256_maskload_ps(w + 8 * v, mask[v]), acc[r][v]);
+      }
+    }
+    for (int r = 0; r < rows; ++r)
+      for (int v = 0; v < V; ++v) _mm256_maskstore_ps(c + r * p.n + 8 * v, mask[v], acc[r][v]);
+  }
+}
+#else
+template <int R>
+void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float* w, int64_t ldw,
+          int64_t k0, int64_t kc) {
+  for (int r = 0; r < R; ++r) {
+    float* c = p.out + (row + r) * p.n + col;
+    const float* x = p.x + (row + r) * p.k;
+    for (int64_t j = 0; j < cols; ++j) {
+      float acc = k0 == 0 ? 0.f : c[j];
+      for (int64_t k = 0; k < kc; ++k) acc = std::fma(x[k0 + k], w[k * ldw + j], acc);
+      c[j] = acc;
+    }
+  }
+}
+#endif
+
+void tiles(const Problem& p, int64_t row, int64_t rows, int64_t col, int64_t cols,
+           const float* w, int64_t ldw, int64_t k0, int64_t kc) {
+  switch (rows) {
+    case 6: return tile<6>(p, row, col, cols, w, ldw, k0, kc);
+    case 5: return tile<5>(p, row, col, cols, w, ldw, k0, kc);
+    case 4: return tile<4>(p, row, col, cols, w, ldw, k0, kc);
+    case 3: return tile<3>(p, row, col, cols, w, ldw, k0, kc);
+    case 2: return tile<2>(p, row, col, cols, w, ldw, k0, kc);
+    default: return tile<1>(p, row, col, cols, w, ldw, k0, kc);
+  }
+}
+
+// Rows [row_begin, row_end) x columns [col, col + cols). (Copying a block of the panel to
+// contiguous memory first measured slower: the prefetches keep the rows in place in L1/L2.)
+void block(const Problem& p, int64_t row_begin, int64_t row_end, int64_t col, int64_t cols,
+           std::vector<float>& scratch) {
+  for (int64_t k0 = 0; k0 < p.k; k0 += kKC) {
+    const int64_t kc = std::min(kKC, p.k - k0);
+    const float* w = p.w + k0 * p.n + col;
+    int64_t ldw = p.n;
+    if (p.transposed) {  // w[col + j, k0 + k] -> scratch[k, j]
+      scratch.assign(kc * kNC, 0.f);
+      for (int64_t j = 0; j < cols; ++j) {
+        const float* src = p.w + (col + j) * p.k + k0;
+        for (int64_t k = 0; k < kc; ++k) scratch[k * kNC + j] = src[k];
+      }
+      w = scratch.data();
+      ldw = kNC;
+    }
+    for (int64_t row = row_begin; row < row_end; row += kMR)
+      tiles(p, row, std::min(kMR, row_end - row), col, cols, w, ldw, k0, kc);
+  }
+}
+
+using Matrix = ffi::BufferR2<ffi::F32>;
+using Out = ffi::ResultBufferR2<ffi::F32>;
+
+ffi::Error Run(ffi::ThreadPool& pool, Matrix& x, Matrix& w, Out& out, bool transposed) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  const int64_t wk = transposed ? wd[1] : wd[0], wn = transposed ? wd[0] : wd[1];
+  if (xd[1] != wk || od[0] != xd[0] || od[1] != wn) {
+    return ffi::Error::InvalidArgument("cpu matmul: inconsistent shapes");
+  }
+  const Problem p{x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wn,
+                  transposed};
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (p.k == 0) {
+    std::fill(p.out, p.out + p.m * p.n, 0.f);
+    return ffi::Error::Success();
+  }
+  const int64_t row_blocks = (p.m + kMC - 1) / kMC, panels = (p.n + kNC - 1) / kNC;
+  parallel_items(pool, row_blocks * panels, [p, panels](int64_t i, std::vector<float>& scratch) {
+    const int64_t rb = i / panels, col = (i % panels) * kNC;
+    block(p, rb * kMC, std::min(p.m, (rb + 1) * kMC), col, std::min(kNC, p.n - col), scratch);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, Matrix w, Out out) {
+  return Run(pool, x, w, out, false);
+}
+
+ffi::Error MatmulTransposed(ffi::ThreadPool pool, Matrix x, Matrix w, Out out) {
+  return Run(pool, x, w, out, true);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Matrix>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuMatmulTransposed, MatmulTransposed,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Matrix>()
+                                  .Ret<Matrix>());

@@ -1,0 +1,38 @@
+"""The linear layers' matmul for the CPU as a C++ kernel called through XLA's FFI.
+
+Batch invariant: each output element is one chain of fused multiply-adds over k in order, so a
+row's result does not depend on the other rows of the call or on their number (XLA's CPU dot
+sums a row differently for different M). It is also faster than XLA's dot for the few rows of a
+decode step (`cpu_matmul.cc`). Built with the other CPU kernels (`cpu_library`).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.cpu_library import call
+
+
+def matmul_cpu(
+    x: jax.Array,  # [..., K] float32
+    w: jax.Array,  # [K, N] float32, or [N, K] with transposed=True
+    transposed: bool = False,
+    library: str = "",  # a suffix given to cpu_library.register (the tests' other builds)
+) -> jax.Array:  # [..., N] float32
+    """x @ w (x @ w.T when `transposed`), over x's last axis. Runs only on the CPU backend;
+    raises KernelUnavailable where the kernels could not be built."""
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {w.dtype}")
+    if x.ndim < 1 or w.ndim != 2:
+        raise ValueError(f"x has shape {x.shape} and w {w.shape}: expected [..., K] and a "
+                         "matrix")
+    k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, w takes {k} (w {w.shape}, "
+                         f"transposed={transposed})")
+    rows = x.reshape(math.prod(x.shape[:-1]), k)
+    target = "jaxserve_cpu_matmul_transposed" if transposed else "jaxserve_cpu_matmul"
+    out = call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), rows, w,
+               suffix=library)
+    return out.reshape(*x.shape[:-1], n)

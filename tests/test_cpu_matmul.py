@@ -1,0 +1,112 @@
+"""The CPU matmul kernel (pallas_kernels/cpu_matmul.cc through XLA's FFI): float64 numpy is the
+reference; a row's result is bitwise the same whatever the other rows, on every instruction-set
+path the kernel has; the engine picks it, or XLA's dot, as it says."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.model.linear import resolve_matmul_impl
+from pallas_kernels import cpu_library
+from pallas_kernels.cpu_matmul import matmul_cpu
+
+# rows around the 6-row register tile and the 96-row work item, columns around the 64-column
+# panel (masked partial panels), k around the 256-long block (partial sums through the output)
+SHAPES = [(1, 1, 1), (5, 17, 15), (6, 64, 64), (7, 256, 65), (13, 300, 130), (100, 513, 64),
+          (97, 40, 200)]
+
+
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cpu_matmul_equals_float64(m, k, n, transposed):
+    rng = np.random.default_rng(m * 1000 + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k) if transposed else (k, n)).astype(np.float32)
+    want = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
+    got = np.asarray(jax.jit(matmul_cpu, static_argnums=2)(x, w, transposed))
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(k), rtol=1e-5)
+
+
+def test_cpu_matmul_keeps_leading_axes_and_takes_empty_shapes():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 5)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(matmul_cpu(x, w)), x @ w, atol=1e-5)
+    assert matmul_cpu(jnp.zeros((0, 8)), w).shape == (0, 5)
+    assert (np.asarray(matmul_cpu(jnp.ones((3, 0)), jnp.ones((0, 4)))) == 0).all()
+
+
+def _rows_alone_and_together(x, w, transposed=False, library=""):
+    together = np.asarray(matmul_cpu(x, w, transposed, library))
+    alone = np.stack([np.asarray(matmul_cpu(x[i:i + 1], w, transposed, library))[0]
+                      for i in range(x.shape[0])])
+    return together, alone
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_row_gives_the_same_bits_whatever_the_other_rows(transposed):
+    # XLA's dot on the CPU does not (it sums a row one way for M = 1, another for M = 2..32)
+    rng = np.random.default_rng(7)
+    k, n = 384, 200
+    w = jnp.asarray(rng.standard_normal((n, k) if transposed else (k, n)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((40, k)), jnp.float32)
+    together, alone = _rows_alone_and_together(x, w, transposed)
+    assert (together == alone).all()
+    for m in (2, 7, 13, 33):  # and as the first rows of other batch sizes
+        assert (np.asarray(matmul_cpu(x[:m], w, transposed)) == alone[:m]).all()
+
+
+@pytest.fixture(scope="module")
+def other_paths():
+    """The library built for AVX2 without AVX-512, and for no vector extensions at all (what
+    other machines run), registered under their own target names."""
+    paths = {"_avx2": ("-mno-avx512f",), "_plain": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+    for suffix, flags in paths.items():
+        cpu_library.register(cpu_library.build(flags), suffix)
+    return tuple(paths)
+
+
+def test_every_instruction_set_path_gives_the_same_bits(other_paths):
+    # one chain of correctly rounded fused multiply-adds per element, however it is vectorised:
+    # a model's greedy output does not depend on the machine's vector width either
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((13, 300)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((300, 130)), jnp.float32)
+    want = np.asarray(matmul_cpu(x, w))
+    for suffix in other_paths:
+        together, alone = _rows_alone_and_together(x, w, library=suffix)
+        assert (together == want).all() and (alone == want).all(), suffix
+        wt = jnp.asarray(np.asarray(w).T)
+        assert (np.asarray(matmul_cpu(x, wt, True, suffix)) == want).all(), suffix
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((jnp.zeros((2, 4), jnp.bfloat16), jnp.zeros((4, 3))), "takes float32, got x bfloat16"),
+    ((jnp.zeros((2, 4)), jnp.zeros((5, 3))), "x has 4 features, w takes 5"),
+    ((jnp.zeros((2, 4)), jnp.zeros((4,))), "expected \\[..., K\\] and a matrix"),
+])
+def test_cpu_matmul_rejects_bad_inputs(args, message):
+    with pytest.raises(ValueError, match=message):
+        matmul_cpu(*args)
+
+
+def test_auto_matmul_takes_the_cpu_kernel_for_float32_on_the_cpu(monkeypatch, caplog):
+    assert resolve_matmul_impl("auto", "cpu", "float32") == "cpu"
+    assert resolve_matmul_impl("auto", "cpu", "bfloat16") == "xla"  # the kernel is float32
+    assert resolve_matmul_impl("auto", "gpu", "float32") == "xla"
+    assert resolve_matmul_impl("xla", "cpu", "float32") == "xla"
+    with pytest.raises(ValueError, match="matmul_impl must be one of"):
+        resolve_matmul_impl("fast", "cpu", "float32")
+    with pytest.raises(ValueError, match="runs on the CPU backend, not 'gpu'"):
+        resolve_matmul_impl("cpu", "gpu", "float32")
+    with pytest.raises(ValueError, match="computes in float32, not bfloat16"):
+        resolve_matmul_impl("cpu", "cpu", "bfloat16")
+    monkeypatch.setattr(cpu_library, "unavailable_reason", lambda: "no C++ compiler found")
+    with caplog.at_level(logging.WARNING):
+        assert resolve_matmul_impl("auto", "cpu", "float32") == "xla"
+    assert "no C++ compiler found" in caplog.text
+    with pytest.raises(ValueError, match="cannot be built here: no C\\+\\+ compiler found"):
+        resolve_matmul_impl("cpu", "cpu", "float32")
