@@ -7,7 +7,7 @@
 Needs torch and transformers (the `ref` extra). In one process, each timed after its warm-up,
 float32, greedy, every request at its own output length (EOS ignored):
 
-    jaxserve    LLM.generate (continuous batching), once per --attention-impl
+    jaxserve    LLM.generate (continuous batching), once per --attention-impl and --matmul-impl
     hf-static   model.generate on batches of --static-batch requests in order, left padded: a
                 batch runs until its longest request is done (each keeps its own length)
     hf-cb       transformers' own continuous batching (ContinuousBatchingManager: paged cache,
@@ -101,7 +101,8 @@ def run_jaxserve(model: Path, samples: list[Sample], options: dict) -> dict:
     ids = [o.outputs[0].token_ids for o in outs]
     setting = (f"max_num_seqs {options['max_num_seqs']}, "
                f"{options['max_num_batched_tokens']} tok/step, "
-               f"{llm.engine.runner.attention_impl} attention")
+               f"{llm.engine.runner.attention_impl} attention, {llm.engine.runner.matmul_impl} "
+               "matmul")
     return _row("jaxserve", setting, elapsed, ids)
 
 
@@ -208,6 +209,9 @@ def main() -> None:
     parser.add_argument("--attention-impl", nargs="+", default=["auto"],
                         help="jaxserve, one run each (auto reference: the CPU kernel beside the "
                              "plain-XLA attention); the ratios take the fastest")
+    parser.add_argument("--matmul-impl", nargs="+", default=["auto"],
+                        help="jaxserve, one run each with every --attention-impl (auto xla: the "
+                             "CPU's batch-invariant kernel beside XLA's dot)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
@@ -231,8 +235,9 @@ def main() -> None:
                        prefill_chunk_sizes=tuple(args.prefill_chunk_sizes),
                        row_buckets=tuple(args.row_buckets or row_buckets_x15(args.max_num_seqs)),
                        decode_steps=args.decode_steps, enable_prompt_logprobs=False)
-        rows = [run_jaxserve(model, samples, options | {"attention_impl": impl})
-                for impl in args.attention_impl]
+        rows = [run_jaxserve(model, samples, options | {"attention_impl": attention,
+                                                        "matmul_impl": matmul})
+                for attention in args.attention_impl for matmul in args.matmul_impl]
         hf = _hf_model(model)
         rows += [run_hf_static(hf, samples, b) for b in args.static_batch]
         rows += [run_hf_cb(hf, samples, b) for b in args.budgets]

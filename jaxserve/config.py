@@ -72,6 +72,7 @@ AttentionImpl = Literal["auto", "pallas", "cpu", "reference"]
 _CHOICES = {
     "batching": ("static", "dynamic", "continuous"),
     "attention_impl": ("auto", "pallas", "cpu", "reference"),
+    "matmul_impl": ("auto", "cpu", "xla"),
     "dtype": ("auto", *SUPPORTED_DTYPES),
     "policy": ("fcfs", "priority", "sjf", "mlfq", "edf"),
     "load_format": ("auto", "dummy"),
@@ -93,6 +94,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9  # of free device memory (CPU: of kv_cache_bytes_cpu)
     kv_cache_bytes_cpu: int = 1 << 30
     attention_impl: str = "auto"
+    matmul_impl: str = "auto"  # auto: the CPU's batch-invariant kernel for float32, else XLA's dot
     batching: str = "continuous"
     policy: str = "fcfs"
     window_ms: float = 0.0

@@ -33,6 +33,7 @@ from jaxserve.core.buckets import bucket, prefill_calls, prefill_row_buckets
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
+from jaxserve.model.linear import resolve_matmul_impl
 from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
@@ -135,6 +136,7 @@ class ModelRunner:
         self.attention_impl = resolve_attention_impl(config.attention_impl, self.backend,
                                                      model_config.head_dim, config.page_size)
         self.kv_dtype = DTYPES[kv_cache_dtype(dtype, self.backend, self.attention_impl)]
+        self.matmul_impl = resolve_matmul_impl(config.matmul_impl, self.backend, dtype)
         enable_compilation_cache(config.compilation_cache_dir)
         start = time.perf_counter()
         self.graphdef, self.state = load_state(model_path, model_config, self.dtype,
@@ -163,7 +165,8 @@ class ModelRunner:
         self.carry_size = self.row_buckets[-1]
         self.weights = jax.tree.leaves(self.state)  # what the jitted steps take
         self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state),
-                                 self.attention_impl, config.max_top_logprobs, self.carry_size)
+                                 self.attention_impl, self.matmul_impl, config.max_top_logprobs,
+                                 self.carry_size)
         # committed to the device like the step outputs that replace it: jit keys its cache on
         # committedness, so an uncommitted zeros would compile every step a second time
         self._zeros = jax.device_put(jnp.zeros((self.carry_size,), jnp.int32), jax.devices()[0])

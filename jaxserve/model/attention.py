@@ -12,7 +12,7 @@ import logging
 import jax
 
 from jaxserve.model.kv_cache import AttentionMetadata
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_attention, cpu_library
 from pallas_kernels.blocked import decode_attention_blocked, prefill_attention_blocked
 from pallas_kernels.decode import kernel_shape_problem
 
@@ -34,10 +34,10 @@ def resolve_attention_impl(impl: str, backend: str, head_dim: int | None = None,
     if impl == "cpu":
         if backend != "cpu":
             raise ValueError(f"attention_impl='cpu' runs on the CPU backend, not {backend!r}")
-        if reason := cpu_attention.unavailable_reason():
+        if reason := cpu_library.unavailable_reason():
             raise ValueError(f"attention_impl='cpu': the kernel cannot be built here: {reason}")
     if impl == "auto" and backend == "cpu":
-        if reason := cpu_attention.unavailable_reason():
+        if reason := cpu_library.unavailable_reason():
             log.warning("the CPU attention kernel cannot be built (%s): using the reference "
                         "attention, which is slower", reason)
             return "reference"

@@ -14,7 +14,10 @@ from flax import nnx
 
 from jaxserve.model.attention import paged_attention
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, write_kv
+from jaxserve.model.linear import project
+from jaxserve.model.reductions import row_sum
 from jaxserve.model_config import ModelConfig
+from pallas_kernels.cpu_matmul import matmul_cpu
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [head_dim // 2] float32
@@ -54,7 +57,8 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        # the batch-invariant sum (reductions.py); jnp.mean's varies with the batch on the CPU
+        xf = xf * jax.lax.rsqrt(row_sum(xf * xf) / x.shape[-1] + self.eps)
         return self.weight[...] * xf.astype(x.dtype)
 
 
@@ -73,16 +77,16 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
     def __call__(self, x, cos, sin, k_pages, v_pages, md: AttentionMetadata, write_index,
-                 attention_impl: str):
+                 attention_impl: str, matmul_impl: str):
         b, c, _ = x.shape
-        q = self.q_proj(x).reshape(b, c, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, c, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, c, self.num_kv_heads, self.head_dim)
+        q = project(self.q_proj, x, matmul_impl).reshape(b, c, self.num_heads, self.head_dim)
+        k = project(self.k_proj, x, matmul_impl).reshape(b, c, self.num_kv_heads, self.head_dim)
+        v = project(self.v_proj, x, matmul_impl).reshape(b, c, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_pages = write_kv(k_pages, k, write_index)
         v_pages = write_kv(v_pages, v, write_index)
         out = paged_attention(q, k_pages, v_pages, md, self.head_dim**-0.5, attention_impl)
-        return self.o_proj(out.reshape(b, c, -1)), k_pages, v_pages
+        return project(self.o_proj, out.reshape(b, c, -1), matmul_impl), k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -92,8 +96,9 @@ class MLP(nnx.Module):
         self.up_proj = _linear(e, i, False, dtype, rngs)
         self.down_proj = _linear(i, e, False, dtype, rngs)
 
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, matmul_impl: str = "xla"):
+        gate, up = project(self.gate_proj, x, matmul_impl), project(self.up_proj, x, matmul_impl)
+        return project(self.down_proj, jax.nn.silu(gate) * up, matmul_impl)
 
 
 class DecoderLayer(nnx.Module):
@@ -103,12 +108,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, cos, sin, k_pages, v_pages, md, write_index, attention_impl):
-        h, k_pages, v_pages = self.self_attn(
-            self.input_layernorm(x), cos, sin, k_pages, v_pages, md, write_index, attention_impl
-        )
+    def __call__(self, x, cos, sin, k_pages, v_pages, md, write_index, attention_impl,
+                 matmul_impl):
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), cos, sin, k_pages, v_pages,
+                                             md, write_index, attention_impl, matmul_impl)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), k_pages, v_pages
+        return x + self.mlp(self.post_attention_layernorm(x), matmul_impl), k_pages, v_pages
 
 
 class Decoder(nnx.Module):
@@ -131,7 +136,7 @@ class LlamaForCausalLM(nnx.Module):
         )
 
     def __call__(self, tokens: jax.Array, kv: KVCache, md: AttentionMetadata,
-                 attention_impl: str) -> tuple[jax.Array, KVCache]:
+                 attention_impl: str, matmul_impl: str = "xla") -> tuple[jax.Array, KVCache]:
         x = self.model.embed_tokens(tokens)  # [B, C, hidden]
         freqs = md.positions[..., None].astype(jnp.float32) * rope_inv_freq(self.config)
         freqs = jnp.concatenate([freqs, freqs], axis=-1)  # [B, C, head_dim]
@@ -140,15 +145,16 @@ class LlamaForCausalLM(nnx.Module):
         new_k, new_v = [], []
         for layer, k_pages, v_pages in zip(self.model.layers, kv.k, kv.v, strict=True):
             x, k_pages, v_pages = layer(x, cos, sin, k_pages, v_pages, md, write_index,
-                                        attention_impl)
+                                        attention_impl, matmul_impl)
             new_k.append(k_pages)
             new_v.append(v_pages)
         return self.model.norm(x), KVCache(k=tuple(new_k), v=tuple(new_v))
 
-    def logits(self, hidden: jax.Array) -> jax.Array:  # [..., vocab] float32
-        if self.lm_head is None:
-            table = self.model.embed_tokens.embedding[...]
-            out = jnp.einsum("...e,ve->...v", hidden, table, preferred_element_type=jnp.float32)
-        else:
-            out = self.lm_head(hidden)
-        return out.astype(jnp.float32)
+    def logits(self, hidden: jax.Array, matmul_impl: str = "xla") -> jax.Array:  # [..., vocab]
+        """float32 logits; a tied head multiplies by the embedding table [vocab, hidden]."""
+        if self.lm_head is not None:
+            return project(self.lm_head, hidden, matmul_impl).astype(jnp.float32)
+        table = self.model.embed_tokens.embedding[...]
+        if matmul_impl == "cpu":
+            return matmul_cpu(hidden, table, transposed=True)
+        return jnp.einsum("...e,ve->...v", hidden, table, preferred_element_type=jnp.float32)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxserve.model.reductions import log_softmax, softmax
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def _sample_random(logits: jax.Array, sm: SamplingMetadata) -> jax.Array:  # [B]
     # top-k keeps every token as likely as the k-th (a tie at the cut stays in, as vLLM's)
     kth = jnp.take_along_axis(ranked, jnp.clip(sm.top_k - 1, 0, vocab - 1)[:, None], axis=-1)
     keep = ranked >= kth
-    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
+    probs = softmax(jnp.where(keep, ranked, -jnp.inf))
     # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays)
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < sm.top_p[:, None]
     masked = jnp.where(keep, ranked, -jnp.inf)
@@ -83,7 +85,7 @@ def sample(logits: jax.Array, sm: SamplingMetadata, num_top: int) -> jax.Array:
     )
     stats = jax.lax.cond(
         jnp.any(sm.logprobs),
-        lambda: token_logprobs(jax.nn.log_softmax(logits, axis=-1), tokens, num_top),
+        lambda: token_logprobs(log_softmax(logits), tokens, num_top),
         lambda: jnp.zeros((tokens.shape[0], packed_width(num_top) - 1), jnp.int32),
     )
     return jnp.concatenate([tokens[:, None], stats], axis=1)

@@ -1,7 +1,8 @@
 """The device step as pure functions of (weights, KV pages, step arrays).
 
-`make_step_fns` closes over the static parts (graph, attention impl, top-logprob count, carry
-size) and returns jitted functions with the KV cache donated: callers rebind the returned cache.
+`make_step_fns` closes over the static parts (graph, attention and matmul impls, top-logprob
+count, carry size) and returns jitted functions with the KV cache donated: callers rebind the
+returned cache.
 
 Every function also returns `next_tokens [M]`, the last token each row sampled (padded to the
 largest row bucket M). The next decode step takes the previous iteration's two carries and
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
+from jaxserve.model.reductions import log_softmax
 from jaxserve.model.sampler import SamplingMetadata, sample, token_logprobs
 
 
@@ -39,8 +41,8 @@ class StepFns:
     decode: Callable
 
 
-def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, num_top: int,
-                  carry_size: int) -> StepFns:
+def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, matmul_impl: str,
+                  num_top: int, carry_size: int) -> StepFns:
     """`state_treedef` rebuilds the weights state from the flat list of arrays the functions
     take: flattening NNX variables on every call would cost the host a millisecond per step."""
     def pad(tokens):  # [B] -> [M]
@@ -48,10 +50,10 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, nu
 
     def chunk_forward(weights, kv: KVCache, tokens, md: AttentionMetadata, sm: SamplingMetadata):
         model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
-        hidden, kv = model(tokens, kv, md, attention_impl)
+        hidden, kv = model(tokens, kv, md, attention_impl, matmul_impl)
         last = jnp.maximum(md.query_lens - 1, 0)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
-        packed = sample(model.logits(h), sm, num_top)
+        packed = sample(model.logits(h, matmul_impl), sm, num_top)
         return model, hidden, packed, kv
 
     def prefill(weights, kv, tokens, md, sm, carry, carry_index):
@@ -61,7 +63,8 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, nu
     def prefill_with_prompt_logprobs(weights, kv, tokens, md, sm, carry, carry_index, targets):
         model, hidden, packed, kv = chunk_forward(weights, kv, tokens, md, sm)
         b, c = tokens.shape
-        logprobs = jax.nn.log_softmax(model.logits(hidden), axis=-1).reshape(b * c, -1)
+        logits = model.logits(hidden, matmul_impl)
+        logprobs = log_softmax(logits).reshape(b * c, -1)
         prompt = token_logprobs(logprobs, targets.reshape(-1), num_top).reshape(b, c, -1)
         return packed, prompt, carry.at[carry_index].set(packed[:, 0], mode="drop"), kv
 
@@ -72,8 +75,8 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, nu
 
         def one_step(carry, _):
             tokens, kv, md, sm = carry
-            hidden, kv = model(tokens[:, None], kv, md, attention_impl)
-            packed = sample(model.logits(hidden[:, 0]), sm, num_top)
+            hidden, kv = model(tokens[:, None], kv, md, attention_impl, matmul_impl)
+            packed = sample(model.logits(hidden[:, 0], matmul_impl), sm, num_top)
             md = replace(md, positions=md.positions + 1, seq_lens=md.seq_lens + md.query_lens)
             sm = replace(sm, positions=sm.positions + 1)
             return (packed[:, 0], kv, md, sm), packed
