@@ -3,7 +3,9 @@ same whatever the batch around it: other rows, padding, its row's index, how its
 into chunks, and whether it was prefilled or decoded. (XLA's dot and reductions on the CPU sum
 a row differently for different batch shapes; greedy ids on near-tied logits followed them.)"""
 
+import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import pytest
 from conftest import HF_FIXTURES
 from flax import nnx
 
+from jaxserve import LLM, SamplingParams
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model_config import ModelConfig
@@ -23,7 +26,7 @@ PAGE, PAGES_PER_ROW = 8, 8
 def model(request):
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / "llama")
     if request.param == "tied":  # the LM head is the embedding table: the transposed matmul
-        cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     graphdef, state = nnx.split(LlamaForCausalLM(cfg, jnp.float32, nnx.Rngs(3)))
     return cfg, graphdef, state
 
@@ -33,6 +36,11 @@ def _forward(graphdef, state, tokens, kv, md):
     m = nnx.merge(graphdef, state)
     hidden, kv = m(tokens, kv, md, "cpu", "cpu")
     return m.logits(hidden, "cpu"), kv
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_kv(graphdef, state, tokens, kv, md):  # the program where the sum had varied
+    return nnx.merge(graphdef, state)(tokens, kv, md, "cpu", "cpu")[1]
 
 
 def _run(model, rows, chunks, row=0, seed=0):
@@ -73,3 +81,55 @@ def test_a_tokens_logits_do_not_depend_on_the_batch(model, rows, chunks, row):
     alone = _run(model, 1, [20])
     got = _run(model, rows, chunks, row, seed=rows)
     assert (got == alone).all(), f"max difference {np.abs(got - alone).max()}"
+
+
+def test_a_long_prompts_keys_do_not_depend_on_the_batch():
+    # the shape where a sum of squares XLA fused into the program (a tree of adds, then) gave
+    # RMSNorm another bit at a few positions of a 183-token prompt alone than in a batch
+    cfg = dataclasses.replace(ModelConfig.from_hf_dir(HF_FIXTURES / "llama"), hidden_size=384,
+                              num_heads=6, num_kv_heads=2, head_dim=64, intermediate_size=512,
+                              vocab_size=300)
+    graphdef, state = nnx.split(LlamaForCausalLM(cfg, jnp.float32, nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, cfg.vocab_size, 183)
+
+    def first_layer_keys(rows, row):
+        kv = KVCache.zeros(cfg.num_layers, 12 * rows + 1, 16, cfg.num_kv_heads, cfg.head_dim,
+                           jnp.float32)
+        table = np.arange(1, 12 * rows + 1, dtype=np.int32).reshape(rows, 12)
+        tokens = rng.integers(3, cfg.vocab_size, (rows, 192)).astype(np.int32)
+        tokens[row, :183] = ids
+        lens = rng.integers(1, 193, rows).astype(np.int32)
+        lens[row] = 183
+        md = AttentionMetadata(positions=np.tile(np.arange(192, dtype=np.int32), (rows, 1)),
+                               query_lens=lens, seq_lens=lens, page_table=table)
+        kv = _forward_kv(graphdef, state, tokens, kv, md)
+        return np.asarray(kv.k[0])[table[row]].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:183]
+
+    alone = first_layer_keys(1, 0)
+    for rows, row in ((2, 1), (4, 2)):
+        assert (first_layer_keys(rows, row) == alone).all()
+
+
+def test_the_engines_logprobs_do_not_depend_on_the_batch(tmp_path):
+    # prompts chunked by the budget, every row asking for sampled and prompt logprobs
+    config = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
+    config |= dict(hidden_size=96, intermediate_size=160, num_attention_heads=3,
+                   num_key_value_heads=1, head_dim=32, vocab_size=300)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(tmp_path, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=256,
+              prefill_chunk_sizes=(64, 256), page_size=16, num_pages=200)
+    assert (llm.engine.runner.matmul_impl, llm.engine.runner.attention_impl) == ("cpu", "cpu")
+    rng = np.random.default_rng(5)
+    prompts = [{"prompt_token_ids": rng.integers(3, 300, int(n)).tolist()}
+               for n in rng.integers(3, 220, 10)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+
+    def logprobs(out):
+        steps = [*out.prompt_logprobs[1:], *out.outputs[0].logprobs]
+        return [[(t, lp.logprob) for t, lp in step.items()] for step in steps]
+
+    together = [logprobs(o) for o in llm.generate(prompts, params)]
+    for i, prompt in enumerate(prompts):
+        assert logprobs(llm.generate(prompt, params)[0]) == together[i], f"request {i}"

@@ -55,10 +55,10 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, matmul_impl: str = "xla") -> jax.Array:
         xf = x.astype(jnp.float32)
-        # the batch-invariant sum (reductions.py); jnp.mean's varies with the batch on the CPU
-        xf = xf * jax.lax.rsqrt(row_sum(xf * xf) / x.shape[-1] + self.eps)
+        # with the CPU kernels, the batch-invariant sum (reductions.py)
+        xf = xf * jax.lax.rsqrt(row_sum(xf * xf, matmul_impl) / x.shape[-1] + self.eps)
         return self.weight[...] * xf.astype(x.dtype)
 
 
@@ -110,10 +110,12 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, k_pages, v_pages, md, write_index, attention_impl,
                  matmul_impl):
-        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), cos, sin, k_pages, v_pages,
-                                             md, write_index, attention_impl, matmul_impl)
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x, matmul_impl), cos, sin,
+                                             k_pages, v_pages, md, write_index, attention_impl,
+                                             matmul_impl)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), matmul_impl), k_pages, v_pages
+        h = self.post_attention_layernorm(x, matmul_impl)
+        return x + self.mlp(h, matmul_impl), k_pages, v_pages
 
 
 class Decoder(nnx.Module):
@@ -140,7 +142,11 @@ class LlamaForCausalLM(nnx.Module):
         x = self.model.embed_tokens(tokens)  # [B, C, hidden]
         freqs = md.positions[..., None].astype(jnp.float32) * rope_inv_freq(self.config)
         freqs = jnp.concatenate([freqs, freqs], axis=-1)  # [B, C, head_dim]
-        cos, sin = jnp.cos(freqs).astype(x.dtype), jnp.sin(freqs).astype(x.dtype)
+        # computed apart from their uses: fused into the rope of each layer, XLA's CPU code for
+        # them varies with the batch's shape (a position's cos differed by an ulp alone and in
+        # a batch), which breaks batch invariance
+        cos, sin = jax.lax.optimization_barrier((jnp.cos(freqs), jnp.sin(freqs)))
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         write_index = md.write_index(kv.k[0].shape[1])
         new_k, new_v = [], []
         for layer, k_pages, v_pages in zip(self.model.layers, kv.k, kv.v, strict=True):
@@ -148,7 +154,7 @@ class LlamaForCausalLM(nnx.Module):
                                         attention_impl, matmul_impl)
             new_k.append(k_pages)
             new_v.append(v_pages)
-        return self.model.norm(x), KVCache(k=tuple(new_k), v=tuple(new_v))
+        return self.model.norm(x, matmul_impl), KVCache(k=tuple(new_k), v=tuple(new_v))
 
     def logits(self, hidden: jax.Array, matmul_impl: str = "xla") -> jax.Array:  # [..., vocab]
         """float32 logits; a tied head multiplies by the embedding table [vocab, hidden]."""

@@ -1,33 +1,33 @@
-"""Reductions over a row that give the same bits whatever the batch around the row.
+"""Sums over a row that, with the CPU kernels, give the same bits whatever the batch around it.
 
-XLA's CPU reduction sums a row of a [4, n] array differently from a row of a [2, n] one, so a
-request's norms and logprobs would depend on how many others share its step. These sum by a
-halving tree of elementwise adds instead, fixed by the row's length alone. With the CPU kernels
-(batch-invariant matmul and attention) they make a token's logits and logprobs independent of
-the batch, the chunking of its prompt, and whether it was decoded or prefilled.
+XLA's CPU reductions sum a row of a [4, n] array differently from a row of a [2, n] one, and
+within a large program even a tree of elementwise adds is rewritten and fused so that its
+order varies with the shapes around it. With impl "cpu" the sum is the CPU matmul kernel's
+product with a column of ones: one chain of additions in index order (cpu_matmul.cc), fixed by
+the row alone. Used for RMSNorm and the sampler's (log-)softmax, so that with the CPU matmul
+and attention kernels a token's logits and logprobs do not depend on the batch.
 """
 
 import jax
 import jax.numpy as jnp
 
-
-def row_sum(x: jax.Array) -> jax.Array:  # [..., n] -> [..., 1]
-    """Sum over the last axis: zero-padded to a power of two, then halved by elementwise adds."""
-    n = x.shape[-1]
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << max(n - 1, 0).bit_length()) - n)])
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x
+from pallas_kernels.cpu_matmul import matmul_cpu
 
 
-def log_softmax(x: jax.Array) -> jax.Array:  # [..., n]
+def row_sum(x: jax.Array, impl: str) -> jax.Array:  # [..., n] float32 -> [..., 1]
+    """Sum over the last axis; impl "cpu": batch invariant, else XLA's reduction."""
+    if impl == "cpu":
+        return matmul_cpu(x, jnp.ones((x.shape[-1], 1), jnp.float32))
+    return jnp.sum(x, axis=-1, keepdims=True)
+
+
+def log_softmax(x: jax.Array, impl: str) -> jax.Array:  # [..., n] float32
     """jax.nn.log_softmax over the last axis, its sum by `row_sum` (the max is exact anyway)."""
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
-    return shifted - jnp.log(row_sum(jnp.exp(shifted)))
+    return shifted - jnp.log(row_sum(jnp.exp(shifted), impl))
 
 
-def softmax(x: jax.Array) -> jax.Array:  # [..., n]
+def softmax(x: jax.Array, impl: str) -> jax.Array:  # [..., n] float32
     """jax.nn.softmax over the last axis, its sum by `row_sum`."""
     e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
-    return e / row_sum(e)
+    return e / row_sum(e, impl)

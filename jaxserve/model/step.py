@@ -53,7 +53,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, ma
         hidden, kv = model(tokens, kv, md, attention_impl, matmul_impl)
         last = jnp.maximum(md.query_lens - 1, 0)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
-        packed = sample(model.logits(h, matmul_impl), sm, num_top)
+        packed = sample(model.logits(h, matmul_impl), sm, num_top, matmul_impl)
         return model, hidden, packed, kv
 
     def prefill(weights, kv, tokens, md, sm, carry, carry_index):
@@ -64,7 +64,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, ma
         model, hidden, packed, kv = chunk_forward(weights, kv, tokens, md, sm)
         b, c = tokens.shape
         logits = model.logits(hidden, matmul_impl)
-        logprobs = log_softmax(logits).reshape(b * c, -1)
+        logprobs = log_softmax(logits, matmul_impl).reshape(b * c, -1)
         prompt = token_logprobs(logprobs, targets.reshape(-1), num_top).reshape(b, c, -1)
         return packed, prompt, carry.at[carry_index].set(packed[:, 0], mode="drop"), kv
 
@@ -76,7 +76,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, ma
         def one_step(carry, _):
             tokens, kv, md, sm = carry
             hidden, kv = model(tokens[:, None], kv, md, attention_impl, matmul_impl)
-            packed = sample(model.logits(hidden[:, 0], matmul_impl), sm, num_top)
+            packed = sample(model.logits(hidden[:, 0], matmul_impl), sm, num_top, matmul_impl)
             md = replace(md, positions=md.positions + 1, seq_lens=md.seq_lens + md.query_lens)
             sm = replace(sm, positions=sm.positions + 1)
             return (packed[:, 0], kv, md, sm), packed
