@@ -142,11 +142,7 @@ class LlamaForCausalLM(nnx.Module):
         x = self.model.embed_tokens(tokens)  # [B, C, hidden]
         freqs = md.positions[..., None].astype(jnp.float32) * rope_inv_freq(self.config)
         freqs = jnp.concatenate([freqs, freqs], axis=-1)  # [B, C, head_dim]
-        # computed apart from their uses: fused into the rope of each layer, XLA's CPU code for
-        # them varies with the batch's shape (a position's cos differed by an ulp alone and in
-        # a batch), which breaks batch invariance
-        cos, sin = jax.lax.optimization_barrier((jnp.cos(freqs), jnp.sin(freqs)))
-        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+        cos, sin = jnp.cos(freqs).astype(x.dtype), jnp.sin(freqs).astype(x.dtype)
         write_index = md.write_index(kv.k[0].shape[1])
         new_k, new_v = [], []
         for layer, k_pages, v_pages in zip(self.model.layers, kv.k, kv.v, strict=True):
