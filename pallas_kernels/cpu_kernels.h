@@ -40,7 +40,7 @@ struct PagedSeq {
 // The attention kernels compute every score, weight and output of a query the same way
 // wherever it falls among the others (in a group of 8 keys or the tail, a chunk's block of
 // queries or a decode slot), so a token's attention does not depend on the batch or on how its
-// prompt was cut into chunks: dot1 sums as dot8 does for one key, the value sums are one chain
+// prompt was cut into chunks: dot1 is dot8 on one key, the value sums are one chain
 // of fused multiply-adds over the tokens, and the softmax's tail rounds as its vector body.
 
 inline float dot(const float* a, const float* b, int64_t n) {  // n not a multiple of 8
@@ -49,33 +49,34 @@ inline float dot(const float* a, const float* b, int64_t n) {  // n not a multip
   return sum;
 }
 
-// q . key, summed as dot8 sums each of its keys.
-inline float dot1(const float* q, const float* key, int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (n % 8 == 0) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < n; d += 8)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), acc);
-    // ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), dot8's order
-    const __m128 h = _mm_hadd_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 h2 = _mm_hadd_ps(h, h);
-    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
-  }
-#endif
-  return dot(q, key, n);
-}
-
 // q against 8 keys: out[j] = q . keys[j]. Eight independent sums, not one dependent chain per
-// key; with AVX2, eight vector accumulators reduced together.
+// key; with AVX-512 (head_dim a multiple of 16) sixteen lanes folded to eight, then as with
+// AVX2: eight vector accumulators reduced together.
 inline void dot8(const float* q, const float* const* keys, int64_t n, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (n % 8 == 0) {
     __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < n; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+      __m512 wide[8];
+      for (int j = 0; j < 8; ++j) wide[j] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < n; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + d);
+        for (int j = 0; j < 8; ++j)
+          wide[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + d), wide[j]);
+      }
       for (int j = 0; j < 8; ++j)
-        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + d), acc[j]);
+        acc[j] = _mm256_add_ps(_mm512_castps512_ps256(wide[j]),
+                               _mm512_extractf32x8_ps(wide[j], 1));
+    } else
+#endif
+    {
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < n; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; ++j)
+          acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + d), acc[j]);
+      }
     }
     const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
     const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
@@ -85,7 +86,15 @@ inline void dot8(const float* q, const float* const* keys, int64_t n, float* out
     return;
   }
 #endif
-  for (int j = 0; j < 8; ++j) out[j] = dot1(q, keys[j], n);
+  for (int j = 0; j < 8; ++j) out[j] = dot(q, keys[j], n);
+}
+
+// q . key, summed exactly as dot8 sums each of its keys (it is dot8, on one key).
+inline float dot1(const float* q, const float* key, int64_t n) {
+  const float* keys[8] = {key, key, key, key, key, key, key, key};
+  float out[8];
+  dot8(q, keys, n, out);
+  return out[0];
 }
 
 // e^x for x <= 0 in plain arithmetic: 2^(x log2 e) = 2^i * 2^f, f in [0, 1) by a degree-6
@@ -171,6 +180,18 @@ inline void softmax_prefix(float* s, int64_t n, int64_t len, float scale) {
 inline void add_weighted4(float* o, const float* w, const float* v0, const float* v1,
                           const float* v2, const float* v3, int64_t n) {
   int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 z0 = _mm512_set1_ps(w[0]), z1 = _mm512_set1_ps(w[1]);
+  const __m512 z2 = _mm512_set1_ps(w[2]), z3 = _mm512_set1_ps(w[3]);
+  for (; d + 16 <= n; d += 16) {
+    __m512 acc = _mm512_loadu_ps(o + d);
+    acc = _mm512_fmadd_ps(z0, _mm512_loadu_ps(v0 + d), acc);
+    acc = _mm512_fmadd_ps(z1, _mm512_loadu_ps(v1 + d), acc);
+    acc = _mm512_fmadd_ps(z2, _mm512_loadu_ps(v2 + d), acc);
+    acc = _mm512_fmadd_ps(z3, _mm512_loadu_ps(v3 + d), acc);
+    _mm512_storeu_ps(o + d, acc);
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]);
   const __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
@@ -191,6 +212,11 @@ inline void add_weighted4(float* o, const float* w, const float* v0, const float
 // o[0, n) += w v, rounded as add_weighted4 rounds each of its four
 inline void add_weighted(float* o, float w, const float* v, int64_t n) {
   int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 zv = _mm512_set1_ps(w);
+  for (; d + 16 <= n; d += 16)
+    _mm512_storeu_ps(o + d, _mm512_fmadd_ps(zv, _mm512_loadu_ps(v + d), _mm512_loadu_ps(o + d)));
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 wv = _mm256_set1_ps(w);
   for (; d + 8 <= n; d += 8)
