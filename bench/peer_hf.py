@@ -20,6 +20,7 @@ machine's measured float32 matmul rate). The workload is the engine issue's (pro
 """
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -95,15 +96,44 @@ def run_jaxserve(model: Path, samples: list[Sample], options: dict) -> dict:
               for s in samples]
     prompts = [s.engine_prompt for s in samples]
     llm.generate(prompts[:8], [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 8)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    with iteration_times(llm.engine) as times:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    print(f"jaxserve: {len(times['prefill'])} iterations with prompt chunks "
+          f"{sum(times['prefill']):.2f} s, {len(times['decode'])} decode-only iterations "
+          f"{sum(times['decode']):.2f} s", flush=True)
     ids = [o.outputs[0].token_ids for o in outs]
     setting = (f"max_num_seqs {options['max_num_seqs']}, "
                f"{options['max_num_batched_tokens']} tok/step, "
                f"{llm.engine.runner.attention_impl} attention, {llm.engine.runner.matmul_impl} "
                "matmul")
     return _row("jaxserve", setting, elapsed, ids)
+
+
+@contextlib.contextmanager
+def iteration_times(engine):
+    """Seconds per engine iteration, by kind: "prefill" (it carried prompt chunks) or "decode".
+    An iteration's device time is waited for by the next step (steps overlap by one), so each
+    step's wall time is charged to the iteration dispatched before it."""
+    times: dict[str, list[float]] = {"prefill": [], "decode": []}
+    step, previous = engine.step, [None]
+
+    def timed():
+        start = time.perf_counter()
+        outputs = step()
+        if previous[0] is not None:
+            times[previous[0]].append(time.perf_counter() - start)
+        flight = engine._inflight
+        previous[0] = None if flight is None else (
+            "prefill" if any(c.num_tokens > 1 for c in flight[0].chunks) else "decode")
+        return outputs
+
+    engine.step = timed
+    try:
+        yield times
+    finally:
+        del engine.step
 
 
 def row_buckets_x15(max_num_seqs: int) -> tuple[int, ...]:

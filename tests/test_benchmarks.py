@@ -229,6 +229,39 @@ def test_peer_pure_parts():
 
 
 
+def test_peer_iteration_times_charge_each_step_to_the_iteration_before():
+    peer = _load(ROOT / "bench" / "peer_hf.py")
+
+    class Chunk:
+        def __init__(self, n):
+            self.num_tokens = n
+
+    class Engine:  # dispatches a prompt chunk, then two decode iterations, then nothing
+        def __init__(self):
+            self.plan, self._inflight = [[Chunk(30), Chunk(1)], [Chunk(1)], [Chunk(1)]], None
+
+        def step(self):
+            self._inflight = (SimpleNamespace(chunks=self.plan.pop(0)), None) if self.plan \
+                else None
+            return []
+
+    engine = Engine()
+    with peer.iteration_times(engine) as times:
+        for _ in range(4):
+            engine.step()
+    assert (len(times["prefill"]), len(times["decode"])) == (1, 2)
+    assert "step" not in engine.__dict__  # the engine's own step is back
+
+
+def test_cpu_kernels_bench_runs_at_tiny_size(capsys):
+    """bench/cpu_kernels.py compares each CPU kernel with XLA in its place."""
+    out = _load(ROOT / "bench" / "cpu_kernels.py").main(["--quick"])
+    assert [r["m"] for r in out["matmul"]] == [1, 8, 40]
+    assert all(r[f"{k}_ms"] > 0 for r in out["matmul"] + out["prefill"] for k in ("xla", "cpu"))
+    assert out["decode"]["gb_per_s"] > 0 and out["read_gb_per_s"] > 0
+    assert "decode attention, 4 slots x 40 tokens x 2 layers" in capsys.readouterr().out
+
+
 def test_profile_step_reads_xla_op_times(stories_dir, capsys):
     """bench/profile_step.py traces the engine's decode step and sums XLA's ops by kind."""
     profile = _load(ROOT / "bench" / "profile_step.py")

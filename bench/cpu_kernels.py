@@ -1,0 +1,182 @@
+"""The CPU kernels against what XLA does in their place, on this machine, in one process.
+
+    python bench/cpu_kernels.py            # the peer model's shapes (bench/peer_hf.py)
+    python bench/cpu_kernels.py --quick    # tiny shapes, seconds (the tests run this)
+
+    matmul   the peer model's 57 linear layers in a chain (8 layers + LM head), x of M rows:
+             XLA's dot against pallas_kernels/cpu_matmul.cc, ms and GFLOP/s per M
+    prefill  one layer's paged attention for prompt chunks: the plain-XLA block walk
+             (attention_impl="reference") against cpu_prefill.cc
+    decode   64 slots x 200 tokens over 8 layers: cpu_decode.cc's GB/s of K and V read,
+             beside the machine's streaming read of a buffer larger than its caches
+
+Each figure is the best of several runs after a warm-up; alternate kinds within a run, so a
+busy neighbour slows both sides of a comparison alike.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.blocked import prefill_attention_blocked
+from pallas_kernels.cpu_attention import decode_attention_cpu, prefill_attention_cpu
+from pallas_kernels.cpu_matmul import matmul_cpu
+
+
+def best_time(fn, *args, runs: int) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def linear_shapes(hidden: int, kv: int, inter: int, layers: int, vocab: int):
+    per_layer = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden),
+                 (hidden, inter), (hidden, inter), (inter, hidden)]
+    return per_layer * layers + [(hidden, vocab)]
+
+
+def matmul_rows(shapes, ms, runs: int, rng) -> list[dict]:
+    ws = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.05) for s in shapes]
+
+    def chain(mm):
+        @jax.jit
+        def run(x, ws):  # every layer reads x (or x twice over for an input as wide as 2x)
+            total = jnp.float32(0)
+            for w in ws:
+                xin = jnp.tile(x, (1, w.shape[0] // x.shape[1]))
+                total = total + mm(xin, w)[:, :1].sum()
+            return total
+        return run
+
+    kinds = {"xla": chain(lambda a, b: a @ b), "cpu": chain(matmul_cpu)}
+    rows = []
+    for m in ms:
+        x = jnp.asarray(rng.standard_normal((m, shapes[0][0]), np.float32))
+        flops = sum(2 * m * k * n for k, n in shapes)
+        best = {k: float("inf") for k in kinds}
+        for _ in range(runs):
+            for kind, fn in kinds.items():
+                best[kind] = min(best[kind], best_time(fn, x, ws, runs=2))
+        rows.append({"m": m, **{f"{k}_ms": 1e3 * t for k, t in best.items()},
+                     **{f"{k}_gflops": flops / t / 1e9 for k, t in best.items()}})
+    return rows
+
+
+def prefill_rows(cases, heads, kv_heads, head_dim, runs: int, rng) -> list[dict]:
+    pages, page = 2049, 16
+    k = jnp.asarray(rng.standard_normal((pages, page, kv_heads, head_dim), np.float32))
+    v = jnp.asarray(rng.standard_normal((pages, page, kv_heads, head_dim), np.float32))
+    kinds = {
+        "xla": jax.jit(lambda q, k, v, t, p, s: prefill_attention_blocked(q, k, v, t, p, s,
+                                                                          scale=0.125)),
+        "cpu": jax.jit(lambda q, k, v, t, p, s: prefill_attention_cpu(q, k, v, t, p, s, 0.125)),
+    }
+    rows = []
+    for rows_, chunk, start in cases:
+        per_row = -(-(start + chunk) // page)
+        table = jnp.asarray(rng.permutation(np.arange(1, pages))[:rows_ * per_row]
+                            .reshape(rows_, per_row), jnp.int32)
+        positions = jnp.asarray(np.tile(start + np.arange(chunk), (rows_, 1)), jnp.int32)
+        seq_lens = jnp.full((rows_,), start + chunk, jnp.int32)
+        q = jnp.asarray(rng.standard_normal((rows_, chunk, heads, head_dim), np.float32))
+        args = (q, k, v, table, positions, seq_lens)
+        best = {kind: min(best_time(fn, *args, runs=runs) for _ in range(2))
+                for kind, fn in kinds.items()}
+        rows.append({"rows": rows_, "chunk": chunk, "start": start,
+                     **{f"{kind}_ms": 1e3 * t for kind, t in best.items()}})
+    return rows
+
+
+def decode_row(slots, context, layers, heads, kv_heads, head_dim, runs: int, rng) -> dict:
+    page = 16
+    pages = slots * -(-context // page) * 2 + 1  # a pool twice what the slots use
+    ks = [jnp.asarray(rng.standard_normal((pages, page, kv_heads, head_dim), np.float32))
+          for _ in range(layers)]
+    vs = [jnp.asarray(rng.standard_normal((pages, page, kv_heads, head_dim), np.float32))
+          for _ in range(layers)]
+    per_slot = -(-context // page)
+    table = jnp.asarray(rng.permutation(np.arange(1, pages))[:slots * per_slot]
+                        .reshape(slots, per_slot), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((slots, heads, head_dim), np.float32))
+    lens = jnp.full((slots,), context, jnp.int32)
+    fn = jax.jit(lambda q, ks, vs, t, n: sum(decode_attention_cpu(q, k, v, t, n, 0.125).sum()
+                                             for k, v in zip(ks, vs, strict=True)))
+    seconds = best_time(fn, q, ks, vs, table, lens, runs=runs)
+    kv_bytes = 2 * layers * slots * context * kv_heads * head_dim * 4
+    return {"slots": slots, "context": context, "layers": layers, "ms": 1e3 * seconds,
+            "gb_per_s": kv_bytes / seconds / 1e9}
+
+
+def streaming_read_gbs(nbytes: int) -> float:
+    """One thread's read of a float32 buffer (numpy's sum)."""
+    a = np.ones(nbytes // 4, np.float32)
+    a.sum()
+    best = min(_timed(a.sum) for _ in range(3))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test)")
+    parser.add_argument("--parts", nargs="+", default=["matmul", "prefill", "decode"],
+                        choices=["matmul", "prefill", "decode"])
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    if args.quick:
+        shapes, ms, runs = linear_shapes(64, 32, 128, 2, 256), [1, 8, 40], 2
+        cases, attn = [(2, 32, 0), (1, 16, 16)], (4, 2, 16)
+        decode = dict(slots=4, context=40, layers=2)
+        read_bytes = 16 << 20
+    else:  # bench/peer_hf.py's model: 8 layers of 512, 8 query / 4 KV heads of 64, vocab 8192
+        shapes, ms, runs = linear_shapes(512, 256, 1024, 8, 8192), [1, 2, 4, 8, 16, 32, 48, 64,
+                                                                      128, 256, 1024], 4
+        cases, attn = [(4, 256, 0), (8, 128, 0), (1, 256, 256), (32, 32, 0), (4, 256, 256)], (
+            8, 4, 64)
+        decode = dict(slots=64, context=200, layers=8)
+        read_bytes = 1 << 30
+    out = {}
+    print(f"jax {jax.__version__} on {jax.default_backend()}")
+    if "matmul" in args.parts:
+        out["matmul"] = matmul_rows(shapes, ms, runs, rng)
+        print(f"\nmatmul: {len(shapes)} linear layers in a chain; ms (GFLOP/s)")
+        print(f"{'rows':>6} {'XLA dot':>18} {'cpu kernel':>18}")
+        for r in out["matmul"]:
+            print(f"{r['m']:>6} {r['xla_ms']:9.2f} ({r['xla_gflops']:5.0f}) "
+                  f"{r['cpu_ms']:9.2f} ({r['cpu_gflops']:5.0f})")
+    if "prefill" in args.parts:
+        out["prefill"] = prefill_rows(cases, *attn, runs, rng)
+        print(f"\nprefill attention, one layer ({attn[0]} heads, {attn[1]} KV heads of {attn[2]}); ms")
+        print(f"{'rows x chunk after':>20} {'XLA walk':>10} {'cpu kernel':>11}")
+        for r in out["prefill"]:
+            print(f"{r['rows']:>6} x {r['chunk']:>4} after {r['start']:>4} {r['xla_ms']:9.2f} "
+                  f"{r['cpu_ms']:10.2f}")
+    if "decode" in args.parts:
+        out["decode"] = decode_row(**decode, heads=attn[0], kv_heads=attn[1], head_dim=attn[2],
+                                   runs=runs, rng=rng)
+        out["read_gb_per_s"] = streaming_read_gbs(read_bytes)
+        d = out["decode"]
+        print(f"\ndecode attention, {d['slots']} slots x {d['context']} tokens x {d['layers']} "
+              f"layers: {d['ms']:.2f} ms, {d['gb_per_s']:.1f} GB/s of K and V "
+              f"(one thread's streaming read: {out['read_gb_per_s']:.1f} GB/s)")
+    return out
+
+
+if __name__ == "__main__":
+    main()
