@@ -1,6 +1,6 @@
-// What the CPU attention kernels share (cpu_decode.cc, cpu_prefill.cc; built together into one
-// library by cpu_attention.py): the paged pool's addressing, the vectorised sums and
-// exponential, and work items spread over XLA's intra-op thread pool.
+// What the CPU kernels share (cpu_decode.cc, cpu_prefill.cc, cpu_matmul.cc; built together into
+// one library by cpu_library.py): the paged pool's addressing, the attention's vectorised sums
+// and exponential, and work items spread over XLA's intra-op thread pool.
 #pragma once
 
 #include <algorithm>
@@ -40,8 +40,8 @@ struct PagedSeq {
 // The attention kernels compute every score, weight and output of a query the same way
 // wherever it falls among the others (in a group of 8 keys or the tail, a chunk's block of
 // queries or a decode slot), so a token's attention does not depend on the batch or on how its
-// prompt was cut into chunks: dot1 is dot8 on one key, the value sums are one chain
-// of fused multiply-adds over the tokens, and the softmax's tail rounds as its vector body.
+// prompt was cut into chunks: dot1 is dot8 on one key, the value sums are one chain of fused
+// multiply-adds over the tokens, and the softmax's tail rounds as its vector body.
 
 inline float dot(const float* a, const float* b, int64_t n) {  // n not a multiple of 8
   float sum = 0.f;

@@ -1,4 +1,4 @@
-// The linear layers' matmul for the CPU, called from XLA through its FFI (see cpu_kernels.py).
+// The linear layers' matmul for the CPU, called from XLA through its FFI (see cpu_matmul.py).
 //
 //   out[M, N] = x[M, K] @ w[K, N]    float32, row-major, w as a linear layer stores it
 //   out[M, N] = x[M, K] @ w[N, K]^T  the same for a tied LM head (w: the embedding table); each
