@@ -7,8 +7,8 @@
 The kernels are compiled into one library on first use with the machine's C++ compiler ($CXX,
 else c++ or g++) against the headers jaxlib ships (`jax.ffi.include_dir()`), for this CPU
 (-march=native), and cached under $JAXSERVE_CACHE_DIR (default ~/.cache/jaxserve) by a hash of
-the sources, the flags, the compiler, jax's version and the CPU. `available()` says whether it
-could be built, and why not; callers fall back to the plain-XLA walk then.
+the sources, the flags, the compiler, jax's version and the CPU. `unavailable_reason()` says
+why it could not be built, if it could not; callers fall back to plain XLA then.
 """
 
 import ctypes
@@ -109,10 +109,6 @@ def unavailable_reason() -> str | None:
     except (KernelUnavailable, OSError) as e:
         return str(e)
     return None
-
-
-def available() -> bool:
-    return unavailable_reason() is None
 
 
 def call(target: str, out: jax.ShapeDtypeStruct, *args, suffix: str = "", **attrs) -> jax.Array:

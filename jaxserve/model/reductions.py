@@ -16,18 +16,23 @@ from pallas_kernels.cpu_matmul import matmul_cpu
 
 def row_sum(x: jax.Array, impl: str) -> jax.Array:  # [..., n] float32 -> [..., 1]
     """Sum over the last axis; impl "cpu": batch invariant, else XLA's reduction."""
-    if impl == "cpu":
-        return matmul_cpu(x, jnp.ones((x.shape[-1], 1), jnp.float32))
-    return jnp.sum(x, axis=-1, keepdims=True)
+    if impl != "cpu":
+        return jnp.sum(x, axis=-1, keepdims=True)
+    return matmul_cpu(x, jnp.ones((x.shape[-1], 1), jnp.float32))
 
 
 def log_softmax(x: jax.Array, impl: str) -> jax.Array:  # [..., n] float32
-    """jax.nn.log_softmax over the last axis, its sum by `row_sum` (the max is exact anyway)."""
+    """jax.nn.log_softmax over the last axis; impl "cpu": its sum by `row_sum` (the max is exact
+    anyway)."""
+    if impl != "cpu":
+        return jax.nn.log_softmax(x, axis=-1)
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
     return shifted - jnp.log(row_sum(jnp.exp(shifted), impl))
 
 
 def softmax(x: jax.Array, impl: str) -> jax.Array:  # [..., n] float32
-    """jax.nn.softmax over the last axis, its sum by `row_sum`."""
+    """jax.nn.softmax over the last axis; impl "cpu": its sum by `row_sum`."""
+    if impl != "cpu":
+        return jax.nn.softmax(x, axis=-1)
     e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
     return e / row_sum(e, impl)
