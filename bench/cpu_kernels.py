@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.blocked import prefill_attention_blocked
 from pallas_kernels.cpu_attention import decode_attention_cpu, prefill_attention_cpu
-from pallas_kernels.cpu_matmul import matmul_cpu
+from pallas_kernels.cpu_matmul import PANEL, matmul_cpu, matmul_cpu_panels, pack_panels
 
 
 def best_time(fn, *args, runs: int) -> float:
@@ -54,12 +54,16 @@ def matmul_rows(shapes, ms, runs: int, rng) -> list[dict]:
         def run(x, ws):  # every layer reads x (or x twice over for an input as wide as 2x)
             total = jnp.float32(0)
             for w in ws:
-                xin = jnp.tile(x, (1, w.shape[0] // x.shape[1]))
+                k = w.shape[-2]  # [K, N] or panels [.., K, PANEL]
+                xin = jnp.tile(x, (1, k // x.shape[1]))
                 total = total + mm(xin, w)[:, :1].sum()
             return total
         return run
 
-    kinds = {"xla": chain(lambda a, b: a @ b), "cpu": chain(matmul_cpu)}
+    panels = [pack_panels(w) for w in ws]  # as the engine stores them
+    kinds = {"xla": chain(lambda a, b: a @ b), "cpu": chain(matmul_cpu),
+             "panels": chain(lambda a, p: matmul_cpu_panels(a, p, p.shape[0] * PANEL))}
+    operands = {"xla": ws, "cpu": ws, "panels": panels}
     rows = []
     for m in ms:
         x = jnp.asarray(rng.standard_normal((m, shapes[0][0]), np.float32))
@@ -67,7 +71,7 @@ def matmul_rows(shapes, ms, runs: int, rng) -> list[dict]:
         best = {k: float("inf") for k in kinds}
         for _ in range(runs):
             for kind, fn in kinds.items():
-                best[kind] = min(best[kind], best_time(fn, x, ws, runs=2))
+                best[kind] = min(best[kind], best_time(fn, x, operands[kind], runs=2))
         rows.append({"m": m, **{f"{k}_ms": 1e3 * t for k, t in best.items()},
                      **{f"{k}_gflops": flops / t / 1e9 for k, t in best.items()}})
     return rows
@@ -156,10 +160,11 @@ def main(argv: list[str] | None = None) -> dict:
     if "matmul" in args.parts:
         out["matmul"] = matmul_rows(shapes, ms, runs, rng)
         print(f"\nmatmul: {len(shapes)} linear layers in a chain; ms (GFLOP/s)")
-        print(f"{'rows':>6} {'XLA dot':>18} {'cpu kernel':>18}")
+        print(f"{'rows':>6} {'XLA dot':>18} {'cpu kernel':>18} {'cpu, packed w':>18}")
         for r in out["matmul"]:
             print(f"{r['m']:>6} {r['xla_ms']:9.2f} ({r['xla_gflops']:5.0f}) "
-                  f"{r['cpu_ms']:9.2f} ({r['cpu_gflops']:5.0f})")
+                  f"{r['cpu_ms']:9.2f} ({r['cpu_gflops']:5.0f}) "
+                  f"{r['panels_ms']:9.2f} ({r['panels_gflops']:5.0f})")
     if "prefill" in args.parts:
         out["prefill"] = prefill_rows(cases, *attn, runs, rng)
         print(f"\nprefill attention, one layer ({attn[0]} heads, {attn[1]} KV heads of {attn[2]}); ms")

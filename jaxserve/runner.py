@@ -33,7 +33,7 @@ from jaxserve.core.buckets import bucket, prefill_calls, prefill_row_buckets
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
-from jaxserve.model.linear import resolve_matmul_impl
+from jaxserve.model.linear import pack_weights, resolve_matmul_impl
 from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
@@ -141,6 +141,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.graphdef, self.state = load_state(model_path, model_config, self.dtype,
                                                config.load_format, config.seed)
+        self.graphdef, self.state = pack_weights(self.graphdef, self.state, self.matmul_impl)
         log.info("weights: %.1f MiB (%s) in %.1f s", state_bytes(self.state) / 2**20,
                  jnp.dtype(self.dtype).name, time.perf_counter() - start)
         self.page_size = config.page_size

@@ -32,6 +32,7 @@ TARGETS = {
     "jaxserve_cpu_prefill_attention": "JaxserveCpuPrefillAttention",
     "jaxserve_cpu_matmul": "JaxserveCpuMatmul",
     "jaxserve_cpu_matmul_transposed": "JaxserveCpuMatmulTransposed",
+    "jaxserve_cpu_matmul_panels": "JaxserveCpuMatmulPanels",
 }
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 

@@ -3,6 +3,11 @@
 //   out[M, N] = x[M, K] @ w[K, N]    float32, row-major, w as a linear layer stores it
 //   out[M, N] = x[M, K] @ w[N, K]^T  the same for a tied LM head (w: the embedding table); each
 //                                    block of w is first transposed into the layout above
+//   out[M, N] = x[M, K] @ w           w packed as panels[ceil(N / 64), K, 64] (columns 64 p ..
+//                                    64 p + 63 of w in panel p, zero past N): what the engine
+//                                    stores, so a panel streams from memory in one run where
+//                                    the rows of w in place are N floats apart (each in its own
+//                                    4 KiB page, where the hardware prefetcher stops)
 //
 // What XLA's CPU dot does not give a serving engine:
 //   - batch invariance: every output element is one chain of fused multiply-adds over
@@ -35,12 +40,14 @@ constexpr int64_t kKC = 256;  // k per block
 constexpr int64_t kMC = 96;   // rows per work item
 constexpr int64_t kAhead = 8;  // rows of w to prefetch ahead
 
+enum class Layout { kRows, kTransposed, kPanels };
+
 struct Problem {
   const float* x;
-  const float* w;  // [K, N], or [N, K] when transposed
+  const float* w;  // [K, N]; [N, K] when transposed; [ceil(N / kNC), K, kNC] as panels
   float* out;
   int64_t m, k, n;
-  bool transposed;
+  Layout layout;
 };
 
 // Rows [row, row + R) x columns [col, col + cols) of out (cols <= kNC) over k in [k0, k0 + kc);
@@ -172,7 +179,10 @@ void block(const Problem& p, int64_t row_begin, int64_t row_end, int64_t col, in
     const int64_t kc = std::min(kKC, p.k - k0);
     const float* w = p.w + k0 * p.n + col;
     int64_t ldw = p.n;
-    if (p.transposed) {  // w[col + j, k0 + k] -> scratch[k, j]
+    if (p.layout == Layout::kPanels) {
+      w = p.w + ((col / kNC) * p.k + k0) * kNC;
+      ldw = kNC;
+    } else if (p.layout == Layout::kTransposed) {  // w[col + j, k0 + k] -> scratch[k, j]
       scratch.assign(kc * kNC, 0.f);
       for (int64_t j = 0; j < cols; ++j) {
         const float* src = p.w + (col + j) * p.k + k0;
@@ -187,18 +197,10 @@ void block(const Problem& p, int64_t row_begin, int64_t row_end, int64_t col, in
 }
 
 using Matrix = ffi::BufferR2<ffi::F32>;
+using Panels = ffi::BufferR3<ffi::F32>;
 using Out = ffi::ResultBufferR2<ffi::F32>;
 
-ffi::Error Run(ffi::ThreadPool& pool, Matrix& x, Matrix& w, Out& out, bool transposed) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const auto od = out->dimensions();
-  const int64_t wk = transposed ? wd[1] : wd[0], wn = transposed ? wd[0] : wd[1];
-  if (xd[1] != wk || od[0] != xd[0] || od[1] != wn) {
-    return ffi::Error::InvalidArgument("cpu matmul: inconsistent shapes");
-  }
-  const Problem p{x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wn,
-                  transposed};
+ffi::Error Run(ffi::ThreadPool& pool, const Problem& p) {
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (p.k == 0) {
     std::fill(p.out, p.out + p.m * p.n, 0.f);
@@ -212,12 +214,36 @@ ffi::Error Run(ffi::ThreadPool& pool, Matrix& x, Matrix& w, Out& out, bool trans
   return ffi::Error::Success();
 }
 
+ffi::Error RunMatrix(ffi::ThreadPool& pool, Matrix& x, Matrix& w, Out& out, Layout layout) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  const bool transposed = layout == Layout::kTransposed;
+  const int64_t wk = transposed ? wd[1] : wd[0], wn = transposed ? wd[0] : wd[1];
+  if (xd[1] != wk || od[0] != xd[0] || od[1] != wn) {
+    return ffi::Error::InvalidArgument("cpu matmul: inconsistent shapes");
+  }
+  return Run(pool, {x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wn,
+                    layout});
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, Matrix w, Out out) {
-  return Run(pool, x, w, out, false);
+  return RunMatrix(pool, x, w, out, Layout::kRows);
 }
 
 ffi::Error MatmulTransposed(ffi::ThreadPool pool, Matrix x, Matrix w, Out out) {
-  return Run(pool, x, w, out, true);
+  return RunMatrix(pool, x, w, out, Layout::kTransposed);
+}
+
+ffi::Error MatmulPanels(ffi::ThreadPool pool, Matrix x, Panels w, Out out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  if (wd[1] != xd[1] || wd[2] != kNC || wd[0] != (od[1] + kNC - 1) / kNC || od[0] != xd[0]) {
+    return ffi::Error::InvalidArgument("cpu matmul: inconsistent shapes (panels)");
+  }
+  return Run(pool, {x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], od[1],
+                    Layout::kPanels});
 }
 
 }  // namespace
@@ -234,4 +260,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuMatmulTransposed, MatmulTransposed,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Matrix>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuMatmulPanels, MatmulPanels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Panels>()
                                   .Ret<Matrix>());

@@ -4,6 +4,10 @@ Batch invariant: each output element is one chain of fused multiply-adds over k 
 row's result does not depend on the other rows of the call or on their number (XLA's CPU dot
 sums a row differently for different M). It is also faster than XLA's dot for the few rows of a
 decode step (`cpu_matmul.cc`). Built with the other CPU kernels (`cpu_library`).
+
+A weight the engine multiplies by every step is stored packed (`pack_panels`): panels of 64
+columns, each a contiguous [K, 64] block, which the kernel streams from memory in one run; the
+in-place layout reads rows of w N floats apart. Both give the same bits.
 """
 
 import math
@@ -12,6 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.cpu_library import call
+
+PANEL = 64  # columns per packed panel (cpu_matmul.cc's kNC)
 
 
 def matmul_cpu(
@@ -35,4 +41,36 @@ def matmul_cpu(
     target = "jaxserve_cpu_matmul_transposed" if transposed else "jaxserve_cpu_matmul"
     out = call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), rows, w,
                suffix=library)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def pack_panels(w: jax.Array) -> jax.Array:  # [K, N] -> [ceil(N / PANEL), K, PANEL]
+    """w's columns in panels of PANEL (the last one zero-padded), for `matmul_cpu_panels`."""
+    if w.ndim != 2:
+        raise ValueError(f"w has shape {w.shape}: expected a matrix [K, N]")
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    padded = jnp.pad(w, ((0, 0), (0, panels * PANEL - n)))
+    return padded.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def matmul_cpu_panels(
+    x: jax.Array,  # [..., K] float32
+    panels: jax.Array,  # [ceil(N / PANEL), K, PANEL] float32, from pack_panels
+    n: int,  # w's columns
+    library: str = "",
+) -> jax.Array:  # [..., N] float32
+    """x @ w for w given as `pack_panels(w)`: the same bits as `matmul_cpu(x, w)`."""
+    if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
+        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {panels.dtype}")
+    if panels.ndim != 3 or panels.shape[2] != PANEL or panels.shape[0] != -(-n // PANEL):
+        raise ValueError(f"panels have shape {panels.shape}: expected "
+                         f"[{-(-n // PANEL)}, K, {PANEL}] for {n} columns (pack_panels)")
+    k = panels.shape[1]
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x has shape {x.shape}, the panels take {k} features")
+    rows = x.reshape(math.prod(x.shape[:-1]), k)
+    out = call("jaxserve_cpu_matmul_panels", jax.ShapeDtypeStruct((rows.shape[0], n),
+                                                                   jnp.float32),
+               rows, panels, suffix=library)
     return out.reshape(*x.shape[:-1], n)

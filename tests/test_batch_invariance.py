@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
+from jaxserve.model.linear import pack_weights
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model_config import ModelConfig
 
@@ -27,7 +28,9 @@ def model(request):
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / "llama")
     if request.param == "tied":  # the LM head is the embedding table: the transposed matmul
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
-    graphdef, state = nnx.split(LlamaForCausalLM(cfg, jnp.float32, nnx.Rngs(3)))
+    # the linear layers' kernels as the engine stores them for the CPU kernel (panels)
+    graphdef, state = pack_weights(*nnx.split(LlamaForCausalLM(cfg, jnp.float32, nnx.Rngs(3))),
+                                   "cpu")
     return cfg, graphdef, state
 
 

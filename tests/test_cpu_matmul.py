@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from jaxserve.model.linear import resolve_matmul_impl
+from jaxserve.model.linear import pack_weights, project, resolve_matmul_impl
 from pallas_kernels import cpu_library
-from pallas_kernels.cpu_matmul import matmul_cpu
+from pallas_kernels.cpu_matmul import PANEL, matmul_cpu, matmul_cpu_panels, pack_panels
 
 # rows around the 6-row register tile and the 96-row work item, columns around the 64-column
 # panel (masked partial panels), k around the 256-long block (partial sums through the output)
@@ -28,6 +29,38 @@ def test_cpu_matmul_equals_float64(m, k, n, transposed):
     want = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
     got = np.asarray(jax.jit(matmul_cpu, static_argnums=2)(x, w, transposed))
     np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(k), rtol=1e-5)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+def test_packed_panels_give_the_same_bits_as_w_in_place(m, k, n):
+    rng = np.random.default_rng(m + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    panels = pack_panels(w)
+    assert panels.shape == (-(-n // PANEL), k, PANEL)
+    got = np.asarray(jax.jit(matmul_cpu_panels, static_argnums=2)(x, panels, n))
+    assert (got == np.asarray(matmul_cpu(x, w))).all()
+
+
+def test_pack_panels_layout():
+    w = jnp.arange(3 * 70, dtype=jnp.float32).reshape(3, 70)
+    panels = np.asarray(pack_panels(w))
+    np.testing.assert_array_equal(panels[0], np.asarray(w)[:, :64])
+    np.testing.assert_array_equal(panels[1, :, :6], np.asarray(w)[:, 64:])
+    assert (panels[1, :, 6:] == 0).all()  # the last panel is zero past N
+
+
+def test_pack_weights_packs_every_linear_kernel_and_project_takes_either():
+    layer = nnx.Linear(40, 130, use_bias=True, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((5, 40)), jnp.float32)
+    in_place = np.asarray(project(layer, x, "cpu"))
+    graphdef, state = pack_weights(*nnx.split(layer), "cpu")
+    packed = nnx.merge(graphdef, state)
+    assert packed.kernel[...].shape == (3, 40, PANEL)
+    assert (np.asarray(project(packed, x, "cpu")) == in_place).all()
+    assert layer.kernel[...].shape == (40, 130)  # the caller's model is left as it was
+    np.testing.assert_allclose(in_place, np.asarray(layer(x)), atol=1e-5)
+    assert pack_weights(graphdef, state, "xla")[1] is state  # XLA's dot keeps the layout
 
 
 def test_cpu_matmul_keeps_leading_axes_and_takes_empty_shapes():
@@ -81,6 +114,8 @@ def test_every_instruction_set_path_gives_the_same_bits(other_paths):
         assert (together == want).all() and (alone == want).all(), suffix
         wt = jnp.asarray(np.asarray(w).T)
         assert (np.asarray(matmul_cpu(x, wt, True, suffix)) == want).all(), suffix
+        panels = np.asarray(matmul_cpu_panels(x, pack_panels(w), w.shape[1], suffix))
+        assert (panels == want).all(), suffix
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -91,6 +126,19 @@ def test_every_instruction_set_path_gives_the_same_bits(other_paths):
 def test_cpu_matmul_rejects_bad_inputs(args, message):
     with pytest.raises(ValueError, match=message):
         matmul_cpu(*args)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((jnp.zeros((2, 4)), jnp.zeros((2, 4, PANEL)), 200), "expected \\[4, K, 64\\] for 200"),
+    ((jnp.zeros((2, 4)), jnp.zeros((2, 4, PANEL)), 129), "expected \\[3, K, 64\\] for 129"),
+    ((jnp.zeros((2, 5)), jnp.zeros((1, 4, PANEL)), 10), "the panels take 4 features"),
+    ((jnp.zeros((2, 4), jnp.bfloat16), jnp.zeros((1, 4, PANEL)), 10), "takes float32"),
+])
+def test_cpu_matmul_panels_rejects_bad_inputs(args, message):
+    with pytest.raises(ValueError, match=message):
+        matmul_cpu_panels(*args)
+    with pytest.raises(ValueError, match="expected a matrix"):
+        pack_panels(jnp.zeros((2, 3, 4)))
 
 
 def test_auto_matmul_takes_the_cpu_kernel_for_float32_on_the_cpu(monkeypatch, caplog):
