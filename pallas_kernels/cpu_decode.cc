@@ -70,10 +70,17 @@ void attend(const Problem& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
       prefetch(p.k, t + j + kAhead);
       rows[j] = token_row(p.k, t + j);
     }
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < heads;) {  // query heads of one KV head in pairs
       const float* keys[8];
       for (int j = 0; j < 8; ++j) keys[j] = rows[j] + (h / group) * dim;
-      dot8(q + h * dim, keys, dim, scores.data() + h * len + t);
+      if ((h + 1) % group != 0) {
+        dot8x2(q + h * dim, q + (h + 1) * dim, keys, dim, scores.data() + h * len + t,
+               scores.data() + (h + 1) * len + t);
+        h += 2;
+      } else {
+        dot8(q + h * dim, keys, dim, scores.data() + h * len + t);
+        h += 1;
+      }
     }
   }
   for (; t < len; ++t) {
@@ -89,11 +96,18 @@ void attend(const Problem& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
       prefetch(p.v, t + j + kAhead);
       rows[j] = token_row(p.v, t + j);
     }
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < heads;) {
       const float* w = scores.data() + h * len + t;
       const int64_t off = (h / group) * dim;
-      add_weighted4(out + h * dim, w, rows[0] + off, rows[1] + off, rows[2] + off,
-                    rows[3] + off, dim);
+      if ((h + 1) % group != 0) {
+        add_weighted4x2(out + h * dim, out + (h + 1) * dim, w, w + len, rows[0] + off,
+                        rows[1] + off, rows[2] + off, rows[3] + off, dim);
+        h += 2;
+      } else {
+        add_weighted4(out + h * dim, w, rows[0] + off, rows[1] + off, rows[2] + off,
+                      rows[3] + off, dim);
+        h += 1;
+      }
     }
   }
   for (; t < len; ++t) {

@@ -49,13 +49,33 @@ inline float dot(const float* a, const float* b, int64_t n) {  // n not a multip
   return sum;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// out[j] = the sum of acc[j]'s eight lanes, for j < 8 (dot8's final reduction)
+inline void reduce8(const __m256* acc, float* out) {
+  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                      _mm256_permute2f128_ps(s0123, s4567, 0x31)));
+}
+#endif
+
+#if defined(__AVX512F__)
+// dot8's reduction from sixteen lanes: each folded to eight, then reduce8
+inline void reduce8_wide(const __m512* wide, float* out) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j)
+    acc[j] = _mm256_add_ps(_mm512_castps512_ps256(wide[j]), _mm512_extractf32x8_ps(wide[j], 1));
+  reduce8(acc, out);
+}
+#endif
+
 // q against 8 keys: out[j] = q . keys[j]. Eight independent sums, not one dependent chain per
 // key; with AVX-512 (head_dim a multiple of 16) sixteen lanes folded to eight, then as with
 // AVX2: eight vector accumulators reduced together.
 inline void dot8(const float* q, const float* const* keys, int64_t n, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (n % 8 == 0) {
-    __m256 acc[8];
 #if defined(__AVX512F__)
     if (n % 16 == 0) {
       __m512 wide[8];
@@ -65,28 +85,44 @@ inline void dot8(const float* q, const float* const* keys, int64_t n, float* out
         for (int j = 0; j < 8; ++j)
           wide[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + d), wide[j]);
       }
-      for (int j = 0; j < 8; ++j)
-        acc[j] = _mm256_add_ps(_mm512_castps512_ps256(wide[j]),
-                               _mm512_extractf32x8_ps(wide[j], 1));
-    } else
-#endif
-    {
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < n; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int j = 0; j < 8; ++j)
-          acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + d), acc[j]);
-      }
+      return reduce8_wide(wide, out);
     }
-    const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
-    const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                                        _mm256_permute2f128_ps(s0123, s4567, 0x31)));
-    return;
+#endif
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < n; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int j = 0; j < 8; ++j)
+        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + d), acc[j]);
+    }
+    return reduce8(acc, out);
   }
 #endif
   for (int j = 0; j < 8; ++j) out[j] = dot(q, keys[j], n);
+}
+
+// dot8 for two queries of one KV head (grouped-query attention): each key is loaded once for
+// both, and each query's sums are dot8's, bit for bit.
+inline void dot8x2(const float* qa, const float* qb, const float* const* keys, int64_t n,
+                   float* out_a, float* out_b) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 wa[8], wb[8];
+    for (int j = 0; j < 8; ++j) wa[j] = wb[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n; d += 16) {
+      const __m512 qav = _mm512_loadu_ps(qa + d), qbv = _mm512_loadu_ps(qb + d);
+      for (int j = 0; j < 8; ++j) {
+        const __m512 kv = _mm512_loadu_ps(keys[j] + d);
+        wa[j] = _mm512_fmadd_ps(qav, kv, wa[j]);
+        wb[j] = _mm512_fmadd_ps(qbv, kv, wb[j]);
+      }
+    }
+    reduce8_wide(wa, out_a);
+    return reduce8_wide(wb, out_b);
+  }
+#endif
+  dot8(qa, keys, n, out_a);
+  dot8(qb, keys, n, out_b);
 }
 
 // q . key, summed exactly as dot8 sums each of its keys (it is dot8, on one key).
@@ -223,6 +259,37 @@ inline void add_weighted(float* o, float w, const float* v, int64_t n) {
     _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
 #endif
   for (; d < n; ++d) o[d] = std::fma(w, v[d], o[d]);
+}
+
+// add_weighted4 into two outputs (two query heads of one KV head) from the same value rows,
+// each loaded once: oa += wa . v, ob += wb . v, each rounded exactly as add_weighted4 rounds it.
+inline void add_weighted4x2(float* oa, float* ob, const float* wa, const float* wb,
+                            const float* v0, const float* v1, const float* v2, const float* v3,
+                            int64_t n) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 a0 = _mm512_set1_ps(wa[0]), a1 = _mm512_set1_ps(wa[1]);
+  const __m512 a2 = _mm512_set1_ps(wa[2]), a3 = _mm512_set1_ps(wa[3]);
+  const __m512 b0 = _mm512_set1_ps(wb[0]), b1 = _mm512_set1_ps(wb[1]);
+  const __m512 b2 = _mm512_set1_ps(wb[2]), b3 = _mm512_set1_ps(wb[3]);
+  for (; d + 16 <= n; d += 16) {
+    const __m512 x0 = _mm512_loadu_ps(v0 + d), x1 = _mm512_loadu_ps(v1 + d);
+    const __m512 x2 = _mm512_loadu_ps(v2 + d), x3 = _mm512_loadu_ps(v3 + d);
+    __m512 acc = _mm512_loadu_ps(oa + d);
+    acc = _mm512_fmadd_ps(a0, x0, acc);
+    acc = _mm512_fmadd_ps(a1, x1, acc);
+    acc = _mm512_fmadd_ps(a2, x2, acc);
+    _mm512_storeu_ps(oa + d, _mm512_fmadd_ps(a3, x3, acc));
+    acc = _mm512_loadu_ps(ob + d);
+    acc = _mm512_fmadd_ps(b0, x0, acc);
+    acc = _mm512_fmadd_ps(b1, x1, acc);
+    acc = _mm512_fmadd_ps(b2, x2, acc);
+    _mm512_storeu_ps(ob + d, _mm512_fmadd_ps(b3, x3, acc));
+  }
+#endif
+  // the rest as add_weighted4 does it after its AVX-512 loop
+  add_weighted4(oa + d, wa, v0 + d, v1 + d, v2 + d, v3 + d, n - d);
+  add_weighted4(ob + d, wb, v0 + d, v1 + d, v2 + d, v3 + d, n - d);
 }
 
 // Work items 0 .. total-1, taken in order by the calling thread and by tasks on XLA's pool, each

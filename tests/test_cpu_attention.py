@@ -29,6 +29,7 @@ def _case(rng, slots, kv_heads, group, head_dim, page_size, pages_per_seq, num_p
 @pytest.mark.parametrize(("slots", "kv_heads", "group", "head_dim", "page_size"), [
     (1, 2, 1, 16, 4), (3, 4, 2, 32, 8), (6, 2, 4, 16, 16), (37, 1, 8, 64, 4), (70, 4, 2, 8, 2),
     (9, 2, 2, 12, 4),  # head_dim not a multiple of 8: plain loops, not the AVX2 sums
+    (5, 2, 3, 32, 4), (8, 2, 3, 64, 8),  # an odd group: query heads in pairs and one alone
 ])
 def test_cpu_decode_equals_reference(slots, kv_heads, group, head_dim, page_size):
     rng = np.random.default_rng(slots)
@@ -152,6 +153,26 @@ def test_cpu_prefill_equals_reference(chunk, kv_heads, group, head_dim, page_siz
     for b, n in enumerate(query_lens):
         np.testing.assert_allclose(got[b, :n], want[b, :n], atol=2e-6, rtol=1e-5)
         assert (got[b, n:] == 0).all()  # padding queries and the empty row: zeros
+
+
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (2, 64), (3, 64), (2, 32), (3, 12)])
+def test_decode_gives_the_bits_prefill_gives_the_same_query(group, head_dim):
+    # a generated token's attention as decode computes it and as prefill recomputes it (after
+    # a preemption) are one computation: decode pairs the query heads of a KV head, prefill
+    # takes them one by one, and each query's sums are the same
+    rng = np.random.default_rng(group * 100 + head_dim)
+    kv_heads, page_size, pages_per_seq, rows, chunk = 2, 8, 6, 3, 9
+    _, k, v, table = _case(rng, rows, kv_heads, group, head_dim, page_size, pages_per_seq,
+                           rows * pages_per_seq + 1)
+    qs = jnp.asarray(rng.standard_normal((rows, chunk, kv_heads * group, head_dim)),
+                     jnp.float32)
+    starts = [0, 20, 37]
+    positions, seq_lens = _chunks(rng, starts, [chunk] * rows, chunk)
+    prefill = np.asarray(prefill_attention_cpu(qs, k, v, table, positions, seq_lens, 0.3))
+    for i in range(chunk):  # query i of each row, decoded at its position
+        decode = np.asarray(decode_attention_cpu(qs[:, i], k, v, table,
+                                                 jnp.asarray(positions)[:, i] + 1, 0.3))
+        assert (decode == prefill[:, i]).all(), i
 
 
 def test_cpu_prefill_reads_neither_stale_pages_nor_past_the_table():
