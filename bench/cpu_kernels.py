@@ -2,20 +2,26 @@
 
     python bench/cpu_kernels.py            # the peer model's shapes (bench/peer_hf.py)
     python bench/cpu_kernels.py --quick    # tiny shapes, seconds (the tests run this)
+    python bench/cpu_kernels.py --parts decode --baseline HEAD~1   # a change against before
 
     matmul   the peer model's 57 linear layers in a chain (8 layers + LM head), x of M rows:
              XLA's dot against pallas_kernels/cpu_matmul.cc, ms and GFLOP/s per M
     prefill  one layer's paged attention for prompt chunks: the plain-XLA block walk
              (attention_impl="reference") against cpu_prefill.cc
     decode   64 slots x 200 tokens over 8 layers: cpu_decode.cc's GB/s of K and V read,
-             beside the machine's streaming read of a buffer larger than its caches
+             beside the machine's streaming read of a buffer larger than its caches; with
+             --baseline REV, also the kernels as they were at git revision REV, alternating
+             with today's in the same process (where a change's few percent show; from one
+             process to the next the figure can move more than that)
 
 Each figure is the best of several runs after a warm-up; alternate kinds within a run, so a
 busy neighbour slows both sides of a comparison alike.
 """
 
 import argparse
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,9 +31,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pallas_kernels import cpu_library
 from pallas_kernels.blocked import prefill_attention_blocked
 from pallas_kernels.cpu_attention import decode_attention_cpu, prefill_attention_cpu
 from pallas_kernels.cpu_matmul import PANEL, matmul_cpu, matmul_cpu_panels, pack_panels
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def best_time(fn, *args, runs: int) -> float:
@@ -102,7 +111,8 @@ def prefill_rows(cases, heads, kv_heads, head_dim, runs: int, rng) -> list[dict]
     return rows
 
 
-def decode_row(slots, context, layers, heads, kv_heads, head_dim, runs: int, rng) -> dict:
+def decode_row(slots, context, layers, heads, kv_heads, head_dim, runs: int, rng,
+               baseline: str | None = None) -> dict:
     page = 16
     pages = slots * -(-context // page) * 2 + 1  # a pool twice what the slots use
     ks = [jnp.asarray(rng.standard_normal((pages, page, kv_heads, head_dim), np.float32))
@@ -114,12 +124,37 @@ def decode_row(slots, context, layers, heads, kv_heads, head_dim, runs: int, rng
                         .reshape(slots, per_slot), jnp.int32)
     q = jnp.asarray(rng.standard_normal((slots, heads, head_dim), np.float32))
     lens = jnp.full((slots,), context, jnp.int32)
-    fn = jax.jit(lambda q, ks, vs, t, n: sum(decode_attention_cpu(q, k, v, t, n, 0.125).sum()
-                                             for k, v in zip(ks, vs, strict=True)))
-    seconds = best_time(fn, q, ks, vs, table, lens, runs=runs)
+
+    def chain(library):
+        return jax.jit(lambda q, ks, vs, t, n: sum(
+            decode_attention_cpu(q, k, v, t, n, 0.125, library).sum()
+            for k, v in zip(ks, vs, strict=True)))
+
+    kinds = {"": chain("")} | ({} if baseline is None else {"baseline": chain(baseline)})
+    best = {kind: float("inf") for kind in kinds}
+    for _ in range(runs):  # alternating
+        for kind, fn in kinds.items():
+            best[kind] = min(best[kind], best_time(fn, q, ks, vs, table, lens, runs=2))
     kv_bytes = 2 * layers * slots * context * kv_heads * head_dim * 4
-    return {"slots": slots, "context": context, "layers": layers, "ms": 1e3 * seconds,
-            "gb_per_s": kv_bytes / seconds / 1e9}
+    out = {"slots": slots, "context": context, "layers": layers}
+    for kind, seconds in best.items():
+        prefix = f"{kind}_" if kind else ""
+        out |= {f"{prefix}ms": 1e3 * seconds, f"{prefix}gb_per_s": kv_bytes / seconds / 1e9}
+    return out
+
+
+def register_baseline(revision: str) -> str:
+    """Builds the CPU kernels from their sources at git revision `revision` and registers them
+    under a suffix of their own, which it returns."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("cpu_decode.cc", "cpu_prefill.cc", "cpu_matmul.cc", "cpu_kernels.h"):
+            text = subprocess.run(["git", "show", f"{revision}:pallas_kernels/{name}"],
+                                  cwd=ROOT, capture_output=True, text=True)
+            if text.returncode != 0:
+                raise SystemExit(f"--baseline {revision}: {text.stderr.strip()}")
+            (Path(tmp) / name).write_text(text.stdout)
+        cpu_library.register(cpu_library.build(source_dir=Path(tmp)), "_baseline")
+    return "_baseline"
 
 
 def streaming_read_gbs(nbytes: int) -> float:
@@ -141,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test)")
     parser.add_argument("--parts", nargs="+", default=["matmul", "prefill", "decode"],
                         choices=["matmul", "prefill", "decode"])
+    parser.add_argument("--baseline", metavar="REV",
+                        help="decode attention also as built from git revision REV, alternating")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     if args.quick:
@@ -173,13 +210,17 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{r['rows']:>6} x {r['chunk']:>4} after {r['start']:>4} {r['xla_ms']:9.2f} "
                   f"{r['cpu_ms']:10.2f}")
     if "decode" in args.parts:
+        baseline = args.baseline and register_baseline(args.baseline)
         out["decode"] = decode_row(**decode, heads=attn[0], kv_heads=attn[1], head_dim=attn[2],
-                                   runs=runs, rng=rng)
+                                   runs=runs, rng=rng, baseline=baseline)
         out["read_gb_per_s"] = streaming_read_gbs(read_bytes)
         d = out["decode"]
         print(f"\ndecode attention, {d['slots']} slots x {d['context']} tokens x {d['layers']} "
               f"layers: {d['ms']:.2f} ms, {d['gb_per_s']:.1f} GB/s of K and V "
               f"(one thread's streaming read: {out['read_gb_per_s']:.1f} GB/s)")
+        if args.baseline:
+            print(f"  as at {args.baseline}: {d['baseline_ms']:.2f} ms, "
+                  f"{d['baseline_gb_per_s']:.1f} GB/s (alternating with the above)")
     return out
 
 

@@ -24,6 +24,7 @@ def decode_attention_cpu(
     page_table: jax.Array,  # [S, pages_per_seq] int32
     seq_lens: jax.Array,  # [S] int32
     scale: float,
+    library: str = "",  # a suffix given to cpu_library.register (another build)
 ) -> jax.Array:  # [S, num_heads, head_dim], q's dtype
     """Same contract as `reference.decode_attention_ref`; empty slots give zeros. Runs only
     on the CPU backend; raises KernelUnavailable where the kernels could not be built."""
@@ -34,7 +35,7 @@ def decode_attention_cpu(
                        kernel=False)
     check_lengths("seq_lens", seq_lens, (slots,))
     return _call("jaxserve_cpu_decode_attention", q, k_pages, v_pages, page_table, seq_lens,
-                 scale=scale)
+                 scale=scale, library=library)
 
 
 def prefill_attention_cpu(
@@ -60,9 +61,10 @@ def prefill_attention_cpu(
                  seq_lens, scale=scale)
 
 
-def _call(target: str, q, k_pages, v_pages, *int_args, scale: float) -> jax.Array:
+def _call(target: str, q, k_pages, v_pages, *int_args, scale: float,
+          library: str = "") -> jax.Array:
     if k_pages.dtype != jnp.float32:
         raise ValueError(f"the CPU kernels read float32 pages, got {k_pages.dtype}")
     out = call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32), q.astype(jnp.float32),
-               k_pages, v_pages, *int_args, scale=np.float32(scale))
+               k_pages, v_pages, *int_args, scale=np.float32(scale), suffix=library)
     return out.astype(q.dtype)

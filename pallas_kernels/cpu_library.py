@@ -64,12 +64,15 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxserve"
 
 
-def build(extra_flags: tuple[str, ...] = ()) -> Path:
+def build(extra_flags: tuple[str, ...] = (), source_dir: Path | None = None) -> Path:
     """The compiled library's path, building it if this machine has none cached. `extra_flags`
-    follow the usual ones (the tests build the AVX2 and plain paths with -mno-avx512f ...)."""
+    follow the usual ones (the tests build the AVX2 and plain paths with -mno-avx512f ...);
+    `source_dir` holds other versions of the same files (bench/cpu_kernels.py --baseline)."""
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    sources = [f.read_text() for f in (*_SOURCES, *_HEADERS)]
+    files = [Path(source_dir or _HERE) / f.name for f in _SOURCES]
+    headers = [Path(source_dir or _HERE) / f.name for f in _HEADERS]
+    sources = [f.read_text() for f in (*files, *headers)]
     flags = (*_FLAGS, *extra_flags)
     key = hashlib.sha256("\n".join([
         *sources, " ".join(flags), version, jax.__version__, _cpu_signature(),
@@ -80,7 +83,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # same file system: atomic rename
         built = Path(tmp) / path.name
-        cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o",
+        cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", *map(str, files), "-o",
                str(built)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
@@ -90,11 +93,14 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
 
 
 def register(path: Path, suffix: str = "") -> None:
-    """Registers the library's kernels as XLA FFI targets (each TARGETS name + `suffix`)."""
+    """Registers the library's kernels as XLA FFI targets (each TARGETS name + `suffix`; a
+    library built from older sources may lack some)."""
     library = ctypes.cdll.LoadLibrary(str(path))
     for target, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(target + suffix, jax.ffi.pycapsule(getattr(library, symbol)),
-                                    platform="cpu")
+        if hasattr(library, symbol):
+            jax.ffi.register_ffi_target(target + suffix,
+                                        jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
 
 
 @functools.cache

@@ -262,6 +262,16 @@ def test_cpu_kernels_bench_runs_at_tiny_size(capsys):
     assert "decode attention, 4 slots x 40 tokens x 2 layers" in capsys.readouterr().out
 
 
+def test_cpu_kernels_bench_runs_a_git_revisions_decode_kernel_beside_todays(capsys):
+    """--baseline REV builds the kernels as they were at REV and alternates them with today's."""
+    bench = _load(ROOT / "bench" / "cpu_kernels.py")
+    out = bench.main(["--quick", "--parts", "decode", "--baseline", "HEAD"])
+    assert out["decode"]["ms"] > 0 and out["decode"]["baseline_ms"] > 0
+    assert "as at HEAD:" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--baseline no-such-revision"):
+        bench.main(["--quick", "--parts", "decode", "--baseline", "no-such-revision"])
+
+
 def test_profile_step_reads_xla_op_times(stories_dir, capsys):
     """bench/profile_step.py traces the engine's decode step and sums XLA's ops by kind."""
     profile = _load(ROOT / "bench" / "profile_step.py")
