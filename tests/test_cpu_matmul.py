@@ -53,14 +53,18 @@ def test_pack_panels_layout():
 def test_pack_weights_packs_every_linear_kernel_and_project_takes_either():
     layer = nnx.Linear(40, 130, use_bias=True, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((5, 40)), jnp.float32)
+    want = np.asarray(layer(x))  # XLA's dot
     in_place = np.asarray(project(layer, x, "cpu"))
-    graphdef, state = pack_weights(*nnx.split(layer), "cpu")
-    packed = nnx.merge(graphdef, state)
+    np.testing.assert_allclose(in_place, want, atol=1e-5)
+    graphdef, state = nnx.split(layer)
+    assert pack_weights(graphdef, state, "xla")[1] is state  # XLA's dot keeps the layout
+    kernel = state["kernel"].get_value()
+    packed = nnx.merge(*pack_weights(graphdef, state, "cpu"))
     assert packed.kernel[...].shape == (3, 40, PANEL)
     assert (np.asarray(project(packed, x, "cpu")) == in_place).all()
-    assert layer.kernel[...].shape == (40, 130)  # the caller's model is left as it was
-    np.testing.assert_allclose(in_place, np.asarray(layer(x)), atol=1e-5)
-    assert pack_weights(graphdef, state, "xla")[1] is state  # XLA's dot keeps the layout
+    # packed in the state's own variables: the in-place kernel is no longer held
+    assert state["kernel"].get_value().shape == (3, 40, PANEL)
+    assert (np.asarray(packed.kernel[...]) == np.asarray(pack_panels(kernel))).all()
 
 
 def test_cpu_matmul_keeps_leading_axes_and_takes_empty_shapes():

@@ -44,11 +44,14 @@ def pack_weights(graphdef: nnx.GraphDef, state: nnx.State,
                  impl: str) -> tuple[nnx.GraphDef, nnx.State]:
     """For impl "cpu": every Linear's kernel [in, out] as panels [ceil(out / 64), in, 64]
     (pack_panels), which the kernel streams from memory in one run (1.1-1.6x the in-place
-    layout's speed on a decode step's rows, bench/cpu_kernels.py); the same bits. Other impls
-    keep the state as it is."""
+    layout's speed at a decode step's 2-64 rows, bench/cpu_kernels.py); the same bits. The
+    packing happens in `state`'s own variables, one kernel at a time, so each in-place kernel
+    is freed as its panels are made (a second copy of a large model's weights would not fit
+    where the first one barely does): the state passed in is the packed one afterwards. Other
+    impls keep the state as it is."""
     if impl != "cpu":
         return graphdef, state
-    model = nnx.merge(graphdef, state, copy=True)  # the caller's state stays as it was
+    model = nnx.merge(graphdef, state)  # shares state's variables
     for _, module in nnx.iter_modules(model):
         if isinstance(module, nnx.Linear) and module.kernel.get_value().ndim == 2:
             module.kernel.set_value(pack_panels(module.kernel.get_value()))
