@@ -147,7 +147,7 @@ def register_baseline(revision: str) -> str:
     """Builds the CPU kernels from their sources at git revision `revision` and registers them
     under a suffix of their own, which it returns."""
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("cpu_decode.cc", "cpu_prefill.cc", "cpu_matmul.cc", "cpu_kernels.h"):
+        for name in cpu_library.SOURCE_FILES:
             text = subprocess.run(["git", "show", f"{revision}:pallas_kernels/{name}"],
                                   cwd=ROOT, capture_output=True, text=True)
             if text.returncode != 0:

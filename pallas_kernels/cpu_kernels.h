@@ -212,20 +212,25 @@ inline void softmax_prefix(float* s, int64_t n, int64_t len, float scale) {
   std::fill(s + n, s + len, 0.f);
 }
 
+#if defined(__AVX512F__)
+// acc + w[0] x[0] + w[1] x[1] + w[2] x[2] + w[3] x[3], fused multiply-adds in that order
+inline __m512 fma_chain4(__m512 acc, const __m512* w, const __m512* x) {
+  for (int j = 0; j < 4; ++j) acc = _mm512_fmadd_ps(w[j], x[j], acc);
+  return acc;
+}
+#endif
+
 // o[0, n) += w[0] v0 + w[1] v1 + w[2] v2 + w[3] v3: four value rows into one output.
 inline void add_weighted4(float* o, const float* w, const float* v0, const float* v1,
                           const float* v2, const float* v3, int64_t n) {
   int64_t d = 0;
 #if defined(__AVX512F__)
-  const __m512 z0 = _mm512_set1_ps(w[0]), z1 = _mm512_set1_ps(w[1]);
-  const __m512 z2 = _mm512_set1_ps(w[2]), z3 = _mm512_set1_ps(w[3]);
+  const __m512 z[4] = {_mm512_set1_ps(w[0]), _mm512_set1_ps(w[1]), _mm512_set1_ps(w[2]),
+                       _mm512_set1_ps(w[3])};
   for (; d + 16 <= n; d += 16) {
-    __m512 acc = _mm512_loadu_ps(o + d);
-    acc = _mm512_fmadd_ps(z0, _mm512_loadu_ps(v0 + d), acc);
-    acc = _mm512_fmadd_ps(z1, _mm512_loadu_ps(v1 + d), acc);
-    acc = _mm512_fmadd_ps(z2, _mm512_loadu_ps(v2 + d), acc);
-    acc = _mm512_fmadd_ps(z3, _mm512_loadu_ps(v3 + d), acc);
-    _mm512_storeu_ps(o + d, acc);
+    const __m512 x[4] = {_mm512_loadu_ps(v0 + d), _mm512_loadu_ps(v1 + d),
+                         _mm512_loadu_ps(v2 + d), _mm512_loadu_ps(v3 + d)};
+    _mm512_storeu_ps(o + d, fma_chain4(_mm512_loadu_ps(o + d), z, x));
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
@@ -268,23 +273,15 @@ inline void add_weighted4x2(float* oa, float* ob, const float* wa, const float* 
                             int64_t n) {
   int64_t d = 0;
 #if defined(__AVX512F__)
-  const __m512 a0 = _mm512_set1_ps(wa[0]), a1 = _mm512_set1_ps(wa[1]);
-  const __m512 a2 = _mm512_set1_ps(wa[2]), a3 = _mm512_set1_ps(wa[3]);
-  const __m512 b0 = _mm512_set1_ps(wb[0]), b1 = _mm512_set1_ps(wb[1]);
-  const __m512 b2 = _mm512_set1_ps(wb[2]), b3 = _mm512_set1_ps(wb[3]);
+  const __m512 a[4] = {_mm512_set1_ps(wa[0]), _mm512_set1_ps(wa[1]), _mm512_set1_ps(wa[2]),
+                       _mm512_set1_ps(wa[3])};
+  const __m512 b[4] = {_mm512_set1_ps(wb[0]), _mm512_set1_ps(wb[1]), _mm512_set1_ps(wb[2]),
+                       _mm512_set1_ps(wb[3])};
   for (; d + 16 <= n; d += 16) {
-    const __m512 x0 = _mm512_loadu_ps(v0 + d), x1 = _mm512_loadu_ps(v1 + d);
-    const __m512 x2 = _mm512_loadu_ps(v2 + d), x3 = _mm512_loadu_ps(v3 + d);
-    __m512 acc = _mm512_loadu_ps(oa + d);
-    acc = _mm512_fmadd_ps(a0, x0, acc);
-    acc = _mm512_fmadd_ps(a1, x1, acc);
-    acc = _mm512_fmadd_ps(a2, x2, acc);
-    _mm512_storeu_ps(oa + d, _mm512_fmadd_ps(a3, x3, acc));
-    acc = _mm512_loadu_ps(ob + d);
-    acc = _mm512_fmadd_ps(b0, x0, acc);
-    acc = _mm512_fmadd_ps(b1, x1, acc);
-    acc = _mm512_fmadd_ps(b2, x2, acc);
-    _mm512_storeu_ps(ob + d, _mm512_fmadd_ps(b3, x3, acc));
+    const __m512 x[4] = {_mm512_loadu_ps(v0 + d), _mm512_loadu_ps(v1 + d),
+                         _mm512_loadu_ps(v2 + d), _mm512_loadu_ps(v3 + d)};
+    _mm512_storeu_ps(oa + d, fma_chain4(_mm512_loadu_ps(oa + d), a, x));
+    _mm512_storeu_ps(ob + d, fma_chain4(_mm512_loadu_ps(ob + d), b, x));
   }
 #endif
   // the rest as add_weighted4 does it after its AVX-512 loop

@@ -26,6 +26,7 @@ import jax
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_prefill.cc", _HERE / "cpu_matmul.cc")
 _HEADERS = (_HERE / "cpu_kernels.h",)
+SOURCE_FILES = tuple(f.name for f in (*_SOURCES, *_HEADERS))  # what a build reads, by name
 # FFI target -> the library's symbol
 TARGETS = {
     "jaxserve_cpu_decode_attention": "JaxserveCpuDecodeAttention",

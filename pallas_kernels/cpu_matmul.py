@@ -28,8 +28,7 @@ def matmul_cpu(
 ) -> jax.Array:  # [..., N] float32
     """x @ w (x @ w.T when `transposed`), over x's last axis. Runs only on the CPU backend;
     raises KernelUnavailable where the kernels could not be built."""
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {w.dtype}")
+    _check_float32(x, w)
     if x.ndim < 1 or w.ndim != 2:
         raise ValueError(f"x has shape {x.shape} and w {w.shape}: expected [..., K] and a "
                          "matrix")
@@ -37,11 +36,8 @@ def matmul_cpu(
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, w takes {k} (w {w.shape}, "
                          f"transposed={transposed})")
-    rows = x.reshape(math.prod(x.shape[:-1]), k)
     target = "jaxserve_cpu_matmul_transposed" if transposed else "jaxserve_cpu_matmul"
-    out = call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), rows, w,
-               suffix=library)
-    return out.reshape(*x.shape[:-1], n)
+    return _call_on_rows(target, x, w, n, library)
 
 
 def pack_panels(w: jax.Array) -> jax.Array:  # [K, N] -> [ceil(N / PANEL), K, PANEL]
@@ -61,16 +57,24 @@ def matmul_cpu_panels(
     library: str = "",
 ) -> jax.Array:  # [..., N] float32
     """x @ w for w given as `pack_panels(w)`: the same bits as `matmul_cpu(x, w)`."""
-    if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
-        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {panels.dtype}")
+    _check_float32(x, panels)
     if panels.ndim != 3 or panels.shape[2] != PANEL or panels.shape[0] != -(-n // PANEL):
         raise ValueError(f"panels have shape {panels.shape}: expected "
                          f"[{-(-n // PANEL)}, K, {PANEL}] for {n} columns (pack_panels)")
     k = panels.shape[1]
     if x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"x has shape {x.shape}, the panels take {k} features")
-    rows = x.reshape(math.prod(x.shape[:-1]), k)
-    out = call("jaxserve_cpu_matmul_panels", jax.ShapeDtypeStruct((rows.shape[0], n),
-                                                                   jnp.float32),
-               rows, panels, suffix=library)
+    return _call_on_rows("jaxserve_cpu_matmul_panels", x, panels, n, library)
+
+
+def _check_float32(x: jax.Array, w: jax.Array) -> None:
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {w.dtype}")
+
+
+def _call_on_rows(target: str, x: jax.Array, w: jax.Array, n: int, library: str) -> jax.Array:
+    """The kernel on x's leading axes flattened to rows: [..., K] -> [..., n]."""
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    out = call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), rows, w,
+               suffix=library)
     return out.reshape(*x.shape[:-1], n)
