@@ -2,12 +2,14 @@
 
     python bench/profile_step.py                       # the peer model's shape, 64 rows x 300
     python bench/profile_step.py --model bench/models/llama-20m --rows 32 --context 200
+    python bench/profile_step.py --rows 4 --prefill 256   # a prefill call: 4 new prompts x 256
 
 Builds the engine's runner on the model's shape with random weights, times one decode step of
 `--rows` sequences near `--context` tokens each (their pages scattered over the pool, as a busy
 engine's are), then traces a few steps with `jax.profiler` and sums XLA's ops by kind (the
-numeric suffix dropped: every `transpose_copy_fusion.N` is one kind). On the CPU the ops of both
-executor threads add up and a `while` op counts its body's ops again, so the column sums to more
+numeric suffix dropped: every `transpose_copy_fusion.N` is one kind; a custom call is named by its
+target and output shape, so the matmul's and attention's kernels are told apart). On the CPU the
+ops of both executor threads add up and a `while` op counts its body's ops again, so the column sums to more
 than the step's wall time; read it for the large entries.
 """
 
@@ -36,9 +38,24 @@ from jaxserve.runner import ModelRunner  # noqa: E402
 _WRAPPERS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "end:")
 
 
-def op_totals(profile: jax.profiler.ProfileData, steps: int) -> dict[str, tuple[float, float]]:
+def custom_call_names(hlo_text: str) -> dict[str, str]:
+    """A compiled module's custom-call op names -> "target output-shape", from its HLO text."""
+    names = {}
+    for line in hlo_text.splitlines():
+        op = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = (\S+) custom-call\(", line)
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        if op and target:
+            shape = re.sub(r"\{[^}]*\}", "", op.group(2))
+            names[op.group(1)] = f"{target.group(1)} {shape}"
+    return names
+
+
+def op_totals(profile: jax.profiler.ProfileData, steps: int,
+              names: dict[str, str] | None = None) -> dict[str, tuple[float, float]]:
     """Op kind -> (milliseconds, calls) per step, from XLA's op events: a GPU's "XLA Ops" line
-    when the trace has a device, else the CPU client's executor threads."""
+    when the trace has a device, else the CPU client's executor threads. `names` renames ops
+    (custom calls by their target, see custom_call_names) before the suffix is dropped."""
+    names = names or {}
     planes = [p for p in profile.planes if p.name.startswith("/device:")]
     if planes:
         lines = [ln for p in planes for ln in p.lines if ln.name == "XLA Ops"]
@@ -52,7 +69,7 @@ def op_totals(profile: jax.profiler.ProfileData, steps: int) -> dict[str, tuple[
         for event in line.events:
             if event.name.startswith(_WRAPPERS):
                 continue
-            kind = re.sub(r"\.\d+$", "", event.name)
+            kind = names.get(event.name) or re.sub(r"\.\d+$", "", event.name)
             ms[kind] += event.duration_ns / 1e6 / steps
             calls[kind] += 1 / steps
     return {k: (ms[k], calls[k]) for k, _ in ms.most_common()}
@@ -76,37 +93,76 @@ def decode_inputs(runner: ModelRunner, rows: int, context: int, seed: int = 0):
     return tokens, np.full(rows, -1, np.int32), md, sm
 
 
+def prefill_inputs(runner: ModelRunner, rows: int, chunk: int, seed: int = 0):
+    """A prefill call's arrays: `rows` new prompts of `chunk` tokens each on random pages."""
+    rng = np.random.default_rng(seed)
+    pages = rng.permutation(np.arange(1, runner.num_pages))[:rows * runner.pages_per_seq]
+    table = pages.reshape(rows, runner.pages_per_seq).astype(np.int32)
+    lens = np.full(rows, chunk, np.int32)
+    md = AttentionMetadata(positions=np.tile(np.arange(chunk, dtype=np.int32), (rows, 1)),
+                           query_lens=lens, seq_lens=lens, page_table=table)
+    vocab = runner.model_config.vocab_size
+    sm = SamplingMetadata(temperature=np.zeros(rows, np.float32),
+                          top_k=np.full(rows, vocab, np.int32), top_p=np.ones(rows, np.float32),
+                          seeds=np.zeros(rows, np.uint32), positions=lens,
+                          logprobs=np.zeros(rows, bool))
+    return rng.integers(0, vocab, (rows, chunk)).astype(np.int32), md, sm
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None,
                         help="a directory with config.json (default: bench/peer_hf.py's model)")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--prefill", type=int, default=0, metavar="C",
+                        help="profile a prefill call of --rows new prompts of C tokens instead")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=15, help="op kinds to print")
     parser.add_argument("--attention-impl", default="auto", help="as the engine's option")
     args = parser.parse_args(argv)
     if args.rows < 2 or args.context < 1:
         raise SystemExit("--rows must be at least 2 and --context at least 1")
+    if args.prefill < 0:
+        raise SystemExit("--prefill must be a chunk length of at least 2 tokens, or 0")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or _peer_config(Path(tmp))
         mc = ModelConfig.from_hf_dir(model)
         max_len = mc.max_position_embeddings
-        if args.context * 11 // 10 + 2 > max_len:
-            raise SystemExit(f"--context {args.context} leaves no room in the model's "
-                             f"{max_len} positions")
+        if max(args.context * 11 // 10 + 2, args.prefill) > max_len:
+            raise SystemExit(f"--context {args.context} or --prefill {args.prefill} leaves no "
+                             f"room in the model's {max_len} positions")
+        if 0 < args.prefill < 2:
+            raise SystemExit("--prefill must be a chunk length of at least 2 tokens, or 0")
         config = EngineConfig(load_format="dummy", max_num_seqs=args.rows,
                               row_buckets=(args.rows,), enable_prompt_logprobs=False,
-                              attention_impl=args.attention_impl)
+                              attention_impl=args.attention_impl,
+                              max_num_batched_tokens=max(args.rows, args.rows * args.prefill),
+                              prefill_chunk_sizes=(max(args.prefill, 2),))
         config = replace(config, num_pages=args.rows * config.pages_per_seq(max_len) + 1)
         runner = ModelRunner(model, mc, config)
-        tokens, src, md, sm = decode_inputs(runner, args.rows, args.context)
+        if args.prefill:
+            tokens, md, sm = prefill_inputs(runner, args.rows, args.prefill)
+            carry_index = np.arange(args.rows, dtype=np.int32)
+            call = (runner.weights, runner.kv, tokens, md, sm, runner._zeros, carry_index)
+            hlo = runner.fns.prefill.lower(*call).compile().as_text()
+            what = f"prefill call of {args.rows} rows x {args.prefill} tokens"
 
-        def step():
-            packed, _, runner.kv = runner.fns.decode(runner.weights, runner.kv, tokens, src,
-                                                     *runner._carries, md, sm, steps=1)
-            packed.block_until_ready()
+            def step():
+                packed, _, runner.kv = runner.fns.prefill(runner.weights, runner.kv, tokens, md,
+                                                          sm, runner._zeros, carry_index)
+                packed.block_until_ready()
+        else:
+            tokens, src, md, sm = decode_inputs(runner, args.rows, args.context)
+            call = (runner.weights, runner.kv, tokens, src, *runner._carries, md, sm)
+            hlo = runner.fns.decode.lower(*call, steps=1).compile().as_text()
+            what = f"decode step of {args.rows} rows at about {args.context} tokens"
+
+            def step():
+                packed, _, runner.kv = runner.fns.decode(runner.weights, runner.kv, tokens, src,
+                                                         *runner._carries, md, sm, steps=1)
+                packed.block_until_ready()
 
         step()
         times = []
@@ -120,11 +176,11 @@ def main(argv: list[str] | None = None) -> None:
                 step()
             jax.profiler.stop_trace()
             trace = next(Path(trace_dir).rglob("*.xplane.pb"))
-            totals = op_totals(jax.profiler.ProfileData.from_file(str(trace)), 5)
+            totals = op_totals(jax.profiler.ProfileData.from_file(str(trace)), 5,
+                               custom_call_names(hlo))
 
     print(f"{mc.num_params / 1e6:.1f}M parameters on {jax.default_backend()} "
-          f"({runner.attention_impl} attention): decode step of "
-          f"{args.rows} rows at about {args.context} tokens: median "
+          f"({runner.attention_impl} attention, {runner.matmul_impl} matmul): {what}: median "
           f"{1e3 * np.median(times):.1f} ms, best {1e3 * min(times):.1f} ms")
     print(f"{'ms/step':>9} {'calls':>7}  op kind")
     for kind, (ms, calls) in list(totals.items())[:args.top]:

@@ -34,6 +34,7 @@ from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
 from jaxserve.model.linear import pack_weights, resolve_matmul_impl
+from jaxserve.model.llama import rope_tables
 from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
@@ -164,7 +165,10 @@ class ModelRunner:
         self.prefill_row_buckets = prefill_row_buckets(self.row_buckets)
         self.chunk_buckets = config.chunk_buckets(self.max_model_len)
         self.carry_size = self.row_buckets[-1]
-        self.weights = jax.tree.leaves(self.state)  # what the jitted steps take
+        # what the jitted steps take: the state's arrays and the RoPE tables
+        self.weights = (jax.tree.leaves(self.state),
+                        jax.device_put(rope_tables(model_config, self.max_model_len, self.dtype),
+                                       jax.devices()[0]))
         self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state),
                                  self.attention_impl, self.matmul_impl, config.max_top_logprobs,
                                  self.carry_size)

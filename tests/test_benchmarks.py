@@ -272,16 +272,31 @@ def test_cpu_kernels_bench_runs_a_git_revisions_decode_kernel_beside_todays(caps
         bench.main(["--quick", "--parts", "decode", "--baseline", "no-such-revision"])
 
 
-def test_profile_step_reads_xla_op_times(stories_dir, capsys):
-    """bench/profile_step.py traces the engine's decode step and sums XLA's ops by kind."""
+@pytest.mark.parametrize(("flags", "what"), [
+    (["--context", "20"], "decode step of 2 rows at about 20 tokens"),
+    (["--prefill", "16"], "prefill call of 2 rows x 16 tokens")])
+def test_profile_step_reads_xla_op_times(stories_dir, capsys, flags, what):
+    """bench/profile_step.py traces the engine's decode step (or a prefill call) and sums XLA's
+    ops by kind, each kernel by its target and shape."""
     profile = _load(ROOT / "bench" / "profile_step.py")
-    profile.main(["--model", str(stories_dir), "--rows", "2", "--context", "20", "--iters", "1",
+    profile.main(["--model", str(stories_dir), "--rows", "2", *flags, "--iters", "1",
                   "--top", "50"])
     lines = capsys.readouterr().out.splitlines()
-    assert "decode step of 2 rows at about 20 tokens" in lines[0]
-    ops = {kind: float(ms) for ms, _, kind in (line.split() for line in lines[2:])}
+    assert what in lines[0]
+    ops = {kind: float(ms) for ms, _, kind in (line.split(maxsplit=2) for line in lines[2:])}
     assert ops and all(ms >= 0 for ms in ops.values()) and sum(ops.values()) > 0
     assert not any(kind.startswith(profile._WRAPPERS) for kind in ops)
+    assert any(kind.startswith("jaxserve_cpu_") and "[" in kind for kind in ops)
+
+
+def test_profile_step_names_custom_calls():
+    profile = _load(ROOT / "bench" / "profile_step.py")
+    hlo = ('  %ffi_call.87 = f32[1024,512]{1,0} custom-call(%a, %b), custom_call_target='
+           '"jaxserve_cpu_matmul_panels", api_version=API_VERSION_TYPED_FFI\n'
+           '  ROOT ffi_call.2 = f32[4,8,64]{2,1,0} custom-call(%q), custom_call_target="x"\n'
+           '  %add.1 = f32[4]{0} add(%p, %q)\n')
+    assert profile.custom_call_names(hlo) == {
+        "ffi_call.87": "jaxserve_cpu_matmul_panels f32[1024,512]", "ffi_call.2": "x f32[4,8,64]"}
 
 # -- the commands -------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The engine on a tiny model: greedy output never depends on batching, mode, chunking,
 preemption or multi-step decode, and every page is free after every run."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -142,7 +143,7 @@ def test_auto_dtype_computes_a_16_bit_checkpoint_in_float32_on_the_cpu(tmp_path)
     assert "the checkpoint is bfloat16" in format_plan(planned)
     runner = ModelRunner(model, cfg, EngineConfig(**(BASE | dict(max_num_seqs=2))))
     assert runner.dtype == jnp.float32
-    assert all(w.dtype == jnp.float32 for w in runner.weights)
+    assert all(w.dtype == jnp.float32 for w in jax.tree.leaves(runner.weights))  # and RoPE
     asked = ModelRunner(model, cfg, EngineConfig(**(BASE | dict(max_num_seqs=2,
                                                                 dtype="bfloat16"))))
     assert asked.dtype == jnp.bfloat16

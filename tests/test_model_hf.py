@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache
+from jaxserve.model.llama import rope_tables
 from jaxserve.model.loader import load_state
 from jaxserve.model_config import ModelConfig
 
@@ -50,6 +51,34 @@ def test_prompt_logits_match_transformers(name):
     for i, ids in enumerate(_expected(name)["prompts"]):
         ours = full_logits(graphdef, state, cfg, ids)
         np.testing.assert_allclose(ours, expected[f"prompt_{i}"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3"])  # default and llama3-scaled RoPE
+def test_rope_tables_give_the_bits_computed_in_the_step(name):
+    """The engine's steps read cos and sin from rope_tables; a step computing them itself (the
+    model's default) gives the same hidden states, bit for bit, past the table clipped."""
+    cfg = ModelConfig.from_hf_dir(HF_FIXTURES / name)
+    graphdef, state = load_state(HF_FIXTURES / name, cfg, jnp.float32)
+    n, page_size = 20, 4
+    kv = KVCache.zeros(cfg.num_layers, n // page_size + 1, page_size, cfg.num_kv_heads,
+                       cfg.head_dim, jnp.float32)
+    md = AttentionMetadata(positions=jnp.arange(n, dtype=jnp.int32)[None],
+                           query_lens=jnp.array([n], jnp.int32),
+                           seq_lens=jnp.array([n], jnp.int32),
+                           page_table=jnp.arange(1, n // page_size + 1, dtype=jnp.int32)[None])
+    tokens = jnp.array([_expected(name)["prompts"][3][:n]], jnp.int32)
+
+    @jax.jit
+    def hidden(state, rope):
+        return nnx.merge(graphdef, state)(tokens, kv, md, "reference", rope=rope)[0]
+
+    computed = hidden(state, None)
+    tables = rope_tables(cfg, n, jnp.float32)
+    assert np.array_equal(np.asarray(hidden(state, tables)), np.asarray(computed))
+    cos, sin = rope_tables(cfg, n - 4, jnp.float32)  # the last four positions read row n - 5
+    clipped = np.asarray(hidden(state, (cos, sin)))
+    assert np.array_equal(clipped[0, :n - 4], np.asarray(computed)[0, :n - 4])
+    assert np.isfinite(clipped).all()
 
 
 @pytest.mark.parametrize("name", HF_MODELS)

@@ -43,6 +43,21 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [head_dim // 2] float32
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rope_angles(cfg: ModelConfig, positions: jax.Array) -> jax.Array:  # [..., head_dim] f32
+    """Each position's rotation angles, the half-dimension frequencies repeated (HF's layout)."""
+    freqs = positions[..., None].astype(jnp.float32) * rope_inv_freq(cfg)
+    return jnp.concatenate([freqs, freqs], axis=-1)
+
+
+def rope_tables(cfg: ModelConfig, num_positions: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of every position's angles, [num_positions, head_dim] each: a step that reads
+    them from these tables computes no cosine. Left to compute them, XLA on the CPU fuses cos
+    and sin into every layer's rotation of q and k and recomputes them per head and layer: a
+    seventh of a prefill call's time."""
+    angles = rope_angles(cfg, jnp.arange(num_positions, dtype=jnp.int32))
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x: [B, C, heads, head_dim]; cos/sin: [B, C, head_dim]. HF's rotate-half convention."""
     half = x.shape[-1] // 2
@@ -138,11 +153,17 @@ class LlamaForCausalLM(nnx.Module):
         )
 
     def __call__(self, tokens: jax.Array, kv: KVCache, md: AttentionMetadata,
-                 attention_impl: str, matmul_impl: str = "xla") -> tuple[jax.Array, KVCache]:
+                 attention_impl: str, matmul_impl: str = "xla",
+                 rope: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, KVCache]:
+        """`rope`: rope_tables' cos and sin (positions past them read the last row); without
+        them the step computes its positions' cos and sin itself, to the same bits."""
         x = self.model.embed_tokens(tokens)  # [B, C, hidden]
-        freqs = md.positions[..., None].astype(jnp.float32) * rope_inv_freq(self.config)
-        freqs = jnp.concatenate([freqs, freqs], axis=-1)  # [B, C, head_dim]
-        cos, sin = jnp.cos(freqs).astype(x.dtype), jnp.sin(freqs).astype(x.dtype)
+        if rope is None:
+            angles = rope_angles(self.config, md.positions)  # [B, C, head_dim]
+            cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+        else:
+            cos, sin = (jnp.take(t, md.positions, axis=0, mode="clip").astype(x.dtype)
+                        for t in rope)
         write_index = md.write_index(kv.k[0].shape[1])
         new_k, new_v = [], []
         for layer, k_pages, v_pages in zip(self.model.layers, kv.k, kv.v, strict=True):

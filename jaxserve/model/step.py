@@ -43,14 +43,19 @@ class StepFns:
 
 def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, matmul_impl: str,
                   num_top: int, carry_size: int) -> StepFns:
-    """`state_treedef` rebuilds the weights state from the flat list of arrays the functions
-    take: flattening NNX variables on every call would cost the host a millisecond per step."""
+    """The functions take `weights` as (the state's flat list of arrays, rope_tables' cos and
+    sin); `state_treedef` rebuilds the state from the list: flattening NNX variables on every
+    call would cost the host a millisecond per step."""
     def pad(tokens):  # [B] -> [M]
         return jnp.zeros((carry_size,), jnp.int32).at[:tokens.shape[0]].set(tokens)
 
+    def merge(weights):
+        leaves, rope = weights
+        return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves)), rope
+
     def chunk_forward(weights, kv: KVCache, tokens, md: AttentionMetadata, sm: SamplingMetadata):
-        model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
-        hidden, kv = model(tokens, kv, md, attention_impl, matmul_impl)
+        model, rope = merge(weights)
+        hidden, kv = model(tokens, kv, md, attention_impl, matmul_impl, rope)
         last = jnp.maximum(md.query_lens - 1, 0)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
         packed = sample(model.logits(h, matmul_impl), sm, num_top, matmul_impl)
@@ -71,11 +76,11 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, ma
     def decode(weights, kv, host_tokens, src, carry0, carry1, md, sm, steps):
         carries = jnp.concatenate([carry0, carry1])
         tokens = jnp.where(src >= 0, carries[jnp.maximum(src, 0)], host_tokens)
-        model = nnx.merge(graphdef, jax.tree.unflatten(state_treedef, weights))
+        model, rope = merge(weights)
 
         def one_step(carry, _):
             tokens, kv, md, sm = carry
-            hidden, kv = model(tokens[:, None], kv, md, attention_impl, matmul_impl)
+            hidden, kv = model(tokens[:, None], kv, md, attention_impl, matmul_impl, rope)
             packed = sample(model.logits(hidden[:, 0], matmul_impl), sm, num_top, matmul_impl)
             md = replace(md, positions=md.positions + 1, seq_lens=md.seq_lens + md.query_lens)
             sm = replace(sm, positions=sm.positions + 1)
