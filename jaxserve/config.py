@@ -108,6 +108,9 @@ class EngineConfig:
     max_batch_size: int | None = None  # None: max_num_seqs
     decode_steps: int = 1
     prefill_chunk_sizes: tuple[int, ...] = (16, 32, 64, 128, 256)  # prefill buckets, tokens per row
+    # an iteration's prompt chunks packed into one row of tokens, the call padded as a whole
+    # (no row padded to a chunk bucket). None: where the attention impl can (cpu)
+    ragged_prefill: bool | None = None
     # the padded row counts the steps are compiled for (vLLM's cuda_graph_sizes); fewer buckets
     # compile faster and pad more. None: 2, 4, 8 ... up to the first >= max_num_seqs
     row_buckets: tuple[int, ...] | None = None
@@ -138,6 +141,9 @@ class EngineConfig:
         for name in ("adaptive_window", "length_bucketing", "enable_prompt_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {show(getattr(self, name))}")
+        if self.ragged_prefill is not None and not isinstance(self.ragged_prefill, bool):
+            raise ValueError(f"ragged_prefill must be true, false or None, "
+                             f"got {show(self.ragged_prefill)}")
         for name in ("kv_cache_memory_fraction", "window_ms", "window_ms_min", "window_ms_max",
                      "slo_ms"):  # NaN or inf would stall the window or the edf order
             if not is_finite(getattr(self, name)):

@@ -10,6 +10,9 @@ start-up:
              until it ends
     prefill: per call, B as above or 1, C = smallest prefill_chunk_sizes entry >= its longest
              chunk; a chunk that wants prompt logprobs runs as a call of its own (B = 1)
+    ragged:  with the cpu attention (config.ragged_prefill), the other prompt chunks packed one
+             after another into one row of T tokens, T = smallest ragged token bucket that holds
+             them (core.buckets.ragged_calls): no row pads to a chunk bucket
 
 `dispatch` returns at once (the device runs on, the packed results start copying to the host);
 `collect` waits for them. The engine dispatches iteration t+1 before collecting iteration t.
@@ -29,10 +32,17 @@ import numpy as np
 from jax import monitoring
 
 from jaxserve.config import EngineConfig, compute_dtype, kv_cache_dtype
-from jaxserve.core.buckets import bucket, prefill_calls, prefill_row_buckets
+from jaxserve.core.buckets import (
+    bucket,
+    prefill_calls,
+    prefill_row_buckets,
+    ragged_calls,
+    ragged_rows,
+    ragged_token_buckets,
+)
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.model.attention import resolve_attention_impl
-from jaxserve.model.kv_cache import AttentionMetadata, KVCache
+from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.linear import pack_weights, resolve_matmul_impl
 from jaxserve.model.llama import rope_tables
 from jaxserve.model.loader import load_state, state_bytes
@@ -164,6 +174,12 @@ class ModelRunner:
         self.row_buckets = config.decode_row_buckets()
         self.prefill_row_buckets = prefill_row_buckets(self.row_buckets)
         self.chunk_buckets = config.chunk_buckets(self.max_model_len)
+        if config.ragged_prefill and self.attention_impl != "cpu":
+            raise ValueError(f"ragged_prefill runs on the cpu attention, not "
+                             f"{self.attention_impl!r}: leave it None (auto) or false")
+        self.ragged = config.ragged_prefill is not False and self.attention_impl == "cpu"
+        self.token_buckets = ragged_token_buckets(self.chunk_buckets,
+                                                  config.max_num_batched_tokens)
         self.carry_size = self.row_buckets[-1]
         # what the jitted steps take: the state's arrays and the RoPE tables
         self.weights = (jax.tree.leaves(self.state),
@@ -228,9 +244,19 @@ class ModelRunner:
                 out.decode_steps)
             carry_rows |= {c.request.request_id: i for i, c in enumerate(flight.decode_chunks)}
         prefill = [c for c in out.chunks if c.num_tokens > 1]  # row i -> prefill carry[i]
-        calls = prefill_calls([c.num_tokens for c in prefill],
-                              [c.request.params.prompt_logprobs is not None for c in prefill],
-                              self.prefill_row_buckets, self.chunk_buckets)
+        alone = [c.request.params.prompt_logprobs is not None for c in prefill]
+        if self.ragged:  # chunks wanting prompt logprobs run alone, the rest packed
+            rest = [i for i, a in enumerate(alone) if not a]
+            calls = [[i] for i, a in enumerate(alone) if a]
+            for group, tokens in ragged_calls([prefill[i].num_tokens for i in rest],
+                                              self.token_buckets):
+                rows = [rest[j] for j in group]
+                call, carries[1] = self._dispatch_ragged([prefill[i] for i in rows], rows,
+                                                         tokens, carries[1])
+                flight.prefills.append(call)
+        else:
+            calls = prefill_calls([c.num_tokens for c in prefill], alone,
+                                  self.prefill_row_buckets, self.chunk_buckets)
         for group in calls:
             call, carries[1] = self._dispatch_prefill([prefill[i] for i in group], group,
                                                       carries[1])
@@ -312,10 +338,51 @@ class ModelRunner:
                                                   carry_index)
         return PrefillCall(chunks, packed), carry
 
+    def _dispatch_ragged(self, chunks: list[ScheduledChunk], carry_rows: list[int], t: int,
+                         carry: jax.Array) -> tuple[PrefillCall, jax.Array]:
+        """One ragged prefill call of `t` tokens (a token bucket): the chunks one after another;
+        row i's sampled token goes to carry[carry_rows[i]]."""
+        b = ragged_rows(t)
+        tokens = np.zeros((1, t), np.int32)
+        positions = np.zeros((1, t), np.int32)
+        token_rows = np.full((t,), b, np.int32)  # padding: no row
+        starts = np.zeros((b + 1,), np.int32)
+        page_table = np.zeros((b, self.pages_per_seq), np.int32)
+        carry_index = np.full((b,), self.carry_size, np.int32)  # out of range: dropped
+        carry_index[:len(chunks)] = carry_rows
+        at = 0
+        for i, chunk in enumerate(chunks):
+            n, request = chunk.num_tokens, chunk.request
+            tokens[0, at:at + n] = request.all_ids[chunk.start:chunk.start + n]
+            positions[0, at:at + n] = chunk.start + np.arange(n)
+            token_rows[at:at + n] = i
+            page_table[i, :len(request.pages)] = request.pages
+            at += n
+            starts[i + 1:] = at
+        seq_lens = np.zeros((b,), np.int32)
+        seq_lens[:len(chunks)] = [c.start + c.num_tokens for c in chunks]
+        md = RaggedMetadata(positions=positions, token_rows=token_rows, query_starts=starts,
+                            seq_lens=seq_lens, page_table=page_table)
+        packed, carry, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md,
+                                                  self._sampling(chunks, b, seq_lens), carry,
+                                                  carry_index)
+        return PrefillCall(chunks, packed), carry
+
     def _metadata(self, chunks: list[ScheduledChunk], b: int, c: int):
         positions = np.zeros((b, c), np.int32)
         query_lens = np.zeros((b,), np.int32)
         page_table = np.zeros((b, self.pages_per_seq), np.int32)
+        for i, chunk in enumerate(chunks):
+            positions[i] = chunk.start + np.arange(c)
+            query_lens[i] = chunk.num_tokens
+            page_table[i, :len(chunk.request.pages)] = chunk.request.pages
+        seq_lens = positions[:, 0] + query_lens
+        md = AttentionMetadata(positions=positions, query_lens=query_lens, seq_lens=seq_lens,
+                               page_table=page_table)
+        return md, self._sampling(chunks, b, seq_lens)
+
+    def _sampling(self, chunks: list[ScheduledChunk], b: int,
+                  seq_lens: np.ndarray) -> SamplingMetadata:
         temperature = np.zeros((b,), np.float32)
         vocab = self.model_config.vocab_size
         top_k = np.full((b,), vocab, np.int32)
@@ -324,20 +391,13 @@ class ModelRunner:
         logprobs = np.zeros((b,), bool)
         for i, chunk in enumerate(chunks):
             request, p = chunk.request, chunk.request.params
-            positions[i] = chunk.start + np.arange(c)
-            query_lens[i] = chunk.num_tokens
-            page_table[i, :len(request.pages)] = request.pages
             temperature[i] = 0.0 if p.greedy else p.temperature
             top_k[i] = min(p.top_k or vocab, vocab)  # a top_k past the vocabulary is off
             top_p[i] = p.top_p
             seeds[i] = device_seed(request.seed)
             logprobs[i] = p.logprobs is not None
-        seq_lens = positions[:, 0] + query_lens
-        md = AttentionMetadata(positions=positions, query_lens=query_lens, seq_lens=seq_lens,
-                               page_table=page_table)
-        sm = SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds,
-                              positions=seq_lens, logprobs=logprobs)
-        return md, sm
+        return SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds,
+                                positions=seq_lens, logprobs=logprobs)
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -348,7 +408,10 @@ class ModelRunner:
         start = time.perf_counter()
         shapes = [("decode", b, 1, k) for b in self.row_buckets
                   for k in sorted({1, self.config.decode_steps})]
-        shapes += [("prefill", b, c, 1) for b, c in self._prefill_buckets()]
+        if self.ragged:
+            shapes += [("ragged", 1, t, 1) for t in self.token_buckets]
+        else:
+            shapes += [("prefill", b, c, 1) for b, c in self._prefill_buckets()]
         if self.config.enable_prompt_logprobs:  # one row: see core.buckets.prefill_calls
             shapes += [("prompt", 1, c, 1) for c in self.chunk_buckets]
         with self._counting():
@@ -373,6 +436,17 @@ class ModelRunner:
         return out
 
     def _warm(self, kind: str, b: int, c: int, steps: int) -> None:
+        if kind == "ragged":  # c tokens, no rows
+            rows = ragged_rows(c)
+            md = RaggedMetadata(positions=np.zeros((1, c), np.int32),
+                                token_rows=np.full((c,), rows, np.int32),
+                                query_starts=np.zeros((rows + 1,), np.int32),
+                                seq_lens=np.zeros((rows,), np.int32),
+                                page_table=np.zeros((rows, self.pages_per_seq), np.int32))
+            sm = self._sampling([], rows, np.zeros((rows,), np.int32))
+            _, _, self.kv = self.fns.prefill(self.weights, self.kv, np.zeros((1, c), np.int32),
+                                             md, sm, self._zeros, np.zeros((rows,), np.int32))
+            return
         md = AttentionMetadata(positions=np.zeros((b, c), np.int32), query_lens=np.zeros((b,), np.int32),
                                seq_lens=np.zeros((b,), np.int32),
                                page_table=np.zeros((b, self.pages_per_seq), np.int32))

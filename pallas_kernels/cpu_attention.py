@@ -61,6 +61,32 @@ def prefill_attention_cpu(
                  seq_lens, scale=scale)
 
 
+def prefill_attention_cpu_ragged(
+    q: jax.Array,  # [T, num_heads, head_dim]   the rows' chunks one after another, then padding
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32
+    v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32
+    page_table: jax.Array,  # [B, pages_per_seq] int32
+    positions: jax.Array,  # [T] int32
+    query_starts: jax.Array,  # [B + 1] int32   row b's queries: query_starts[b] .. [b + 1] - 1
+    seq_lens: jax.Array,  # [B] int32
+    scale: float,
+) -> jax.Array:  # [T, num_heads, head_dim], q's dtype
+    """prefill_attention_cpu over packed rows (no padding inside a row's chunk): each query
+    gives the bits it gives there; tokens past query_starts[B] give zeros. query_starts must be
+    nondecreasing and within T (the kernel checks; a violation fails the call)."""
+    if q.ndim != 3:
+        raise ValueError(f"q has shape {q.shape}, expected [tokens, num_heads, head_dim]")
+    tokens, num_heads, head_dim = q.shape
+    batch = page_table.shape[0]
+    check_paged_inputs(num_heads, head_dim, q.dtype, k_pages, v_pages, page_table, batch,
+                       kernel=False)
+    check_lengths("positions", positions, (tokens,))
+    check_lengths("query_starts", query_starts, (batch + 1,))
+    check_lengths("seq_lens", seq_lens, (batch,))
+    return _call("jaxserve_cpu_prefill_attention_ragged", q, k_pages, v_pages, page_table,
+                 positions, query_starts, seq_lens, scale=scale)
+
+
 def _call(target: str, q, k_pages, v_pages, *int_args, scale: float,
           library: str = "") -> jax.Array:
     if k_pages.dtype != jnp.float32:

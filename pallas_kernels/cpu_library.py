@@ -31,6 +31,7 @@ SOURCE_FILES = tuple(f.name for f in (*_SOURCES, *_HEADERS))  # what a build rea
 TARGETS = {
     "jaxserve_cpu_decode_attention": "JaxserveCpuDecodeAttention",
     "jaxserve_cpu_prefill_attention": "JaxserveCpuPrefillAttention",
+    "jaxserve_cpu_prefill_attention_ragged": "JaxserveCpuPrefillAttentionRagged",
     "jaxserve_cpu_matmul": "JaxserveCpuMatmul",
     "jaxserve_cpu_matmul_transposed": "JaxserveCpuMatmulTransposed",
     "jaxserve_cpu_matmul_panels": "JaxserveCpuMatmulPanels",

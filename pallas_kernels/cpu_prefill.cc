@@ -18,9 +18,18 @@
 // A query at a position >= seq_lens[b] is padding (the reference gives garbage there that
 // callers ignore): its output is zeros, and so is every query of a row with seq_lens 0.
 // A row reads at most pages_per_seq * page tokens; page ids outside [0, P) read page 0.
+//
+// The ragged form (JaxserveCpuPrefillAttentionRagged) packs the rows' chunks one after another
+// with no padding between them, as the engine's ragged prefill call does:
+//   q          [T, H, D]         row b's queries are tokens query_starts[b] .. query_starts[b+1]-1
+//   positions  [T] int32
+//   query_starts [B + 1] int32   nondecreasing, query_starts[B] <= T
+//   out        [T, H, D]         tokens past query_starts[B] (padding) give zeros
+// Each query is computed as in the padded form, to the same bits.
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -32,34 +41,36 @@ using namespace jaxserve_cpu;
 constexpr int64_t kQueries = 16;  // queries of a row per work item
 
 struct Problem {
-  const float* q;
+  const float* q;  // [tokens, heads, head_dim]: the padded form's [B, C] flattened
   const float* k;
   const float* v;
   const int32_t* page_table;
-  const int32_t* positions;
+  const int32_t* positions;  // [tokens]
   const int32_t* seq_lens;
   float* out;
-  int64_t rows, chunk, heads, head_dim, pages, page_size, kv_heads, pages_per_seq;
+  int64_t rows, heads, head_dim, pages, page_size, kv_heads, pages_per_seq;
   float scale;
 };
 
-// Queries [c0, c0 + kQueries) of `row`, the query heads of KV head `kv`. Query vector i is
-// query c0 + i / group, head kv * group + i % group; scores[i * len + j] its score for key j.
-void attend(const Problem& p, int64_t row, int64_t kv, int64_t c0, std::vector<float>& scores) {
+// Queries [c0, c0 + kQueries) of the `count` from token `first` on, which are `row`'s, the
+// query heads of KV head `kv`. Query vector i is query c0 + i / group, head kv * group +
+// i % group; scores[i * len + j] its score for key j.
+void attend(const Problem& p, int64_t row, int64_t first, int64_t count, int64_t kv, int64_t c0,
+            std::vector<float>& scores) {
   const int64_t group = p.heads / p.kv_heads, dim = p.head_dim;
-  const int64_t c1 = std::min(c0 + kQueries, p.chunk);
+  const int64_t c1 = std::min(c0 + kQueries, count);
   const int64_t held = std::min<int64_t>(std::max(p.seq_lens[row], 0),
                                          p.pages_per_seq * p.page_size);
-  const int32_t* positions = p.positions + row * p.chunk;
+  const int32_t* positions = p.positions + first;
   auto keys_seen = [&](int64_t c) {  // keys query c sees; 0 for padding
     const int64_t pos = positions[c];
     return pos < 0 || pos >= p.seq_lens[row] ? int64_t{0} : std::min(pos + 1, held);
   };
   auto q_at = [&](int64_t i) {
-    return p.q + (((row * p.chunk + c0 + i / group) * p.heads) + kv * group + i % group) * dim;
+    return p.q + (((first + c0 + i / group) * p.heads) + kv * group + i % group) * dim;
   };
   auto out_at = [&](int64_t i) {
-    return p.out + (((row * p.chunk + c0 + i / group) * p.heads) + kv * group + i % group) * dim;
+    return p.out + (((first + c0 + i / group) * p.heads) + kv * group + i % group) * dim;
   };
   const int64_t nq = (c1 - c0) * group;
   int64_t len = 0;  // keys any query of the item sees
@@ -113,33 +124,100 @@ using Table = ffi::BufferR2<ffi::S32>;
 using Positions = ffi::BufferR2<ffi::S32>;
 using Lens = ffi::BufferR1<ffi::S32>;
 using Out = ffi::ResultBufferR4<ffi::F32>;
+using PackedQueries = ffi::BufferR3<ffi::F32>;
+using PackedPositions = ffi::BufferR1<ffi::S32>;
+using PackedOut = ffi::ResultBufferR3<ffi::F32>;
+
+bool consistent(const Problem& p, const ffi::Span<const int64_t>& kd,
+                const ffi::Span<const int64_t>& vd, const ffi::Span<const int64_t>& td,
+                int64_t lens) {
+  return kd[3] == p.head_dim && p.kv_heads > 0 && p.heads % p.kv_heads == 0 &&
+         std::equal(kd.begin(), kd.end(), vd.begin()) && td[0] == p.rows && lens == p.rows;
+}
 
 ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, Pool k, Pool v, Table page_table,
                             Positions positions, Lens seq_lens, Out out, float scale) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
-  const auto vd = v.dimensions();
-  const auto td = page_table.dimensions();
   const auto pd = positions.dimensions();
-  Problem p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
-            positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
-            qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], td[1], scale};
-  if (kd[3] != p.head_dim || p.kv_heads == 0 || p.heads % p.kv_heads != 0 ||
-      !std::equal(kd.begin(), kd.end(), vd.begin()) || td[0] != p.rows || pd[0] != p.rows ||
-      pd[1] != p.chunk || seq_lens.dimensions()[0] != p.rows) {
+  const Problem p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
+                  positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
+                  qd[0], qd[2], qd[3], kd[0], kd[1], kd[2], page_table.dimensions()[1], scale};
+  const int64_t chunk = qd[1];
+  if (!consistent(p, kd, v.dimensions(), page_table.dimensions(), seq_lens.dimensions()[0]) ||
+      pd[0] != p.rows || pd[1] != chunk) {
     return ffi::Error::InvalidArgument("cpu prefill attention: inconsistent shapes");
   }
-  const int64_t blocks = (p.chunk + kQueries - 1) / kQueries;
+  const int64_t blocks = (chunk + kQueries - 1) / kQueries;
   // items: (row, KV head, block of queries), each row's last and longest block first
   parallel_items(pool, p.rows * p.kv_heads * blocks,
-                 [p, blocks](int64_t i, std::vector<float>& scores) {
+                 [p, blocks, chunk](int64_t i, std::vector<float>& scores) {
                    const int64_t block = blocks - 1 - i % blocks, rest = i / blocks;
-                   attend(p, rest / p.kv_heads, rest % p.kv_heads, block * kQueries, scores);
+                   const int64_t row = rest / p.kv_heads;
+                   attend(p, row, row * chunk, chunk, rest % p.kv_heads, block * kQueries,
+                          scores);
+                 });
+  return ffi::Error::Success();
+}
+
+ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, Pool k, Pool v,
+                                  Table page_table, PackedPositions positions, Lens query_starts,
+                                  Lens seq_lens, PackedOut out, float scale) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  const Problem p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
+                  positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
+                  seq_lens.dimensions()[0], qd[1], qd[2], kd[0], kd[1], kd[2],
+                  page_table.dimensions()[1], scale};
+  const int64_t tokens = qd[0];
+  if (!consistent(p, kd, v.dimensions(), page_table.dimensions(), p.rows) ||
+      positions.dimensions()[0] != tokens || query_starts.dimensions()[0] != p.rows + 1) {
+    return ffi::Error::InvalidArgument("cpu ragged prefill attention: inconsistent shapes");
+  }
+  const int32_t* starts = query_starts.typed_data();
+  if (starts[0] < 0 || starts[p.rows] > tokens) {
+    return ffi::Error::InvalidArgument("cpu ragged prefill attention: query_starts outside q");
+  }
+  for (int64_t b = 0; b < p.rows; ++b) {
+    if (starts[b + 1] < starts[b]) {
+      return ffi::Error::InvalidArgument("cpu ragged prefill attention: query_starts decrease");
+    }
+  }
+  const int64_t used = starts[p.rows], width = p.heads * p.head_dim;
+  std::fill(p.out + used * width, p.out + tokens * width, 0.f);  // the call's padding tokens
+  // items: (row, block of queries), each row's last and longest block first, then KV head
+  std::vector<std::pair<int32_t, int32_t>> blocks;
+  for (int64_t b = 0; b < p.rows; ++b) {
+    for (int64_t c0 = (starts[b + 1] - starts[b] - 1) / kQueries * kQueries; c0 >= 0;
+         c0 -= kQueries) {
+      blocks.emplace_back(static_cast<int32_t>(b), static_cast<int32_t>(c0));
+    }
+  }
+  const int64_t items = static_cast<int64_t>(blocks.size()) * p.kv_heads;
+  parallel_items(pool, items,
+                 [p, blocks = std::move(blocks), starts](int64_t i,
+                                                         std::vector<float>& scores) {
+                   const auto [row, c0] = blocks[i / p.kv_heads];
+                   attend(p, row, starts[row], starts[row + 1] - starts[row], i % p.kv_heads,
+                          c0, scores);
                  });
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionRagged, PrefillAttentionRagged,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<PackedQueries>()
+                                  .Arg<Pool>()
+                                  .Arg<Pool>()
+                                  .Arg<Table>()
+                                  .Arg<PackedPositions>()
+                                  .Arg<Lens>()
+                                  .Arg<Lens>()
+                                  .Ret<PackedQueries>()
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttention, PrefillAttention,
                               ffi::Ffi::Bind()

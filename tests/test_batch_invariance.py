@@ -15,7 +15,7 @@ from conftest import HF_FIXTURES
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model.kv_cache import AttentionMetadata, KVCache
+from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.linear import pack_weights
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model_config import ModelConfig
@@ -84,6 +84,76 @@ def test_a_tokens_logits_do_not_depend_on_the_batch(model, rows, chunks, row):
     alone = _run(model, 1, [20])
     got = _run(model, rows, chunks, row, seed=rows)
     assert (got == alone).all(), f"max difference {np.abs(got - alone).max()}"
+
+
+@pytest.mark.parametrize(("lengths", "row", "tokens"), [
+    ([20], 0, 20), ([20], 0, 32),  # alone, then with padding after it
+    ([7, 20, 3], 1, 48), ([16, 5, 20], 2, 64),  # packed among others, at another offset
+    ([20, 0, 9], 0, 40),  # an empty row after it
+])
+def test_a_ragged_calls_logits_are_the_padded_calls(model, lengths, row, tokens):
+    """Rows packed one after another in one row of tokens (the engine's ragged prefill) give
+    a token the bits the padded call gives it."""
+    cfg, graphdef, state = model
+    alone = _run(model, 1, [20])
+    rng = np.random.default_rng(len(lengths) + tokens)
+    ids = np.random.default_rng(99).integers(3, cfg.vocab_size, 40)
+    rows = len(lengths)
+    kv = KVCache.zeros(cfg.num_layers, rows * PAGES_PER_ROW + 1, PAGE, cfg.num_kv_heads,
+                       cfg.head_dim, jnp.float32)
+    table = np.arange(1, rows * PAGES_PER_ROW + 1, dtype=np.int32).reshape(rows, -1)
+    flat = rng.integers(3, cfg.vocab_size, (1, tokens)).astype(np.int32)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    flat[0, starts[row]:starts[row + 1]] = ids[:20]
+    token_rows = np.full(tokens, rows, np.int32)
+    positions = np.zeros((1, tokens), np.int32)
+    for b in range(rows):
+        token_rows[starts[b]:starts[b + 1]] = b
+        positions[0, starts[b]:starts[b + 1]] = np.arange(lengths[b])
+    md = RaggedMetadata(positions=positions, token_rows=token_rows, query_starts=starts,
+                        seq_lens=np.asarray(lengths, np.int32), page_table=table)
+    logits, _ = _forward(graphdef, state, flat, kv, md)
+    got = np.asarray(logits)[0, starts[row + 1] - 1]
+    assert (got == alone).all(), f"max difference {np.abs(got - alone).max()}"
+
+
+def test_the_engines_ragged_prefill_gives_the_padded_calls_outputs(tmp_path):
+    # prompt chunks packed into ragged calls, or padded into calls grouped by length: the same
+    # greedy ids and logprobs, some requests asking for prompt logprobs (those run alone)
+    config = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
+    config |= dict(hidden_size=96, intermediate_size=160, num_attention_heads=3,
+                   num_key_value_heads=1, head_dim=32, vocab_size=300)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(8)
+    prompts = [{"prompt_token_ids": rng.integers(3, 300, int(n)).tolist()}
+               for n in rng.integers(2, 150, 12)]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2,
+                             prompt_logprobs=1 if i % 4 == 0 else None) for i in range(12)]
+
+    def run(ragged):
+        llm = LLM(tmp_path, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=128,
+                  prefill_chunk_sizes=(16, 64, 128), page_size=16, num_pages=200,
+                  ragged_prefill=ragged)
+        assert llm.engine.runner.ragged is ragged
+        outs = llm.generate(prompts, params)
+        assert llm.stats()["num_compilations_after_warmup"] == 0
+        return [(o.outputs[0].token_ids,
+                 [[(t, lp.logprob) for t, lp in s.items()] for s in o.outputs[0].logprobs],
+                 o.prompt_logprobs and [s and sorted(s.items()) for s in o.prompt_logprobs])
+                for o in outs]
+
+    assert run(True) == run(False)
+
+
+def test_ragged_prefill_needs_the_cpu_attention(tmp_path):
+    config = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="ragged_prefill runs on the cpu attention"):
+        LLM(tmp_path, load_format="dummy", attention_impl="reference", ragged_prefill=True)
+    llm = LLM(tmp_path, load_format="dummy", attention_impl="reference", num_pages=64)
+    assert not llm.engine.runner.ragged  # auto: only where it runs
+    with pytest.raises(ValueError, match="ragged_prefill must be true, false or None"):
+        LLM(tmp_path, load_format="dummy", ragged_prefill="yes")
 
 
 def test_a_long_prompts_keys_do_not_depend_on_the_batch():

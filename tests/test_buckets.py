@@ -13,6 +13,9 @@ from jaxserve.core.buckets import (
     prefill_calls,
     prefill_groups,
     prefill_row_buckets,
+    ragged_calls,
+    ragged_rows,
+    ragged_token_buckets,
 )
 
 ROWS, CHUNKS = prefill_row_buckets((2, 4, 8, 16, 32)), (16, 64, 256)
@@ -98,3 +101,32 @@ def test_many_chunk_buckets_stay_cheap_to_split(monkeypatch):
         tuple(range(2, 33))), tuple(range(16, 1025, 16)))
     assert sorted(i for g in groups for i in g) == list(range(32))
     assert len(priced) <= 32 + 32 * 33 // 2
+
+
+def test_ragged_token_buckets_follow_the_chunk_buckets_up_to_the_budget():
+    assert ragged_token_buckets((32, 48, 64, 96, 128, 192, 256), 1024) == (
+        32, 48, 64, 96, 128, 192, 256, 320, 400, 512, 640, 800, 1024)
+    assert ragged_token_buckets((16, 32, 64, 128, 256), 128) == (16, 32, 64, 80, 112, 128)
+    assert ragged_token_buckets((256,), 16) == (16,)  # the budget cuts every chunk to 16
+    assert ragged_token_buckets((16,), 20) == (16, 20)  # nothing just below the budget
+    for chunks, budget in (((16, 32, 64, 128, 256), 2048), ((8,), 100)):
+        sizes = ragged_token_buckets(chunks, budget)
+        assert sizes[-1] == budget and list(sizes) == sorted(set(sizes))
+        assert all(b <= 2 * a for a, b in itertools.pairwise(sizes))
+
+
+def test_ragged_calls_pack_rows_in_order_into_the_smallest_bucket_that_holds_them():
+    sizes = ragged_token_buckets((32, 48, 64, 96, 128, 192, 256), 1024)
+    assert ragged_rows(32) == 2 and ragged_rows(16) == 1 and ragged_rows(1024) == 16
+    assert ragged_calls([100, 200, 300, 424], sizes) == [([0, 1, 2, 3], 1024)]
+    assert ragged_calls([40], sizes) == [([0], 48)]
+    # 4 rows need a bucket of 4 rows: 64 tokens, though 40 would fit 48
+    assert ragged_calls([10, 10, 10, 10], sizes) == [([0, 1, 2, 3], 64)]
+    # at most 16 rows a call
+    calls = ragged_calls([3] * 20, sizes)
+    assert calls == [(list(range(16)), 256), ([16, 17, 18, 19], 64)]
+    for group, t in calls:
+        assert ragged_rows(t) >= len(group)
+    assert ragged_calls([], sizes) == []
+    with pytest.raises(ValueError, match="exceeds the largest ragged bucket 1024"):
+        ragged_calls([1025], sizes)

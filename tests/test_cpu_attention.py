@@ -11,7 +11,11 @@ import pytest
 from jaxserve.config import kv_cache_dtype
 from jaxserve.model.attention import resolve_attention_impl
 from pallas_kernels import cpu_library, decode_attention_ref, prefill_attention_ref
-from pallas_kernels.cpu_attention import decode_attention_cpu, prefill_attention_cpu
+from pallas_kernels.cpu_attention import (
+    decode_attention_cpu,
+    prefill_attention_cpu,
+    prefill_attention_cpu_ragged,
+)
 from pallas_kernels.cpu_library import KernelUnavailable
 
 
@@ -173,6 +177,56 @@ def test_decode_gives_the_bits_prefill_gives_the_same_query(group, head_dim):
         decode = np.asarray(decode_attention_cpu(qs[:, i], k, v, table,
                                                  jnp.asarray(positions)[:, i] + 1, 0.3))
         assert (decode == prefill[:, i]).all(), i
+
+
+def _packed(q, positions, query_lens, tokens):
+    """The padded rows' real queries one after another, then padding to `tokens`."""
+    starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    take = [(b, c) for b, n in enumerate(query_lens) for c in range(n)]
+    pad = tokens - len(take)
+    qp = jnp.concatenate([jnp.stack([q[b, c] for b, c in take]),
+                          jnp.full((pad, *q.shape[2:]), 7.0, q.dtype)])
+    pp = np.array([positions[b, c] for b, c in take] + [0] * pad, np.int32)
+    return qp, jnp.asarray(pp), jnp.asarray(starts), take
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(2, 1, 16), (2, 3, 64), (1, 8, 12)])
+def test_cpu_ragged_prefill_gives_the_padded_kernels_bits(kv_heads, group, head_dim):
+    # rows packed with no padding between them (chunks below, at and past a 16-query block, a
+    # later chunk, an empty row in the middle), then padding tokens, which give zeros
+    rng = np.random.default_rng(head_dim + group)
+    page_size, pages_per_seq, chunk = 4, 16, 37
+    rows = 5
+    _, k, v, table = _case(rng, rows, kv_heads, group, head_dim, page_size, pages_per_seq,
+                           rows * pages_per_seq + 1)
+    q = jnp.asarray(rng.standard_normal((rows, chunk, kv_heads * group, head_dim)), jnp.float32)
+    query_lens = [chunk, 16, 0, 5, 17]
+    starts = [0, 20, 0, 3, 40]
+    positions, seq_lens = _chunks(rng, starts, query_lens, chunk)
+    padded = np.asarray(prefill_attention_cpu(q, k, v, table, positions, seq_lens, 0.3))
+    qp, pp, qs, take = _packed(q, np.asarray(positions), query_lens, 96)
+    got = np.asarray(jax.jit(prefill_attention_cpu_ragged, static_argnums=7)(
+        qp, k, v, table, pp, qs, seq_lens, 0.3))
+    for t, (b, c) in enumerate(take):
+        assert (got[t] == padded[b, c]).all(), (t, b, c)
+    assert (got[len(take):] == 0).all()
+
+
+def test_cpu_ragged_prefill_rejects_bad_starts():
+    rng = np.random.default_rng(4)
+    q, k, v, table = _case(rng, 2, 2, 2, 16, 4, 4, 12)
+    q = jnp.asarray(rng.standard_normal((10, 4, 16)), jnp.float32)
+    positions, seq_lens = jnp.zeros((10,), jnp.int32), jnp.array([3, 4], jnp.int32)
+    with pytest.raises(ValueError, match=r"query_starts is int32\[2\], expected int32\[3\]"):
+        prefill_attention_cpu_ragged(q, k, v, table, positions, jnp.array([0, 3], jnp.int32),
+                                     seq_lens, 0.25)
+    with pytest.raises(ValueError, match=r"expected \[tokens, num_heads, head_dim\]"):
+        prefill_attention_cpu_ragged(q[None], k, v, table, positions,
+                                     jnp.array([0, 3, 7], jnp.int32), seq_lens, 0.25)
+    for starts, message in (([0, 5, 3], "decrease"), ([0, 3, 11], "outside q")):
+        with pytest.raises(Exception, match=message):
+            jax.block_until_ready(prefill_attention_cpu_ragged(
+                q, k, v, table, positions, jnp.array(starts, jnp.int32), seq_lens, 0.25))
 
 
 def test_cpu_prefill_reads_neither_stale_pages_nor_past_the_table():

@@ -77,3 +77,48 @@ def prefill_calls(lengths: list[int], alone: list[bool], row_buckets: tuple[int,
     rest = [i for i, a in enumerate(alone) if not a]
     groups = prefill_groups([lengths[i] for i in rest], row_buckets, chunk_buckets)
     return [[i] for i, a in enumerate(alone) if a] + [[rest[j] for j in g] for g in groups]
+
+
+# -- ragged prefill: an iteration's prompt chunks packed into one row of tokens -----------------
+
+RAGGED_TOKENS_PER_ROW = 16  # a ragged call of T tokens holds up to T // 16 rows ...
+RAGGED_MAX_ROWS = 16  # ... and at most this many: each row's last token is sampled
+
+
+def ragged_token_buckets(chunk_buckets: tuple[int, ...], budget: int) -> tuple[int, ...]:
+    """Token counts a ragged prefill call pads to: the chunk buckets below the token budget,
+    then steps of 1.25x (multiples of 16) up to the budget. A call packs its rows with no
+    padding between them, so only its total is rounded up."""
+    sizes = [c for c in chunk_buckets if c < budget]
+    t = sizes[-1] if sizes else 0
+    while t < budget:
+        t = max(t + 16, -(-t * 5 // 4 // 16) * 16)
+        t = budget if t * 9 // 8 >= budget else t  # no bucket just below the budget
+        sizes.append(t)
+    return tuple(sizes)
+
+
+def ragged_rows(tokens: int) -> int:
+    """The rows a ragged call of `tokens` (a bucket) is compiled for."""
+    return max(1, min(RAGGED_MAX_ROWS, tokens // RAGGED_TOKENS_PER_ROW))
+
+
+def ragged_calls(lengths: list[int], token_buckets: tuple[int, ...]) -> list[tuple[list[int], int]]:
+    """An iteration's ragged prefill calls: (indices into `lengths`, in order; the call's token
+    bucket), as few calls as the rows each bucket holds allow."""
+    max_rows = ragged_rows(token_buckets[-1])
+    calls, start = [], 0
+    while start < len(lengths):
+        end, total = start, 0
+        while (end < len(lengths) and end - start < max_rows
+               and total + lengths[end] <= token_buckets[-1]):
+            total += lengths[end]
+            end += 1
+        if end == start:
+            raise ValueError(f"a prompt chunk of {lengths[start]} tokens exceeds the largest "
+                             f"ragged bucket {token_buckets[-1]}")
+        rows = end - start
+        size = next(t for t in token_buckets if t >= total and ragged_rows(t) >= rows)
+        calls.append((list(range(start, end)), size))
+        start = end
+    return calls

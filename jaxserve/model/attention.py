@@ -11,7 +11,7 @@ import logging
 
 import jax
 
-from jaxserve.model.kv_cache import AttentionMetadata
+from jaxserve.model.kv_cache import AttentionMetadata, RaggedMetadata
 from pallas_kernels import cpu_attention, cpu_library
 from pallas_kernels.blocked import decode_attention_blocked, prefill_attention_blocked
 from pallas_kernels.decode import kernel_shape_problem
@@ -54,10 +54,16 @@ def paged_attention(
     q: jax.Array,  # [B, C, num_heads, head_dim]
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
-    md: AttentionMetadata,
+    md: AttentionMetadata | RaggedMetadata,
     scale: float,
     impl: str,  # "pallas" | "cpu" | "reference" (already resolved)
 ) -> jax.Array:  # [B, C, num_heads, head_dim]
+    if isinstance(md, RaggedMetadata):  # q [1, T, heads, head_dim]
+        if impl != "cpu":
+            raise ValueError(f"a ragged prefill call runs on the cpu attention, not {impl!r}")
+        return cpu_attention.prefill_attention_cpu_ragged(
+            q[0], k_pages, v_pages, md.page_table, md.positions[0], md.query_starts, md.seq_lens,
+            scale)[None]
     decode = q.shape[1] == 1
     if impl == "cpu" and decode:
         return cpu_attention.decode_attention_cpu(q[:, 0], k_pages, v_pages, md.page_table,

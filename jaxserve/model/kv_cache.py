@@ -52,6 +52,33 @@ class AttentionMetadata:
         return page, (self.positions % page_size).reshape(-1)
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RaggedMetadata:
+    """A ragged prefill call: B rows' prompt chunks packed one after another into a single row
+    of T tokens (tokens [1, T]), then padding: no row pads its chunk to a bucket, only the call
+    pads its total. Rows with no tokens are empty."""
+
+    positions: jax.Array  # [1, T] int32   absolute position of each token (padding: 0)
+    token_rows: jax.Array  # [T] int32   the row each token belongs to; B for padding
+    query_starts: jax.Array  # [B + 1] int32   row b's tokens: query_starts[b] .. [b + 1] - 1
+    seq_lens: jax.Array  # [B] int32   tokens in the row's pages after this call
+    page_table: jax.Array  # [B, pages_per_seq] int32
+
+    @property
+    def query_lens(self) -> jax.Array:  # [B] int32
+        return self.query_starts[1:] - self.query_starts[:-1]
+
+    def write_index(self, page_size: int) -> tuple[jax.Array, jax.Array]:  # 2 x [T] int32
+        """(page, offset) each token's K/V goes to; padding tokens go to the null page."""
+        rows = self.page_table.shape[0]
+        positions = self.positions[0]
+        real = self.token_rows < rows
+        page = self.page_table[jnp.minimum(self.token_rows, rows - 1),
+                               jnp.minimum(positions // page_size, self.page_table.shape[1] - 1)]
+        return jnp.where(real, page, 0), positions % page_size
+
+
 def write_kv(pages: jax.Array, new: jax.Array, index: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Scatter new K or V [B, C, kv_heads, head_dim] into the pages at (page, offset).
 

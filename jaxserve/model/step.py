@@ -23,15 +23,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.model.kv_cache import AttentionMetadata, KVCache
+from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.reductions import log_softmax
 from jaxserve.model.sampler import SamplingMetadata, sample, token_logprobs
 
 
 @dataclass(frozen=True)
 class StepFns:
-    # (weights, kv, tokens [B, C], md, sm, carry [M], carry_index [B])
-    #   -> (packed [B, W], carry [M], kv)
+    # (weights, kv, tokens [B, C], md, sm, carry [M], carry_index [B]) -> (packed [B, W],
+    #   carry [M], kv); or a ragged call: tokens [1, T], md a RaggedMetadata of B rows
     prefill: Callable
     # (weights, kv, tokens [B, C], md, sm, carry, carry_index, targets [B, C])
     #   -> (packed, prompt [B, C, W-1], carry, kv)
@@ -53,11 +53,15 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, ma
         leaves, rope = weights
         return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves)), rope
 
-    def chunk_forward(weights, kv: KVCache, tokens, md: AttentionMetadata, sm: SamplingMetadata):
+    def chunk_forward(weights, kv: KVCache, tokens, md: AttentionMetadata | RaggedMetadata,
+                      sm: SamplingMetadata):
         model, rope = merge(weights)
         hidden, kv = model(tokens, kv, md, attention_impl, matmul_impl, rope)
-        last = jnp.maximum(md.query_lens - 1, 0)
-        h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
+        if isinstance(md, RaggedMetadata):  # hidden [1, T, hidden]: each row's last token
+            h = hidden[0, jnp.maximum(md.query_starts[1:] - 1, 0)]  # [B, hidden]
+        else:
+            last = jnp.maximum(md.query_lens - 1, 0)
+            h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
         packed = sample(model.logits(h, matmul_impl), sm, num_top, matmul_impl)
         return model, hidden, packed, kv
 
