@@ -104,8 +104,9 @@ def profile_output(engine: LLMEngine,
     shortest = max([2] + [c + 1 for c in buckets if c < chunk])
     left = budget - num_decode
     for i in range(num_prefill):  # the first chunk is the longest; the rest share what is left
-        n = chunk if i == 0 else max(shortest,
-                                     min(chunk, (left - chunk) // max(1, num_prefill - 1)))
+        # (no chunk past the budget, which the scheduler never cuts: nor can a ragged call run it)
+        n = min(chunk, budget) if i == 0 else max(
+            shortest, min(chunk, (left - chunk) // max(1, num_prefill - 1)))
         start = ctx if num_decode == 0 else 0
         out.chunks.append(_row(pool, page_size, f"p{i}", start, n, 1))
     return out
