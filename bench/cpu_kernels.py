@@ -3,11 +3,13 @@
     python bench/cpu_kernels.py            # the peer model's shapes (bench/peer_hf.py)
     python bench/cpu_kernels.py --quick    # tiny shapes, seconds (the tests run this)
     python bench/cpu_kernels.py --parts decode --baseline HEAD~1   # a change against before
+    python bench/cpu_kernels.py --parts prefill --baseline HEAD~1
 
     matmul   the peer model's 57 linear layers in a chain (8 layers + LM head), x of M rows:
              XLA's dot against pallas_kernels/cpu_matmul.cc, ms and GFLOP/s per M
     prefill  one layer's paged attention for prompt chunks: the plain-XLA block walk
-             (attention_impl="reference") against cpu_prefill.cc
+             (attention_impl="reference") against cpu_prefill.cc (and, with --baseline REV, the
+             kernel as at REV, alternating)
     decode   64 slots x 200 tokens over 8 layers: cpu_decode.cc's GB/s of K and V read,
              beside the machine's streaming read of a buffer larger than its caches; with
              --baseline REV, also the kernels as they were at git revision REV, alternating
@@ -86,7 +88,8 @@ def matmul_rows(shapes, ms, runs: int, rng) -> list[dict]:
     return rows
 
 
-def prefill_rows(cases, heads, kv_heads, head_dim, runs: int, rng) -> list[dict]:
+def prefill_rows(cases, heads, kv_heads, head_dim, runs: int, rng,
+                 baseline: str | None = None) -> list[dict]:
     pages, page = 2049, 16
     k = jnp.asarray(rng.standard_normal((pages, page, kv_heads, head_dim), np.float32))
     v = jnp.asarray(rng.standard_normal((pages, page, kv_heads, head_dim), np.float32))
@@ -95,6 +98,9 @@ def prefill_rows(cases, heads, kv_heads, head_dim, runs: int, rng) -> list[dict]
                                                                           scale=0.125)),
         "cpu": jax.jit(lambda q, k, v, t, p, s: prefill_attention_cpu(q, k, v, t, p, s, 0.125)),
     }
+    if baseline is not None:
+        kinds["baseline"] = jax.jit(lambda q, k, v, t, p, s: prefill_attention_cpu(
+            q, k, v, t, p, s, 0.125, baseline))
     rows = []
     for rows_, chunk, start in cases:
         per_row = -(-(start + chunk) // page)
@@ -104,8 +110,10 @@ def prefill_rows(cases, heads, kv_heads, head_dim, runs: int, rng) -> list[dict]
         seq_lens = jnp.full((rows_,), start + chunk, jnp.int32)
         q = jnp.asarray(rng.standard_normal((rows_, chunk, heads, head_dim), np.float32))
         args = (q, k, v, table, positions, seq_lens)
-        best = {kind: min(best_time(fn, *args, runs=runs) for _ in range(2))
-                for kind, fn in kinds.items()}
+        best = dict.fromkeys(kinds, float("inf"))
+        for _ in range(2):  # alternating
+            for kind, fn in kinds.items():
+                best[kind] = min(best[kind], best_time(fn, *args, runs=runs))
         rows.append({"rows": rows_, "chunk": chunk, "start": start,
                      **{f"{kind}_ms": 1e3 * t for kind, t in best.items()}})
     return rows
@@ -177,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", nargs="+", default=["matmul", "prefill", "decode"],
                         choices=["matmul", "prefill", "decode"])
     parser.add_argument("--baseline", metavar="REV",
-                        help="decode attention also as built from git revision REV, alternating")
+                        help="decode and prefill attention also as built from git revision "
+                             "REV, alternating")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     if args.quick:
@@ -194,6 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
         read_bytes = 1 << 30
     out = {}
     print(f"jax {jax.__version__} on {jax.default_backend()}")
+    baseline = None
+    if args.baseline and {"prefill", "decode"} & set(args.parts):
+        baseline = register_baseline(args.baseline)
     if "matmul" in args.parts:
         out["matmul"] = matmul_rows(shapes, ms, runs, rng)
         print(f"\nmatmul: {len(shapes)} linear layers in a chain; ms (GFLOP/s)")
@@ -203,14 +215,14 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{r['cpu_ms']:9.2f} ({r['cpu_gflops']:5.0f}) "
                   f"{r['panels_ms']:9.2f} ({r['panels_gflops']:5.0f})")
     if "prefill" in args.parts:
-        out["prefill"] = prefill_rows(cases, *attn, runs, rng)
+        out["prefill"] = prefill_rows(cases, *attn, runs, rng, baseline)
         print(f"\nprefill attention, one layer ({attn[0]} heads, {attn[1]} KV heads of {attn[2]}); ms")
-        print(f"{'rows x chunk after':>20} {'XLA walk':>10} {'cpu kernel':>11}")
+        print(f"{'rows x chunk after':>20} {'XLA walk':>10} {'cpu kernel':>11}"
+              + (f" {'as at ' + args.baseline:>14}" if baseline else ""))
         for r in out["prefill"]:
             print(f"{r['rows']:>6} x {r['chunk']:>4} after {r['start']:>4} {r['xla_ms']:9.2f} "
-                  f"{r['cpu_ms']:10.2f}")
+                  f"{r['cpu_ms']:10.2f}" + (f" {r['baseline_ms']:14.2f}" if baseline else ""))
     if "decode" in args.parts:
-        baseline = args.baseline and register_baseline(args.baseline)
         out["decode"] = decode_row(**decode, heads=attn[0], kv_heads=attn[1], head_dim=attn[2],
                                    runs=runs, rng=rng, baseline=baseline)
         out["read_gb_per_s"] = streaming_read_gbs(read_bytes)

@@ -46,6 +46,7 @@ def prefill_attention_cpu(
     positions: jax.Array,  # [B, C] int32
     seq_lens: jax.Array,  # [B] int32
     scale: float,
+    library: str = "",  # a suffix given to cpu_library.register (another build)
 ) -> jax.Array:  # [B, C, num_heads, head_dim], q's dtype
     """Same contract as `reference.prefill_attention_ref`, where a query at a position past its
     row's `seq_lens` (padding) gives zeros. Runs only on the CPU backend; raises
@@ -58,7 +59,7 @@ def prefill_attention_cpu(
     check_lengths("positions", positions, (batch, chunk))
     check_lengths("seq_lens", seq_lens, (batch,))
     return _call("jaxserve_cpu_prefill_attention", q, k_pages, v_pages, page_table, positions,
-                 seq_lens, scale=scale)
+                 seq_lens, scale=scale, library=library)
 
 
 def prefill_attention_cpu_ragged(

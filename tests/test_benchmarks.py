@@ -263,11 +263,14 @@ def test_cpu_kernels_bench_runs_at_tiny_size(capsys):
 
 
 def test_cpu_kernels_bench_runs_a_git_revisions_decode_kernel_beside_todays(capsys):
-    """--baseline REV builds the kernels as they were at REV and alternates them with today's."""
+    """--baseline REV builds the kernels as they were at REV and alternates their decode and
+    prefill attention with today's."""
     bench = _load(ROOT / "bench" / "cpu_kernels.py")
-    out = bench.main(["--quick", "--parts", "decode", "--baseline", "HEAD"])
+    out = bench.main(["--quick", "--parts", "prefill", "decode", "--baseline", "HEAD"])
     assert out["decode"]["ms"] > 0 and out["decode"]["baseline_ms"] > 0
-    assert "as at HEAD:" in capsys.readouterr().out
+    assert all(r["cpu_ms"] > 0 and r["baseline_ms"] > 0 for r in out["prefill"])
+    printed = capsys.readouterr().out
+    assert "as at HEAD:" in printed and "as at HEAD" in printed.split("decode attention")[0]
     with pytest.raises(SystemExit, match="--baseline no-such-revision"):
         bench.main(["--quick", "--parts", "decode", "--baseline", "no-such-revision"])
 
