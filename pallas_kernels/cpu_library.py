@@ -35,6 +35,7 @@ TARGETS = {
     "jaxserve_cpu_matmul": "JaxserveCpuMatmul",
     "jaxserve_cpu_matmul_transposed": "JaxserveCpuMatmulTransposed",
     "jaxserve_cpu_matmul_panels": "JaxserveCpuMatmulPanels",
+    "jaxserve_cpu_row_sum_squares": "JaxserveCpuRowSumSquares",
 }
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 

@@ -246,7 +246,67 @@ ffi::Error MatmulPanels(ffi::ThreadPool pool, Matrix x, Panels w, Out out) {
                     Layout::kPanels});
 }
 
+// out[r] = x[r, 0]^2 + x[r, 1]^2 + ... in index order, each square rounded before its add: the
+// bits of the matmul above on (x * x) and a column of ones (its chain of fused multiply-adds
+// by 1 is that chain of adds), with no [M, K] array of squares written and read back. Rows run
+// eight at a time, eight independent chains; no contraction into fused multiply-adds here.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+void sum_squares(const float* x, int64_t k, int64_t r0, int64_t r1, float* out) {
+  constexpr int64_t kRows = 8;
+  int64_t r = r0;
+  for (; r + kRows <= r1; r += kRows) {
+    float acc[kRows] = {};
+    for (int64_t c = 0; c < k; ++c) {
+      for (int64_t j = 0; j < kRows; ++j) {
+        const float v = x[(r + j) * k + c];
+        const float sq = v * v;
+        acc[j] = acc[j] + sq;
+      }
+    }
+    std::copy(acc, acc + kRows, out + r);
+  }
+  for (; r < r1; ++r) {
+    float acc = 0.f;
+    for (int64_t c = 0; c < k; ++c) {
+      const float sq = x[r * k + c] * x[r * k + c];
+      acc = acc + sq;
+    }
+    out[r] = acc;
+  }
+}
+#if !defined(__clang__) && defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+ffi::Error RowSumSquares(ffi::ThreadPool pool, Matrix x, Out out) {
+  const auto xd = x.dimensions();
+  const auto od = out->dimensions();
+  if (od[0] != xd[0] || od[1] != 1) {
+    return ffi::Error::InvalidArgument("cpu row sum of squares: inconsistent shapes");
+  }
+  constexpr int64_t kBlock = 64;  // rows per work item
+  const float* data = x.typed_data();
+  float* sums = out->typed_data();
+  const int64_t m = xd[0], k = xd[1];
+  parallel_items(pool, (m + kBlock - 1) / kBlock,
+                 [data, sums, m, k](int64_t i, std::vector<float>&) {
+                   sum_squares(data, k, i * kBlock, std::min(m, (i + 1) * kBlock), sums);
+                 });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuRowSumSquares, RowSumSquares,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuMatmul, Matmul,
                               ffi::Ffi::Bind()

@@ -67,6 +67,18 @@ def matmul_cpu_panels(
     return _call_on_rows("jaxserve_cpu_matmul_panels", x, panels, n, library)
 
 
+def row_sum_squares_cpu(x: jax.Array, library: str = "") -> jax.Array:  # [..., K] -> [..., 1]
+    """sum(x * x) over the last axis, to the bits of matmul_cpu(x * x, ones [K, 1]) (one chain
+    of adds in index order), without the array of squares."""
+    if x.dtype != jnp.float32 or x.ndim < 1:
+        raise ValueError(f"the CPU row sum takes float32 [..., K], got {x.dtype}{list(x.shape)}")
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    out = call("jaxserve_cpu_row_sum_squares", jax.ShapeDtypeStruct((rows.shape[0], 1),
+                                                                    jnp.float32), rows,
+               suffix=library)
+    return out.reshape(*x.shape[:-1], 1)
+
+
 def _check_float32(x: jax.Array, w: jax.Array) -> None:
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {w.dtype}")

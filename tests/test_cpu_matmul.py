@@ -12,7 +12,13 @@ from flax import nnx
 
 from jaxserve.model.linear import pack_weights, project, resolve_matmul_impl
 from pallas_kernels import cpu_library
-from pallas_kernels.cpu_matmul import PANEL, matmul_cpu, matmul_cpu_panels, pack_panels
+from pallas_kernels.cpu_matmul import (
+    PANEL,
+    matmul_cpu,
+    matmul_cpu_panels,
+    pack_panels,
+    row_sum_squares_cpu,
+)
 
 # rows around the 6-row register tile and the 96-row work item, columns around the 64-column
 # panel (masked partial panels), k around the 256-long block (partial sums through the output)
@@ -120,6 +126,20 @@ def test_every_instruction_set_path_gives_the_same_bits(other_paths):
         assert (np.asarray(matmul_cpu(x, wt, True, suffix)) == want).all(), suffix
         panels = np.asarray(matmul_cpu_panels(x, pack_panels(w), w.shape[1], suffix))
         assert (panels == want).all(), suffix
+
+
+@pytest.mark.parametrize(("shape"), [(1, 7), (3, 512), (13, 384), (70, 33), (2, 9, 64), (0, 8),
+                                     (4, 0)])
+def test_row_sum_squares_gives_the_bits_of_the_matmul_on_the_squares(shape, other_paths):
+    # RMSNorm's sum: before this kernel, XLA squared x and the matmul summed the squares
+    # against a column of ones; same chain of adds in index order, on every build
+    x = jnp.asarray(np.random.default_rng(len(shape)).standard_normal(shape) * 3, jnp.float32)
+    want = np.asarray(matmul_cpu(x * x, jnp.ones((shape[-1], 1), jnp.float32)))
+    for suffix in ("", *other_paths):
+        got = np.asarray(jax.jit(row_sum_squares_cpu, static_argnums=1)(x, suffix))
+        assert got.shape == (*shape[:-1], 1) and (got == want).all(), suffix
+    with pytest.raises(ValueError, match="takes float32"):
+        row_sum_squares_cpu(x.astype(jnp.bfloat16))
 
 
 @pytest.mark.parametrize(("args", "message"), [

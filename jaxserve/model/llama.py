@@ -15,7 +15,7 @@ from flax import nnx
 from jaxserve.model.attention import paged_attention
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, write_kv
 from jaxserve.model.linear import project
-from jaxserve.model.reductions import row_sum
+from jaxserve.model.reductions import row_sum_squares
 from jaxserve.model_config import ModelConfig
 from pallas_kernels.cpu_matmul import matmul_cpu
 
@@ -73,7 +73,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array, matmul_impl: str = "xla") -> jax.Array:
         xf = x.astype(jnp.float32)
         # with the CPU kernels, the batch-invariant sum (reductions.py)
-        xf = xf * jax.lax.rsqrt(row_sum(xf * xf, matmul_impl) / x.shape[-1] + self.eps)
+        xf = xf * jax.lax.rsqrt(row_sum_squares(xf, matmul_impl) / x.shape[-1] + self.eps)
         return self.weight[...] * xf.astype(x.dtype)
 
 

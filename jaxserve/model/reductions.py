@@ -11,7 +11,7 @@ and attention kernels a token's logits and logprobs do not depend on the batch.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_matmul import matmul_cpu
+from pallas_kernels.cpu_matmul import matmul_cpu, row_sum_squares_cpu
 
 
 def row_sum(x: jax.Array, impl: str) -> jax.Array:  # [..., n] float32 -> [..., 1]
@@ -19,6 +19,13 @@ def row_sum(x: jax.Array, impl: str) -> jax.Array:  # [..., n] float32 -> [..., 
     if impl != "cpu":
         return jnp.sum(x, axis=-1, keepdims=True)
     return matmul_cpu(x, jnp.ones((x.shape[-1], 1), jnp.float32))
+
+
+def row_sum_squares(x: jax.Array, impl: str) -> jax.Array:  # [..., n] float32 -> [..., 1]
+    """row_sum(x * x, impl), to its bits; impl "cpu": one kernel, no array of squares."""
+    if impl != "cpu":
+        return row_sum(x * x, impl)
+    return row_sum_squares_cpu(x)
 
 
 def log_softmax(x: jax.Array, impl: str) -> jax.Array:  # [..., n] float32
