@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.attention import paged_attention
-from jaxserve.model.kv_cache import AttentionMetadata, KVCache, write_kv
+from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata, write_kv
 from jaxserve.model.linear import project
 from jaxserve.model.reductions import row_sum_squares
 from jaxserve.model_config import ModelConfig
@@ -52,8 +52,8 @@ def rope_angles(cfg: ModelConfig, positions: jax.Array) -> jax.Array:  # [..., h
 def rope_tables(cfg: ModelConfig, num_positions: int, dtype) -> tuple[jax.Array, jax.Array]:
     """cos and sin of every position's angles, [num_positions, head_dim] each: a step that reads
     them from these tables computes no cosine. Left to compute them, XLA on the CPU fuses cos
-    and sin into every layer's rotation of q and k and recomputes them per head and layer: a
-    seventh of a prefill call's time."""
+    and sin into every layer's rotation of q and k and recomputes them per head and layer:
+    about a tenth of a prefill call's time."""
     angles = rope_angles(cfg, jnp.arange(num_positions, dtype=jnp.int32))
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
@@ -152,7 +152,7 @@ class LlamaForCausalLM(nnx.Module):
             cfg.hidden_size, cfg.vocab_size, False, dtype, rngs
         )
 
-    def __call__(self, tokens: jax.Array, kv: KVCache, md: AttentionMetadata,
+    def __call__(self, tokens: jax.Array, kv: KVCache, md: AttentionMetadata | RaggedMetadata,
                  attention_impl: str, matmul_impl: str = "xla",
                  rope: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, KVCache]:
         """`rope`: rope_tables' cos and sin (positions past them read the last row); without
