@@ -350,6 +350,7 @@ class ModelRunner:
         page_table = np.zeros((b, self.pages_per_seq), np.int32)
         carry_index = np.full((b,), self.carry_size, np.int32)  # out of range: dropped
         carry_index[:len(chunks)] = carry_rows
+        seq_lens = np.zeros((b,), np.int32)
         at = 0
         for i, chunk in enumerate(chunks):
             n, request = chunk.num_tokens, chunk.request
@@ -357,10 +358,9 @@ class ModelRunner:
             positions[0, at:at + n] = chunk.start + np.arange(n)
             token_rows[at:at + n] = i
             page_table[i, :len(request.pages)] = request.pages
+            seq_lens[i] = chunk.start + n
             at += n
             starts[i + 1:] = at
-        seq_lens = np.zeros((b,), np.int32)
-        seq_lens[:len(chunks)] = [c.start + c.num_tokens for c in chunks]
         md = RaggedMetadata(positions=positions, token_rows=token_rows, query_starts=starts,
                             seq_lens=seq_lens, page_table=page_table)
         packed, carry, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md,
@@ -436,16 +436,8 @@ class ModelRunner:
         return out
 
     def _warm(self, kind: str, b: int, c: int, steps: int) -> None:
-        if kind == "ragged":  # c tokens, no rows
-            rows = ragged_rows(c)
-            md = RaggedMetadata(positions=np.zeros((1, c), np.int32),
-                                token_rows=np.full((c,), rows, np.int32),
-                                query_starts=np.zeros((rows + 1,), np.int32),
-                                seq_lens=np.zeros((rows,), np.int32),
-                                page_table=np.zeros((rows, self.pages_per_seq), np.int32))
-            sm = self._sampling([], rows, np.zeros((rows,), np.int32))
-            _, _, self.kv = self.fns.prefill(self.weights, self.kv, np.zeros((1, c), np.int32),
-                                             md, sm, self._zeros, np.zeros((rows,), np.int32))
+        if kind == "ragged":  # a call of c tokens and no rows: every token padding
+            self._dispatch_ragged([], [], c, self._zeros)
             return
         md = AttentionMetadata(positions=np.zeros((b, c), np.int32), query_lens=np.zeros((b,), np.int32),
                                seq_lens=np.zeros((b,), np.int32),

@@ -65,10 +65,6 @@ class RaggedMetadata:
     seq_lens: jax.Array  # [B] int32   tokens in the row's pages after this call
     page_table: jax.Array  # [B, pages_per_seq] int32
 
-    @property
-    def query_lens(self) -> jax.Array:  # [B] int32
-        return self.query_starts[1:] - self.query_starts[:-1]
-
     def write_index(self, page_size: int) -> tuple[jax.Array, jax.Array]:  # 2 x [T] int32
         """(page, offset) each token's K/V goes to; padding tokens go to the null page."""
         rows = self.page_table.shape[0]
