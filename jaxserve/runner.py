@@ -12,7 +12,10 @@ start-up:
              chunk; a chunk that wants prompt logprobs runs as a call of its own (B = 1)
     ragged:  with the cpu attention (config.ragged_prefill), the other prompt chunks packed one
              after another into one row of T tokens, T = smallest ragged token bucket that holds
-             them (core.buckets.ragged_calls): no row pads to a chunk bucket
+             them (core.buckets.ragged_calls): no row pads to a chunk bucket. In an iteration
+             that also decodes (one step), the decode rows join that call as rows of one
+             token: the weights are read once for both. Its head samples B rows, the row
+             bucket of its rows (model and head are separate calls: T + B shapes, not T x B)
 
 `dispatch` returns at once (the device runs on, the packed results start copying to the host);
 `collect` waits for them. The engine dispatches iteration t+1 before collecting iteration t.
@@ -37,7 +40,6 @@ from jaxserve.core.buckets import (
     prefill_calls,
     prefill_row_buckets,
     ragged_calls,
-    ragged_rows,
     ragged_token_buckets,
 )
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
@@ -181,6 +183,7 @@ class ModelRunner:
         self.token_buckets = ragged_token_buckets(self.chunk_buckets,
                                                   config.max_num_batched_tokens)
         self.carry_size = self.row_buckets[-1]
+        self.mixed_calls = self.ragged  # decode rows ride in a mixed iteration's ragged call
         # what the jitted steps take: the state's arrays and the RoPE tables
         self.weights = (jax.tree.leaves(self.state),
                         jax.device_put(rope_tables(model_config, self.max_model_len, self.dtype),
@@ -236,33 +239,48 @@ class ModelRunner:
             return self._dispatch(out)
 
     def _dispatch(self, out: SchedulerOutput) -> Inflight:
-        flight = Inflight(decode_chunks=[c for c in out.chunks if c.num_tokens == 1])
+        flight = Inflight()
         carries, carry_rows = [self._zeros, self._zeros], {}
-        if flight.decode_chunks:
+        decode = [c for c in out.chunks if c.num_tokens == 1]
+        prefill = [c for c in out.chunks if c.num_tokens > 1]
+        wants = [c.request.params.prompt_logprobs is not None for c in prefill]
+        packed = [c for c, w in zip(prefill, wants, strict=True) if not w] if self.ragged else []
+        # a mixed iteration's decode rows join its ragged call: one pass over the weights for
+        # both (a static batch's finished rows stay in it as padding tokens)
+        pad = max(out.batch_rows - len(decode), 0)
+        mixed = bool(decode and packed and out.decode_steps == 1 and self.mixed_calls and
+                     len(decode) + pad + sum(c.num_tokens for c in packed)
+                     <= self.token_buckets[-1])
+        if decode and not mixed:
+            flight.decode_chunks = decode
             flight.decode_packed, carries[0] = self._dispatch_decode(
-                flight.decode_chunks, max(len(flight.decode_chunks), out.batch_rows),
-                out.decode_steps)
-            carry_rows |= {c.request.request_id: i for i, c in enumerate(flight.decode_chunks)}
-        prefill = [c for c in out.chunks if c.num_tokens > 1]  # row i -> prefill carry[i]
-        alone = [c.request.params.prompt_logprobs is not None for c in prefill]
+                decode, max(len(decode), out.batch_rows), out.decode_steps)
+            carry_rows |= {c.request.request_id: i for i, c in enumerate(decode)}
+        # the rows the iteration's other calls run, in order: row i's token goes to carry 1 [i]
+        order = (decode if mixed else []) + prefill
+        wants = [False] * (len(order) - len(prefill)) + wants
         if self.ragged:  # chunks wanting prompt logprobs run alone, the rest packed
-            rest = [i for i, a in enumerate(alone) if not a]
-            calls = [[i] for i, a in enumerate(alone) if a]
-            for group, tokens in ragged_calls([prefill[i].num_tokens for i in rest],
-                                              self.token_buckets):
-                rows = [rest[j] for j in group]
-                call, carries[1] = self._dispatch_ragged([prefill[i] for i in rows], rows,
-                                                         tokens, carries[1])
+            rest = [i for i, w in enumerate(wants) if not w]
+            calls = [[i] for i, w in enumerate(wants) if w]
+            if mixed:
+                need = len(decode) + pad + sum(c.num_tokens for c in packed)
+                ragged = [(rest, next(t for t in self.token_buckets if t >= need))]
+            else:
+                ragged = [([rest[j] for j in group], tokens) for group, tokens in ragged_calls(
+                    [order[i].num_tokens for i in rest], self.token_buckets, self.carry_size)]
+            for rows, tokens in ragged:
+                call, carries[1] = self._dispatch_ragged([order[i] for i in rows], rows, tokens,
+                                                         carries[1])
                 flight.prefills.append(call)
         else:
-            calls = prefill_calls([c.num_tokens for c in prefill], alone,
+            calls = prefill_calls([c.num_tokens for c in order], wants,
                                   self.prefill_row_buckets, self.chunk_buckets)
         for group in calls:
-            call, carries[1] = self._dispatch_prefill([prefill[i] for i in group], group,
+            call, carries[1] = self._dispatch_prefill([order[i] for i in group], group,
                                                       carries[1])
             flight.prefills.append(call)
         carry_rows |= {c.request.request_id: self.carry_size + i
-                       for i, c in enumerate(prefill) if c.num_samples}
+                       for i, c in enumerate(order) if c.num_samples}
         self._carries, self._carry_rows = tuple(carries), carry_rows
         arrays = [flight.decode_packed] + [a for p in flight.prefills for a in (p.packed, p.prompt)]
         for array in arrays:
@@ -339,22 +357,29 @@ class ModelRunner:
         return PrefillCall(chunks, packed), carry
 
     def _dispatch_ragged(self, chunks: list[ScheduledChunk], carry_rows: list[int], t: int,
-                         carry: jax.Array) -> tuple[PrefillCall, jax.Array]:
-        """One ragged prefill call of `t` tokens (a token bucket): the chunks one after another;
-        row i's sampled token goes to carry[carry_rows[i]]."""
-        b = ragged_rows(t)
+                         carry: jax.Array, rows: int = 0) -> tuple[PrefillCall, jax.Array]:
+        """One ragged call of `t` tokens (a token bucket): the chunks one after another, prompt
+        chunks and decode rows alike; row i's sampled token goes to carry[carry_rows[i]]. Its
+        head samples `rows` rows (0: the row bucket of the chunks)."""
+        m = self.carry_size  # the metadata's rows, whatever the call holds
+        b = rows or bucket(max(len(chunks), 1), self.prefill_row_buckets, "ragged rows")
         tokens = np.zeros((1, t), np.int32)
+        src = np.full((t,), -1, np.int32)
         positions = np.zeros((1, t), np.int32)
-        token_rows = np.full((t,), b, np.int32)  # padding: no row
-        starts = np.zeros((b + 1,), np.int32)
-        page_table = np.zeros((b, self.pages_per_seq), np.int32)
+        token_rows = np.full((t,), m, np.int32)  # padding: no row
+        starts = np.zeros((m + 1,), np.int32)
+        page_table = np.zeros((m, self.pages_per_seq), np.int32)
         carry_index = np.full((b,), self.carry_size, np.int32)  # out of range: dropped
         carry_index[:len(chunks)] = carry_rows
-        seq_lens = np.zeros((b,), np.int32)
+        seq_lens = np.zeros((m,), np.int32)
         at = 0
         for i, chunk in enumerate(chunks):
             n, request = chunk.num_tokens, chunk.request
-            tokens[0, at:at + n] = request.all_ids[chunk.start:chunk.start + n]
+            known = len(request.prompt_ids) + len(request.output_ids) - chunk.start
+            if known >= n:
+                tokens[0, at:at + n] = request.all_ids[chunk.start:chunk.start + n]
+            else:  # a decode row's token, sampled by the previous iteration, still on the device
+                src[at] = self._carry_rows[request.request_id]
             positions[0, at:at + n] = chunk.start + np.arange(n)
             token_rows[at:at + n] = i
             page_table[i, :len(request.pages)] = request.pages
@@ -363,9 +388,10 @@ class ModelRunner:
             starts[i + 1:] = at
         md = RaggedMetadata(positions=positions, token_rows=token_rows, query_starts=starts,
                             seq_lens=seq_lens, page_table=page_table)
-        packed, carry, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md,
-                                                  self._sampling(chunks, b, seq_lens), carry,
-                                                  carry_index)
+        last, self.kv = self.fns.ragged(self.weights, self.kv, tokens, src, *self._carries, md)
+        packed, carry = self.fns.ragged_head(self.weights, last,
+                                             self._sampling(chunks, b, seq_lens[:b]), carry,
+                                             carry_index, rows=b)
         return PrefillCall(chunks, packed), carry
 
     def _metadata(self, chunks: list[ScheduledChunk], b: int, c: int):
@@ -408,8 +434,10 @@ class ModelRunner:
         start = time.perf_counter()
         shapes = [("decode", b, 1, k) for b in self.row_buckets
                   for k in sorted({1, self.config.decode_steps})]
-        if self.ragged:
+        if self.ragged:  # the model per token bucket, the head per row bucket
             shapes += [("ragged", 1, t, 1) for t in self.token_buckets]
+            shapes += [("ragged", b, self.token_buckets[0], 1)
+                       for b in self.prefill_row_buckets[1:]]
         else:
             shapes += [("prefill", b, c, 1) for b, c in self._prefill_buckets()]
         if self.config.enable_prompt_logprobs:  # one row: see core.buckets.prefill_calls
@@ -437,7 +465,7 @@ class ModelRunner:
 
     def _warm(self, kind: str, b: int, c: int, steps: int) -> None:
         if kind == "ragged":  # a call of c tokens and no rows: every token padding
-            self._dispatch_ragged([], [], c, self._zeros)
+            self._dispatch_ragged([], [], c, self._zeros, rows=b)
             return
         md = AttentionMetadata(positions=np.zeros((b, c), np.int32), query_lens=np.zeros((b,), np.int32),
                                seq_lens=np.zeros((b,), np.int32),

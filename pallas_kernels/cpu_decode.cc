@@ -151,6 +151,19 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, Rows q, Pool k, Pool v, Table p
 
 }  // namespace
 
+namespace jaxserve_cpu {
+
+void decode_query(const float* q, const float* k, const float* v, const int32_t* table,
+                  int32_t seq_len, float* out, int64_t heads, int64_t head_dim, int64_t pages,
+                  int64_t page_size, int64_t kv_heads, int64_t pages_per_seq, float scale,
+                  std::vector<float>& scores) {
+  const Problem p{q, k, v, table, &seq_len, out, 1, heads, head_dim, pages, page_size,
+                  kv_heads, pages_per_seq, scale};
+  attend(p, 0, 0, kv_heads, scores);
+}
+
+}  // namespace jaxserve_cpu
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -289,6 +289,16 @@ inline void add_weighted4x2(float* oa, float* ob, const float* wa, const float* 
   add_weighted4(ob + d, wb, v0 + d, v1 + d, v2 + d, v3 + d, n - d);
 }
 
+// One decode query: all heads of a token at the end of its sequence (seq_len keys, the last its
+// own) against the sequence's pages, as the decode kernel computes a slot (cpu_decode.cc). The
+// ragged prefill kernel runs its one-token rows through it, so a decode row packed among prompt
+// chunks is the decode step's, to its bits and its reads.
+//   q, out [heads, head_dim]; table the sequence's page_table row of pages_per_seq entries
+void decode_query(const float* q, const float* k, const float* v, const int32_t* table,
+                  int32_t seq_len, float* out, int64_t heads, int64_t head_dim, int64_t pages,
+                  int64_t page_size, int64_t kv_heads, int64_t pages_per_seq, float scale,
+                  std::vector<float>& scores);
+
 // Work items 0 .. total-1, taken in order by the calling thread and by tasks on XLA's pool, each
 // with its own scratch vector. A task that starts after the items ran out returns at once; the
 // caller waits only for items taken, so it never waits on a task the pool has not started.

@@ -25,7 +25,8 @@
 //   positions  [T] int32
 //   query_starts [B + 1] int32   nondecreasing, query_starts[B] <= T
 //   out        [T, H, D]         tokens past query_starts[B] (padding) give zeros
-// Each query is computed as in the padded form, to the same bits.
+// Each query is computed as in the padded form, to the same bits; a row of one query at its
+// sequence's end (a decode row in a mixed call) runs as the decode kernel's slot.
 
 #include <algorithm>
 #include <cstdint>
@@ -185,21 +186,37 @@ ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, Pool k,
   }
   const int64_t used = starts[p.rows], width = p.heads * p.head_dim;
   std::fill(p.out + used * width, p.out + tokens * width, 0.f);  // the call's padding tokens
-  // items: (row, block of queries), each row's last and longest block first, then KV head
-  std::vector<std::pair<int32_t, int32_t>> blocks;
+  // items: (row, block of queries, KV head), each row's last and longest block first; a row of
+  // one query at its sequence's end (a decode row) is one item, the decode kernel's slot
+  struct Item {
+    int32_t row, c0, kv;  // kv -1: a decode row, all KV heads
+  };
+  std::vector<Item> items;
   for (int64_t b = 0; b < p.rows; ++b) {
-    for (int64_t c0 = (starts[b + 1] - starts[b] - 1) / kQueries * kQueries; c0 >= 0;
-         c0 -= kQueries) {
-      blocks.emplace_back(static_cast<int32_t>(b), static_cast<int32_t>(c0));
+    const int32_t row = static_cast<int32_t>(b), count = starts[b + 1] - starts[b];
+    if (count == 1 && p.positions[starts[b]] == p.seq_lens[b] - 1) {
+      items.push_back({row, 0, -1});
+      continue;
+    }
+    for (int32_t c0 = (count - 1) / kQueries * kQueries; c0 >= 0; c0 -= kQueries) {
+      for (int32_t kv = 0; kv < p.kv_heads; ++kv) items.push_back({row, c0, kv});
     }
   }
-  const int64_t items = static_cast<int64_t>(blocks.size()) * p.kv_heads;
-  parallel_items(pool, items,
-                 [p, blocks = std::move(blocks), starts](int64_t i,
-                                                         std::vector<float>& scores) {
-                   const auto [row, c0] = blocks[i / p.kv_heads];
-                   attend(p, row, starts[row], starts[row + 1] - starts[row], i % p.kv_heads,
-                          c0, scores);
+  const int64_t total = static_cast<int64_t>(items.size());
+  parallel_items(pool, total,
+                 [p, items = std::move(items), starts](int64_t i, std::vector<float>& scores) {
+                   const Item item = items[i];
+                   if (item.kv < 0) {
+                     const int64_t at = starts[item.row] * p.heads * p.head_dim;
+                     decode_query(p.q + at, p.k, p.v,
+                                  p.page_table + item.row * p.pages_per_seq,
+                                  p.seq_lens[item.row], p.out + at, p.heads, p.head_dim,
+                                  p.pages, p.page_size, p.kv_heads, p.pages_per_seq, p.scale,
+                                  scores);
+                     return;
+                   }
+                   attend(p, item.row, starts[item.row], starts[item.row + 1] - starts[item.row],
+                          item.kv, item.c0, scores);
                  });
   return ffi::Error::Success();
 }

@@ -145,6 +145,51 @@ def test_the_engines_ragged_prefill_gives_the_padded_calls_outputs(tmp_path):
     assert run(True) == run(False)
 
 
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_decode_rows_in_mixed_calls_give_the_separate_calls_outputs(tmp_path, batching):
+    # an iteration that decodes and prefills runs its decode rows inside the ragged call (one
+    # pass over the weights), or as a decode step of their own: the same ids and logprobs,
+    # greedy and seeded sampling alike; a static batch's finished rows pad the mixed call
+    config = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
+    config |= dict(hidden_size=96, intermediate_size=160, num_attention_heads=3,
+                   num_key_value_heads=1, head_dim=32, vocab_size=300)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(9)
+    prompts = [{"prompt_token_ids": rng.integers(3, 300, int(n)).tolist()}
+               for n in rng.integers(2, 120, 14)]
+    params = [SamplingParams(max_tokens=int(m), temperature=0.0 if i % 3 else 0.8, seed=i,
+                             ignore_eos=True, logprobs=2,
+                             prompt_logprobs=1 if i == 5 else None)
+              for i, m in enumerate(rng.integers(2, 30, 14))]
+
+    def run(mixed):
+        llm = LLM(tmp_path, load_format="dummy", max_num_seqs=6, max_num_batched_tokens=64,
+                  prefill_chunk_sizes=(16, 64), page_size=16, num_pages=200, batching=batching)
+        runner = llm.engine.runner
+        runner.mixed_calls = mixed
+        calls = {"decode": 0, "ragged": 0}
+        for kind in calls:
+            fn = getattr(runner, f"_dispatch_{kind}")
+
+            def counted(*args, kind=kind, fn=fn, **kwargs):
+                calls[kind] += 1
+                return fn(*args, **kwargs)
+            setattr(runner, f"_dispatch_{kind}", counted)
+        outs = llm.generate(prompts, params)
+        assert llm.stats()["num_compilations_after_warmup"] == 0
+        return calls, [(o.outputs[0].token_ids,
+                        [[(t, lp.logprob) for t, lp in s.items()] for s in o.outputs[0].logprobs],
+                        o.prompt_logprobs and [s and sorted(s.items()) for s in o.prompt_logprobs])
+                       for o in outs]
+
+    mixed_calls, mixed = run(True)
+    separate_calls, separate = run(False)
+    assert mixed == separate
+    # the mixed iterations ran no decode step of their own
+    assert mixed_calls["ragged"] == separate_calls["ragged"]
+    assert mixed_calls["decode"] < separate_calls["decode"]
+
+
 def test_ragged_prefill_needs_the_cpu_attention(tmp_path):
     config = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config))

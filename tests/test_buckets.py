@@ -14,7 +14,6 @@ from jaxserve.core.buckets import (
     prefill_groups,
     prefill_row_buckets,
     ragged_calls,
-    ragged_rows,
     ragged_token_buckets,
 )
 
@@ -117,16 +116,15 @@ def test_ragged_token_buckets_follow_the_chunk_buckets_up_to_the_budget():
 
 def test_ragged_calls_pack_rows_in_order_into_the_smallest_bucket_that_holds_them():
     sizes = ragged_token_buckets((32, 48, 64, 96, 128, 192, 256), 1024)
-    assert ragged_rows(32) == 2 and ragged_rows(16) == 1 and ragged_rows(1024) == 16
-    assert ragged_calls([100, 200, 300, 424], sizes) == [([0, 1, 2, 3], 1024)]
-    assert ragged_calls([40], sizes) == [([0], 48)]
-    # 4 rows need a bucket of 4 rows: 64 tokens, though 40 would fit 48
-    assert ragged_calls([10, 10, 10, 10], sizes) == [([0, 1, 2, 3], 64)]
-    # at most 16 rows a call
-    calls = ragged_calls([3] * 20, sizes)
-    assert calls == [(list(range(16)), 256), ([16, 17, 18, 19], 64)]
-    for group, t in calls:
-        assert ragged_rows(t) >= len(group)
-    assert ragged_calls([], sizes) == []
+    assert ragged_calls([100, 200, 300, 424], sizes, 16) == [([0, 1, 2, 3], 1024)]
+    assert ragged_calls([40], sizes, 16) == [([0], 48)]
+    assert ragged_calls([10, 10, 10, 10], sizes, 16) == [([0, 1, 2, 3], 48)]
+    # decode rows (one token each) among prompt chunks; at most max_rows rows a call
+    assert ragged_calls([1] * 20 + [30], sizes, 32) == [(list(range(21)), 64)]
+    calls = ragged_calls([3] * 20, sizes, 16)
+    assert calls == [(list(range(16)), 48), ([16, 17, 18, 19], 32)]
+    # and at most the largest bucket's tokens
+    assert ragged_calls([600, 600], sizes, 16) == [([0], 640), ([1], 640)]
+    assert ragged_calls([], sizes, 16) == []
     with pytest.raises(ValueError, match="exceeds the largest ragged bucket 1024"):
-        ragged_calls([1025], sizes)
+        ragged_calls([1025], sizes, 16)

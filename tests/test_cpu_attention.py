@@ -212,6 +212,40 @@ def test_cpu_ragged_prefill_gives_the_padded_kernels_bits(kv_heads, group, head_
     assert (got[len(take):] == 0).all()
 
 
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(2, 1, 16), (4, 2, 64), (1, 3, 12)])
+def test_decode_rows_in_a_ragged_call_give_the_decode_kernels_bits(kv_heads, group, head_dim):
+    # a mixed call: one-token rows at their sequences' ends (decode rows, run as the decode
+    # kernel's slots) among prompt chunks; a one-token row short of its end is a query of the
+    # prefill path and still sees only the keys before it
+    rng = np.random.default_rng(kv_heads * 10 + head_dim)
+    page_size, pages_per_seq, rows = 4, 16, 6
+    _, k, v, table = _case(rng, rows, kv_heads, group, head_dim, page_size, pages_per_seq,
+                           rows * pages_per_seq + 1)
+    query_lens = [1, 20, 1, 1, 7, 1]
+    seq_lens = np.array([33, 20, 1, 50, 30, 12], np.int32)
+    ends = [True, True, True, True, True, False]  # the last row's query sits at position 5
+    positions = [np.arange(n) + s - n if e else np.array([5])
+                 for n, s, e in zip(query_lens, seq_lens, ends, strict=True)]
+    tokens = 40
+    q = jnp.asarray(rng.standard_normal((tokens, kv_heads * group, head_dim)), jnp.float32)
+    starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    flat = np.zeros(tokens, np.int32)
+    flat[:starts[-1]] = np.concatenate(positions)
+    got = np.asarray(prefill_attention_cpu_ragged(q, k, v, table, jnp.asarray(flat),
+                                                  jnp.asarray(starts), jnp.asarray(seq_lens),
+                                                  0.3))
+    decode_rows = [b for b, n in enumerate(query_lens) if n == 1 and ends[b]]
+    at = starts[decode_rows]
+    decode = np.asarray(decode_attention_cpu(q[at], k, v, table[np.array(decode_rows)],
+                                             jnp.asarray(seq_lens[decode_rows]), 0.3))
+    assert (got[at] == decode).all()
+    ref = np.asarray(prefill_attention_ref(
+        q[starts[5]][None, None], k, v, table[5:6], jnp.array([[5]], jnp.int32),
+        jnp.array([12], jnp.int32), 0.3))
+    np.testing.assert_allclose(got[starts[5]], ref[0, 0], rtol=1e-5, atol=1e-5)
+    assert (got[starts[-1]:] == 0).all()
+
+
 def test_cpu_ragged_prefill_rejects_bad_starts():
     rng = np.random.default_rng(4)
     q, k, v, table = _case(rng, 2, 2, 2, 16, 4, 4, 12)

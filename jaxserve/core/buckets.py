@@ -81,10 +81,6 @@ def prefill_calls(lengths: list[int], alone: list[bool], row_buckets: tuple[int,
 
 # -- ragged prefill: an iteration's prompt chunks packed into one row of tokens -----------------
 
-RAGGED_TOKENS_PER_ROW = 16  # a ragged call of T tokens holds up to T // 16 rows ...
-RAGGED_MAX_ROWS = 16  # ... and at most this many: each row's last token is sampled
-
-
 def ragged_token_buckets(chunk_buckets: tuple[int, ...], budget: int) -> tuple[int, ...]:
     """Token counts a ragged prefill call pads to: the chunk buckets below the token budget,
     then steps of 1.25x (multiples of 16) up to the budget. A call packs its rows with no
@@ -98,15 +94,10 @@ def ragged_token_buckets(chunk_buckets: tuple[int, ...], budget: int) -> tuple[i
     return tuple(sizes)
 
 
-def ragged_rows(tokens: int) -> int:
-    """The rows a ragged call of `tokens` (a bucket) is compiled for."""
-    return max(1, min(RAGGED_MAX_ROWS, tokens // RAGGED_TOKENS_PER_ROW))
-
-
-def ragged_calls(lengths: list[int], token_buckets: tuple[int, ...]) -> list[tuple[list[int], int]]:
+def ragged_calls(lengths: list[int], token_buckets: tuple[int, ...],
+                 max_rows: int) -> list[tuple[list[int], int]]:
     """An iteration's ragged prefill calls: (indices into `lengths`, in order; the call's token
-    bucket), as few calls as the rows each bucket holds allow."""
-    max_rows = ragged_rows(token_buckets[-1])
+    bucket), as few as the largest bucket and `max_rows` rows a call allow."""
     calls, start = [], 0
     while start < len(lengths):
         end, total = start, 0
@@ -117,8 +108,7 @@ def ragged_calls(lengths: list[int], token_buckets: tuple[int, ...]) -> list[tup
         if end == start:
             raise ValueError(f"a prompt chunk of {lengths[start]} tokens exceeds the largest "
                              f"ragged bucket {token_buckets[-1]}")
-        rows = end - start
-        size = next(t for t in token_buckets if t >= total and ragged_rows(t) >= rows)
+        size = next(t for t in token_buckets if t >= total)
         calls.append((list(range(start, end)), size))
         start = end
     return calls

@@ -14,6 +14,11 @@ dispatching the step that consumes it:
 
 An iteration may run several prefill calls (rows of similar chunk length together): each writes
 its rows' tokens into the prefill carry it is given, at `carry_index[b]` (M drops a padding row).
+
+A ragged call (CPU attention) is two: `ragged` runs the model over T packed tokens, prompt chunks
+and decode rows alike, and gathers each row's last hidden state ([M, hidden]: its metadata has M
+rows whatever the call holds); `ragged_head` samples the first B of them. Compiled shapes: one per
+token bucket plus one per row bucket, where one function would need every pair.
 """
 
 from collections.abc import Callable
@@ -31,7 +36,7 @@ from jaxserve.model.sampler import SamplingMetadata, sample, token_logprobs
 @dataclass(frozen=True)
 class StepFns:
     # (weights, kv, tokens [B, C], md, sm, carry [M], carry_index [B]) -> (packed [B, W],
-    #   carry [M], kv); or a ragged call: tokens [1, T], md a RaggedMetadata of B rows
+    #   carry [M], kv)
     prefill: Callable
     # (weights, kv, tokens [B, C], md, sm, carry, carry_index, targets [B, C])
     #   -> (packed, prompt [B, C, W-1], carry, kv)
@@ -39,6 +44,12 @@ class StepFns:
     # (weights, kv, host_tokens [B], src [B], carry0 [M], carry1 [M], md, sm, steps)
     #   -> (packed [steps, B, W], next_tokens [M], kv)
     decode: Callable
+    # (weights, kv, host_tokens [1, T], src [T], carry0 [M], carry1 [M], md: RaggedMetadata of
+    #   M rows) -> (last [M, hidden]: each row's last token's hidden state, kv)
+    ragged: Callable
+    # (weights, last [M, hidden], sm [B], carry [M], carry_index [B], rows=B)
+    #   -> (packed [B, W], carry [M])
+    ragged_head: Callable
 
 
 def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, matmul_impl: str,
@@ -53,15 +64,12 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, ma
         leaves, rope = weights
         return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves)), rope
 
-    def chunk_forward(weights, kv: KVCache, tokens, md: AttentionMetadata | RaggedMetadata,
+    def chunk_forward(weights, kv: KVCache, tokens, md: AttentionMetadata,
                       sm: SamplingMetadata):
         model, rope = merge(weights)
         hidden, kv = model(tokens, kv, md, attention_impl, matmul_impl, rope)
-        if isinstance(md, RaggedMetadata):  # hidden [1, T, hidden]: each row's last token
-            h = hidden[0, jnp.maximum(md.query_starts[1:] - 1, 0)]  # [B, hidden]
-        else:
-            last = jnp.maximum(md.query_lens - 1, 0)
-            h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
+        last = jnp.maximum(md.query_lens - 1, 0)
+        h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
         packed = sample(model.logits(h, matmul_impl), sm, num_top, matmul_impl)
         return model, hidden, packed, kv
 
@@ -94,8 +102,22 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, ma
                                                 length=steps)
         return packed, pad(last), kv
 
+    def ragged(weights, kv, host_tokens, src, carry0, carry1, md: RaggedMetadata):
+        carries = jnp.concatenate([carry0, carry1])
+        tokens = jnp.where(src >= 0, carries[jnp.maximum(src, 0)], host_tokens[0])[None]
+        model, rope = merge(weights)
+        hidden, kv = model(tokens, kv, md, attention_impl, matmul_impl, rope)  # [1, T, hidden]
+        return hidden[0, jnp.maximum(md.query_starts[1:] - 1, 0)], kv
+
+    def ragged_head(weights, last, sm, carry, carry_index, rows):
+        model, _ = merge(weights)
+        packed = sample(model.logits(last[:rows], matmul_impl), sm, num_top, matmul_impl)
+        return packed, carry.at[carry_index].set(packed[:, 0], mode="drop")
+
     return StepFns(
         prefill=jax.jit(prefill, donate_argnums=(1,)),
         prefill_with_prompt_logprobs=jax.jit(prefill_with_prompt_logprobs, donate_argnums=(1,)),
         decode=jax.jit(decode, donate_argnums=(1,), static_argnames=("steps",)),
+        ragged=jax.jit(ragged, donate_argnums=(1,)),
+        ragged_head=jax.jit(ragged_head, static_argnames=("rows",)),
     )
