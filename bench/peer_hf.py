@@ -22,6 +22,7 @@ machine's measured float32 matmul rate). The workload is the engine issue's (pro
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -86,16 +87,23 @@ def make_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def run_jaxserve(model: Path, samples: list[Sample], options: dict) -> dict:
+def load_jaxserve(model: Path, options: dict):
     from jaxserve import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(model, **options)
     print(f"jaxserve: load + compile {time.perf_counter() - start:.1f} s", flush=True)
+    llm.generate([{"prompt_token_ids": list(range(3, 40))}] * 8,
+                 [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 8)
+    return llm
+
+
+def run_jaxserve(llm, samples: list[Sample], options: dict) -> dict:
+    from jaxserve import SamplingParams
+
     params = [SamplingParams(max_tokens=s.output_len, temperature=0.0, ignore_eos=True)
               for s in samples]
     prompts = [s.engine_prompt for s in samples]
-    llm.generate(prompts[:8], [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 8)
     with iteration_times(llm.engine) as times:
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -109,6 +117,26 @@ def run_jaxserve(model: Path, samples: list[Sample], options: dict) -> dict:
                f"{llm.engine.runner.attention_impl} attention, {llm.engine.runner.matmul_impl} "
                "matmul")
     return _row("jaxserve", setting, elapsed, ids)
+
+
+def paired_rounds(llms: list, hf, samples: list[Sample], options: list[dict], budget: int,
+                  rounds: int) -> list[dict]:
+    """Rounds of jaxserve's settings and transformers' continuous batching at `budget` one
+    after the other, each round's ratio from its own runs: the machine's speed drifts between
+    minutes, and a ratio of runs minutes apart carries that drift."""
+    out = []
+    for r in range(rounds):
+        ours = [run_jaxserve(llm, samples, o) for llm, o in zip(llms, options, strict=True)]
+        peer = run_hf_cb(hf, samples, budget)
+        best = max(x["output_tokens_per_s"] for x in ours)
+        out.append({"round": r + 1, "jaxserve_tokens_per_s": best,
+                    "peer_tokens_per_s": peer["output_tokens_per_s"],
+                    "ratio": best / peer["output_tokens_per_s"],
+                    "identical": sum(a == b for a, b in zip(ours[0]["token_ids"],
+                                                            peer["token_ids"], strict=True))})
+        print(f"round {r + 1}: jaxserve / hf-cb {budget} tok/step = {out[-1]['ratio']:.2f}x",
+              flush=True)
+    return out
 
 
 @contextlib.contextmanager
@@ -242,9 +270,15 @@ def main() -> None:
     parser.add_argument("--matmul-impl", nargs="+", default=["auto"],
                         help="jaxserve, one run each with every --attention-impl (auto xla: the "
                              "CPU's batch-invariant kernel beside XLA's dot)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="after the sweep, rounds-1 more rounds of every jaxserve run "
+                             "and hf-cb at its best budget, back to back: each round's ratio "
+                             "from its own runs, and their median")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
 
     import torch
 
@@ -265,19 +299,25 @@ def main() -> None:
                        prefill_chunk_sizes=tuple(args.prefill_chunk_sizes),
                        row_buckets=tuple(args.row_buckets or row_buckets_x15(args.max_num_seqs)),
                        decode_steps=args.decode_steps, enable_prompt_logprobs=False)
-        rows = [run_jaxserve(model, samples, options | {"attention_impl": attention,
-                                                        "matmul_impl": matmul})
-                for attention in args.attention_impl for matmul in args.matmul_impl]
+        settings = [options | {"attention_impl": attention, "matmul_impl": matmul}
+                    for attention in args.attention_impl for matmul in args.matmul_impl]
+        llms = [load_jaxserve(model, o) for o in settings]
+        rows = [run_jaxserve(llm, samples, o) for llm, o in zip(llms, settings, strict=True)]
         hf = _hf_model(model)
         rows += [run_hf_static(hf, samples, b) for b in args.static_batch]
         rows += [run_hf_cb(hf, samples, b) for b in args.budgets]
+        rounds = []
+        if args.rounds > 1 and args.budgets:  # the peer at its best budget of the sweep
+            budget = max((r for r in rows if r["name"] == "hf-cb"),
+                         key=lambda r: r["output_tokens_per_s"])["setting"].split()[0]
+            rounds = paired_rounds(llms, hf, samples, settings, int(budget), args.rounds - 1)
     rate = measure_matmul_flops()
     flops = workload_flops(cfg, [s.prompt_len for s in samples], [s.output_len for s in samples])
     floor_s = flops / rate
     ours = rows[0]
     summary = {"model_params": cfg.num_params, "num_requests": len(samples),
                "workload_flops": flops, "matmul_flops_per_s": rate, "floor_s": floor_s,
-               "ratios": ratios(rows),
+               "ratios": ratios(rows), "rounds": rounds,
                "agreement": {f"{r['name']} {r['setting']}": agreement(ours["token_ids"],
                                                                       r["token_ids"])
                              for r in rows[1:]},
@@ -291,6 +331,13 @@ def main() -> None:
     for name, r in summary["ratios"].items():
         print(f"jaxserve / {name} (best: {r['best_setting']}, {r['peer_tokens_per_s']:.1f} "
               f"tok/s): {r['ratio']:.2f}x")
+    if rounds:
+        paired = [ratios(rows)["hf-cb"]["ratio"]] + [r["ratio"] for r in rounds]
+        summary["paired_ratios"] = paired
+        summary["median_paired_ratio"] = statistics.median(paired)
+        print(f"jaxserve / hf-cb, round by round: "
+              f"{', '.join(f'{x:.2f}x' for x in paired)}; median "
+              f"{summary['median_paired_ratio']:.2f}x")
     for name, a in summary["agreement"].items():
         print(f"greedy ids, jaxserve vs {name}: {a['identical']}/{a['total']} identical, "
               f"{100 * a['mean_prefix_fraction']:.1f}% of tokens before a first difference")

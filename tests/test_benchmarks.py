@@ -229,6 +229,23 @@ def test_peer_pure_parts():
 
 
 
+def test_peer_rounds_pair_each_rounds_runs(monkeypatch):
+    peer = _load(ROOT / "bench" / "peer_hf.py")
+    speeds = iter([600.0, 500.0, 100.0,  # round 1: two jaxserve settings, then the peer
+                   300.0, 400.0, 100.0])  # round 2: the machine slower for jaxserve
+    ids = [[1, 2], [3]]
+
+    def fake(*_):
+        return {"output_tokens_per_s": next(speeds), "token_ids": ids}
+
+    monkeypatch.setattr(peer, "run_jaxserve", fake)
+    monkeypatch.setattr(peer, "run_hf_cb", fake)
+    rounds = peer.paired_rounds(["a", "b"], None, [], [{}, {}], 512, 2)
+    assert [r["ratio"] for r in rounds] == [6.0, 4.0]
+    assert [r["jaxserve_tokens_per_s"] for r in rounds] == [600.0, 400.0]
+    assert all(r["identical"] == 2 for r in rounds)
+
+
 def test_peer_iteration_times_charge_each_step_to_the_iteration_before():
     peer = _load(ROOT / "bench" / "peer_hf.py")
 
