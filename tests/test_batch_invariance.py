@@ -117,13 +117,27 @@ def test_a_ragged_calls_logits_are_the_padded_calls(model, lengths, row, tokens)
     assert (got == alone).all(), f"max difference {np.abs(got - alone).max()}"
 
 
-def test_the_engines_ragged_prefill_gives_the_padded_calls_outputs(tmp_path):
-    # prompt chunks packed into ragged calls, or padded into calls grouped by length: the same
-    # greedy ids and logprobs, some requests asking for prompt logprobs (those run alone)
+def _small_model(path):
+    """A tiny Llama directory for engine runs (dummy weights)."""
     config = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
     config |= dict(hidden_size=96, intermediate_size=160, num_attention_heads=3,
                    num_key_value_heads=1, head_dim=32, vocab_size=300)
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _outputs(outs):
+    """Each request's ids, logprobs and prompt logprobs, for comparing runs."""
+    return [(o.outputs[0].token_ids,
+             [[(t, lp.logprob) for t, lp in s.items()] for s in o.outputs[0].logprobs],
+             o.prompt_logprobs and [s and sorted(s.items()) for s in o.prompt_logprobs])
+            for o in outs]
+
+
+def test_the_engines_ragged_prefill_gives_the_padded_calls_outputs(tmp_path):
+    # prompt chunks packed into ragged calls, or padded into calls grouped by length: the same
+    # greedy ids and logprobs, some requests asking for prompt logprobs (those run alone)
+    _small_model(tmp_path)
     rng = np.random.default_rng(8)
     prompts = [{"prompt_token_ids": rng.integers(3, 300, int(n)).tolist()}
                for n in rng.integers(2, 150, 12)]
@@ -137,10 +151,7 @@ def test_the_engines_ragged_prefill_gives_the_padded_calls_outputs(tmp_path):
         assert llm.engine.runner.ragged is ragged
         outs = llm.generate(prompts, params)
         assert llm.stats()["num_compilations_after_warmup"] == 0
-        return [(o.outputs[0].token_ids,
-                 [[(t, lp.logprob) for t, lp in s.items()] for s in o.outputs[0].logprobs],
-                 o.prompt_logprobs and [s and sorted(s.items()) for s in o.prompt_logprobs])
-                for o in outs]
+        return _outputs(outs)
 
     assert run(True) == run(False)
 
@@ -150,10 +161,7 @@ def test_decode_rows_in_mixed_calls_give_the_separate_calls_outputs(tmp_path, ba
     # an iteration that decodes and prefills runs its decode rows inside the ragged call (one
     # pass over the weights), or as a decode step of their own: the same ids and logprobs,
     # greedy and seeded sampling alike; a static batch's finished rows pad the mixed call
-    config = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
-    config |= dict(hidden_size=96, intermediate_size=160, num_attention_heads=3,
-                   num_key_value_heads=1, head_dim=32, vocab_size=300)
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    _small_model(tmp_path)
     rng = np.random.default_rng(9)
     prompts = [{"prompt_token_ids": rng.integers(3, 300, int(n)).tolist()}
                for n in rng.integers(2, 120, 14)]
@@ -177,10 +185,7 @@ def test_decode_rows_in_mixed_calls_give_the_separate_calls_outputs(tmp_path, ba
             setattr(runner, f"_dispatch_{kind}", counted)
         outs = llm.generate(prompts, params)
         assert llm.stats()["num_compilations_after_warmup"] == 0
-        return calls, [(o.outputs[0].token_ids,
-                        [[(t, lp.logprob) for t, lp in s.items()] for s in o.outputs[0].logprobs],
-                        o.prompt_logprobs and [s and sorted(s.items()) for s in o.prompt_logprobs])
-                       for o in outs]
+        return calls, _outputs(outs)
 
     mixed_calls, mixed = run(True)
     separate_calls, separate = run(False)
@@ -231,10 +236,7 @@ def test_a_long_prompts_keys_do_not_depend_on_the_batch():
 
 def test_the_engines_logprobs_do_not_depend_on_the_batch(tmp_path):
     # prompts chunked by the budget, every row asking for sampled and prompt logprobs
-    config = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
-    config |= dict(hidden_size=96, intermediate_size=160, num_attention_heads=3,
-                   num_key_value_heads=1, head_dim=32, vocab_size=300)
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    _small_model(tmp_path)
     llm = LLM(tmp_path, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=256,
               prefill_chunk_sizes=(64, 256), page_size=16, num_pages=200)
     assert (llm.engine.runner.matmul_impl, llm.engine.runner.attention_impl) == ("cpu", "cpu")
