@@ -4,9 +4,11 @@
     python bench/cpu_kernels.py --quick    # tiny shapes, seconds (the tests run this)
     python bench/cpu_kernels.py --parts decode --baseline HEAD~1   # a change against before
     python bench/cpu_kernels.py --parts prefill --baseline HEAD~1
+    python bench/cpu_kernels.py --parts matmul --baseline HEAD~1
 
     matmul   the peer model's 57 linear layers in a chain (8 layers + LM head), x of M rows:
-             XLA's dot against pallas_kernels/cpu_matmul.cc, ms and GFLOP/s per M
+             XLA's dot against pallas_kernels/cpu_matmul.cc, ms and GFLOP/s per M (with
+             --baseline REV, the packed kernel as at REV too, alternating)
     prefill  one layer's paged attention for prompt chunks: the plain-XLA block walk
              (attention_impl="reference") against cpu_prefill.cc (and, with --baseline REV, the
              kernel as at REV, alternating)
@@ -57,7 +59,7 @@ def linear_shapes(hidden: int, kv: int, inter: int, layers: int, vocab: int):
     return per_layer * layers + [(hidden, vocab)]
 
 
-def matmul_rows(shapes, ms, runs: int, rng) -> list[dict]:
+def matmul_rows(shapes, ms, runs: int, rng, baseline: str | None = None) -> list[dict]:
     ws = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.05) for s in shapes]
 
     def chain(mm):
@@ -75,6 +77,11 @@ def matmul_rows(shapes, ms, runs: int, rng) -> list[dict]:
     kinds = {"xla": chain(lambda a, b: a @ b), "cpu": chain(matmul_cpu),
              "panels": chain(lambda a, p: matmul_cpu_panels(a, p, p.shape[0] * PANEL))}
     operands = {"xla": ws, "cpu": ws, "panels": panels}
+    if baseline is not None:
+        kinds["baseline"] = chain(lambda a, p: matmul_cpu_panels(a, p, p.shape[0] * PANEL,
+                                                                 baseline))
+        # a copy: a kind run just after another on the same arrays finds them in cache
+        operands["baseline"] = [jnp.array(p, copy=True) for p in panels]
     rows = []
     for m in ms:
         x = jnp.asarray(rng.standard_normal((m, shapes[0][0]), np.float32))
@@ -185,8 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parts", nargs="+", default=["matmul", "prefill", "decode"],
                         choices=["matmul", "prefill", "decode"])
     parser.add_argument("--baseline", metavar="REV",
-                        help="decode and prefill attention also as built from git revision "
-                             "REV, alternating")
+                        help="the kernels also as built from git revision REV (the packed "
+                             "matmul, prefill and decode attention), alternating")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     if args.quick:
@@ -204,16 +211,19 @@ def main(argv: list[str] | None = None) -> dict:
     out = {}
     print(f"jax {jax.__version__} on {jax.default_backend()}")
     baseline = None
-    if args.baseline and {"prefill", "decode"} & set(args.parts):
+    if args.baseline:
         baseline = register_baseline(args.baseline)
     if "matmul" in args.parts:
-        out["matmul"] = matmul_rows(shapes, ms, runs, rng)
+        out["matmul"] = matmul_rows(shapes, ms, runs, rng, baseline)
         print(f"\nmatmul: {len(shapes)} linear layers in a chain; ms (GFLOP/s)")
-        print(f"{'rows':>6} {'XLA dot':>18} {'cpu kernel':>18} {'cpu, packed w':>18}")
+        print(f"{'rows':>6} {'XLA dot':>18} {'cpu kernel':>18} {'cpu, packed w':>18}"
+              + (f" {'packed, as at ' + args.baseline:>22}" if baseline else ""))
         for r in out["matmul"]:
             print(f"{r['m']:>6} {r['xla_ms']:9.2f} ({r['xla_gflops']:5.0f}) "
                   f"{r['cpu_ms']:9.2f} ({r['cpu_gflops']:5.0f}) "
-                  f"{r['panels_ms']:9.2f} ({r['panels_gflops']:5.0f})")
+                  f"{r['panels_ms']:9.2f} ({r['panels_gflops']:5.0f})"
+                  + (f" {r['baseline_ms']:13.2f} ({r['baseline_gflops']:5.0f})"
+                     if baseline else ""))
     if "prefill" in args.parts:
         out["prefill"] = prefill_rows(cases, *attn, runs, rng, baseline)
         print(f"\nprefill attention, one layer ({attn[0]} heads, {attn[1]} KV heads of {attn[2]}); ms")

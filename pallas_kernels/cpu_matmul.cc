@@ -50,15 +50,22 @@ struct Problem {
   Layout layout;
 };
 
+// The next block of a panel, fetched into L2 by the tiles after a block's first (that one waits
+// for the block from memory; the others compute from L2): `step` bytes from `at` on per k.
+struct Ahead {
+  const char* at = nullptr;
+  int64_t step = 0;
+};
+
 // Rows [row, row + R) x columns [col, col + cols) of out (cols <= kNC) over k in [k0, k0 + kc);
 // w: row k0 of the panel, rows ldw floats apart.
 #if defined(__AVX512F__)
 // The accumulators are named registers, not an array: GCC keeps an array of 24 vectors in
 // memory and stores all of them on every step of k.
 #define JAXSERVE_ROWS(DO) DO(0) DO(1) DO(2) DO(3) DO(4) DO(5)
-template <int R>
+template <int R, bool kFetch>
 void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float* w, int64_t ldw,
-          int64_t k0, int64_t kc) {
+          int64_t k0, int64_t kc, Ahead next) {
   static_assert(kMR == 6 && kNC == 64, "the register tile is 6 rows x 4 vectors of 16");
   auto lane_mask = [cols](int v) {
     const int64_t left = std::clamp<int64_t>(cols - 16 * v, 0, 16);
@@ -82,6 +89,11 @@ void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float*
     // each row of the panel is in another 4 KiB page, where the hardware prefetcher stops
     const char* ahead = reinterpret_cast<const char*>(w + kAhead * ldw);
     for (int64_t b = 0; b < kNC * 4; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    if constexpr (kFetch) {
+      for (int64_t b = 0; b < next.step; b += 64) {
+        _mm_prefetch(next.at + k * next.step + b, _MM_HINT_T1);
+      }
+    }
     const __m512 w0 = _mm512_maskz_loadu_ps(m0, w), w1 = _mm512_maskz_loadu_ps(m1, w + 16);
     const __m512 w2 = _mm512_maskz_loadu_ps(m2, w + 32), w3 = _mm512_maskz_loadu_ps(m3, w + 48);
 #define JAXSERVE_FMA(r)                                                               \
@@ -110,9 +122,9 @@ void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float*
 #undef JAXSERVE_ROWS
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-template <int R>
+template <int R, bool kFetch>  // (no prefetch of the next block)
 void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float* w_k0,
-          int64_t ldw, int64_t k0, int64_t kc) {
+          int64_t ldw, int64_t k0, int64_t kc, Ahead) {
   constexpr int V = kNC / 8;  // 8 registers of 8: tiles of R <= 1 row use 8 + 1; rows loop
   __m256i mask[V];
   for (int v = 0; v < V; ++v) {
@@ -144,9 +156,9 @@ void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float*
   }
 }
 #else
-template <int R>
+template <int R, bool kFetch>
 void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float* w, int64_t ldw,
-          int64_t k0, int64_t kc) {
+          int64_t k0, int64_t kc, Ahead) {
   for (int r = 0; r < R; ++r) {
     float* c = p.out + (row + r) * p.n + col;
     const float* x = p.x + (row + r) * p.k;
@@ -159,15 +171,16 @@ void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float*
 }
 #endif
 
+template <bool kFetch>
 void tiles(const Problem& p, int64_t row, int64_t rows, int64_t col, int64_t cols,
-           const float* w, int64_t ldw, int64_t k0, int64_t kc) {
+           const float* w, int64_t ldw, int64_t k0, int64_t kc, Ahead next) {
   switch (rows) {
-    case 6: return tile<6>(p, row, col, cols, w, ldw, k0, kc);
-    case 5: return tile<5>(p, row, col, cols, w, ldw, k0, kc);
-    case 4: return tile<4>(p, row, col, cols, w, ldw, k0, kc);
-    case 3: return tile<3>(p, row, col, cols, w, ldw, k0, kc);
-    case 2: return tile<2>(p, row, col, cols, w, ldw, k0, kc);
-    default: return tile<1>(p, row, col, cols, w, ldw, k0, kc);
+    case 6: return tile<6, kFetch>(p, row, col, cols, w, ldw, k0, kc, next);
+    case 5: return tile<5, kFetch>(p, row, col, cols, w, ldw, k0, kc, next);
+    case 4: return tile<4, kFetch>(p, row, col, cols, w, ldw, k0, kc, next);
+    case 3: return tile<3, kFetch>(p, row, col, cols, w, ldw, k0, kc, next);
+    case 2: return tile<2, kFetch>(p, row, col, cols, w, ldw, k0, kc, next);
+    default: return tile<1, kFetch>(p, row, col, cols, w, ldw, k0, kc, next);
   }
 }
 
@@ -191,8 +204,26 @@ void block(const Problem& p, int64_t row_begin, int64_t row_end, int64_t col, in
       w = scratch.data();
       ldw = kNC;
     }
-    for (int64_t row = row_begin; row < row_end; row += kMR)
-      tiles(p, row, std::min(kMR, row_end - row), col, cols, w, ldw, k0, kc);
+    // Panels: a block's first tile waits for the block from memory and the others compute
+    // from L2; from three tiles on, the others fetch the panel's next block meanwhile, each
+    // an equal share, a few lines per k (measured: 6-12% off the chain at 16-1,024 rows).
+    const int64_t count = (row_end - row_begin + kMR - 1) / kMR;
+    const int64_t next_bytes = std::min(kKC, p.k - k0 - kc) * kNC * 4;
+    const bool fetch = p.layout == Layout::kPanels && next_bytes > 0 && count >= 3;
+    const int64_t lines = fetch ? (next_bytes / 64 + count - 2) / (count - 1) : 0;  // per tile
+    const int64_t step = (lines + kc - 1) / kc * 64;  // bytes per k
+    const char* next = reinterpret_cast<const char*>(w + kc * kNC);
+    for (int64_t i = 0, row = row_begin; row < row_end; ++i, row += kMR) {
+      const int64_t rows = std::min(kMR, row_end - row);
+      const int64_t offset = (i - 1) * lines * 64;
+      if (fetch && i > 0 && offset < next_bytes) {
+        // the last share stops at the block's end: k steps of `step` bytes, fewer of them
+        const Ahead ahead{next + offset, std::min(step, (next_bytes - offset) / kc / 64 * 64)};
+        tiles<true>(p, row, rows, col, cols, w, ldw, k0, kc, ahead);
+      } else {
+        tiles<false>(p, row, rows, col, cols, w, ldw, k0, kc, {});
+      }
+    }
   }
 }
 
