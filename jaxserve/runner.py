@@ -243,14 +243,14 @@ class ModelRunner:
         carries, carry_rows = [self._zeros, self._zeros], {}
         decode = [c for c in out.chunks if c.num_tokens == 1]
         prefill = [c for c in out.chunks if c.num_tokens > 1]
-        wants = [c.request.params.prompt_logprobs is not None for c in prefill]
-        packed = [c for c, w in zip(prefill, wants, strict=True) if not w] if self.ragged else []
+        alone = [c.request.params.prompt_logprobs is not None for c in prefill]
+        packed = [c for c, a in zip(prefill, alone, strict=True) if not a] if self.ragged else []
         # a mixed iteration's decode rows join its ragged call: one pass over the weights for
         # both (a static batch's finished rows stay in it as padding tokens)
-        pad = max(out.batch_rows - len(decode), 0)
-        mixed = bool(decode and packed and out.decode_steps == 1 and self.mixed_calls and
-                     len(decode) + pad + sum(c.num_tokens for c in packed)
-                     <= self.token_buckets[-1])
+        mixed_tokens = (max(len(decode), out.batch_rows)
+                        + sum(c.num_tokens for c in packed))
+        mixed = bool(decode and packed and out.decode_steps == 1 and self.mixed_calls
+                     and mixed_tokens <= self.token_buckets[-1])
         if decode and not mixed:
             flight.decode_chunks = decode
             flight.decode_packed, carries[0] = self._dispatch_decode(
@@ -258,13 +258,12 @@ class ModelRunner:
             carry_rows |= {c.request.request_id: i for i, c in enumerate(decode)}
         # the rows the iteration's other calls run, in order: row i's token goes to carry 1 [i]
         order = (decode if mixed else []) + prefill
-        wants = [False] * (len(order) - len(prefill)) + wants
+        alone = [False] * (len(order) - len(prefill)) + alone
         if self.ragged:  # chunks wanting prompt logprobs run alone, the rest packed
-            rest = [i for i, w in enumerate(wants) if not w]
-            calls = [[i] for i, w in enumerate(wants) if w]
+            rest = [i for i, a in enumerate(alone) if not a]
+            calls = [[i] for i, a in enumerate(alone) if a]
             if mixed:
-                need = len(decode) + pad + sum(c.num_tokens for c in packed)
-                ragged = [(rest, next(t for t in self.token_buckets if t >= need))]
+                ragged = [(rest, next(t for t in self.token_buckets if t >= mixed_tokens))]
             else:
                 ragged = [([rest[j] for j in group], tokens) for group, tokens in ragged_calls(
                     [order[i].num_tokens for i in rest], self.token_buckets, self.carry_size)]
@@ -273,7 +272,7 @@ class ModelRunner:
                                                          carries[1])
                 flight.prefills.append(call)
         else:
-            calls = prefill_calls([c.num_tokens for c in order], wants,
+            calls = prefill_calls([c.num_tokens for c in order], alone,
                                   self.prefill_row_buckets, self.chunk_buckets)
         for group in calls:
             call, carries[1] = self._dispatch_prefill([order[i] for i in group], group,
