@@ -332,7 +332,7 @@ def main() -> None:
         print(f"jaxserve / {name} (best: {r['best_setting']}, {r['peer_tokens_per_s']:.1f} "
               f"tok/s): {r['ratio']:.2f}x")
     if rounds:
-        paired = [ratios(rows)["hf-cb"]["ratio"]] + [r["ratio"] for r in rounds]
+        paired = [summary["ratios"]["hf-cb"]["ratio"]] + [r["ratio"] for r in rounds]
         summary["paired_ratios"] = paired
         summary["median_paired_ratio"] = statistics.median(paired)
         print(f"jaxserve / hf-cb, round by round: "
