@@ -314,16 +314,23 @@ class ModelRunner:
             logprobs = [_unpack(row[1:]) for row in rows]
         return Samples(tokens=rows[:, 0].tolist(), logprobs=logprobs)
 
+    @staticmethod
+    def _on_device(chunk: ScheduledChunk) -> bool:
+        """Whether a row's input token was sampled by the previous iteration and is still on
+        the device (only a decode row's can be: a prompt chunk's tokens are all known)."""
+        request = chunk.request
+        return chunk.start >= len(request.prompt_ids) + len(request.output_ids)
+
     def _dispatch_decode(self, chunks: list[ScheduledChunk], rows: int, steps: int):
         b = bucket(rows, self.row_buckets, "decode rows")
         host = np.zeros((b,), np.int32)
         src = np.full((b,), -1, np.int32)
         for i, chunk in enumerate(chunks):
             request = chunk.request
-            if chunk.start < len(request.prompt_ids) + len(request.output_ids):
-                host[i] = request.all_ids[chunk.start]
-            else:  # sampled by the previous iteration, still on the device
+            if self._on_device(chunk):
                 src[i] = self._carry_rows[request.request_id]
+            else:
+                host[i] = request.all_ids[chunk.start]
         md, sm = self._metadata(chunks, b, 1)
         packed, carry, self.kv = self.fns.decode(self.weights, self.kv, host, src, *self._carries,
                                                  md, sm, steps=steps)
@@ -374,11 +381,10 @@ class ModelRunner:
         at = 0
         for i, chunk in enumerate(chunks):
             n, request = chunk.num_tokens, chunk.request
-            known = len(request.prompt_ids) + len(request.output_ids) - chunk.start
-            if known >= n:
-                tokens[0, at:at + n] = request.all_ids[chunk.start:chunk.start + n]
-            else:  # a decode row's token, sampled by the previous iteration, still on the device
+            if self._on_device(chunk):  # a decode row
                 src[at] = self._carry_rows[request.request_id]
+            else:
+                tokens[0, at:at + n] = request.all_ids[chunk.start:chunk.start + n]
             positions[0, at:at + n] = chunk.start + np.arange(n)
             token_rows[at:at + n] = i
             page_table[i, :len(request.pages)] = request.pages
