@@ -149,7 +149,7 @@ def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
         "model": str(model), "model_path": str(engine.model_path), "backend": runner.backend,
         "device": getattr(device, "device_kind", str(device)),
         "num_pages": runner.num_pages, "max_model_len": runner.max_model_len,
-        "attention_impl": runner.attention_impl, "matmul_impl": runner.matmul_impl,
+        "attention_impl": runner.attention_impl, "matmul_impl": runner.matmul_name,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "engine": cost_settings(config),
     })

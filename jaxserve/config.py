@@ -72,7 +72,7 @@ AttentionImpl = Literal["auto", "pallas", "cpu", "reference"]
 _CHOICES = {
     "batching": ("static", "dynamic", "continuous"),
     "attention_impl": ("auto", "pallas", "cpu", "reference"),
-    "matmul_impl": ("auto", "cpu", "xla"),
+    "matmul_impl": ("auto", "cpu", "amx", "xla"),
     "dtype": ("auto", *SUPPORTED_DTYPES),
     "policy": ("fcfs", "priority", "sjf", "mlfq", "edf"),
     "load_format": ("auto", "dummy"),
@@ -95,6 +95,7 @@ class EngineConfig:
     kv_cache_bytes_cpu: int = 1 << 30
     attention_impl: str = "auto"
     matmul_impl: str = "auto"  # auto: the CPU's batch-invariant kernel for float32, else XLA's dot
+    # (amx: that kernel on AMX tiles in three bf16 passes, opt-in: not float32's bits)
     batching: str = "continuous"
     policy: str = "fcfs"
     window_ms: float = 0.0

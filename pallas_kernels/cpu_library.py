@@ -2,6 +2,7 @@
 
     cpu_decode.cc, cpu_prefill.cc   paged attention (wrapped by cpu_attention.py)
     cpu_matmul.cc                   the linear layers' matmul (wrapped by cpu_matmul.py)
+    cpu_amx.cc                      the same on AMX tiles in three bf16 passes (cpu_matmul.py)
     cpu_kernels.h                   what they share
 
 The kernels are compiled into one library on first use with the machine's C++ compiler ($CXX,
@@ -24,7 +25,8 @@ from pathlib import Path
 import jax
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_prefill.cc", _HERE / "cpu_matmul.cc")
+_SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_prefill.cc", _HERE / "cpu_matmul.cc",
+            _HERE / "cpu_amx.cc")
 _HEADERS = (_HERE / "cpu_kernels.h",)
 SOURCE_FILES = tuple(f.name for f in (*_SOURCES, *_HEADERS))  # what a build reads, by name
 # FFI target -> the library's symbol
@@ -36,6 +38,7 @@ TARGETS = {
     "jaxserve_cpu_matmul_transposed": "JaxserveCpuMatmulTransposed",
     "jaxserve_cpu_matmul_panels": "JaxserveCpuMatmulPanels",
     "jaxserve_cpu_row_sum_squares": "JaxserveCpuRowSumSquares",
+    "jaxserve_cpu_matmul_amx": "JaxserveCpuMatmulAmx",
 }
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
@@ -107,8 +110,10 @@ def register(path: Path, suffix: str = "") -> None:
 
 
 @functools.cache
-def _register() -> None:
-    register(build())
+def _register() -> ctypes.CDLL:
+    path = build()
+    register(path)
+    return ctypes.cdll.LoadLibrary(str(path))
 
 
 @functools.cache
@@ -119,6 +124,16 @@ def unavailable_reason() -> str | None:
     except (KernelUnavailable, OSError) as e:
         return str(e)
     return None
+
+
+@functools.cache
+def amx_ready() -> bool:
+    """Whether this machine runs the AMX matmul (cpu_amx.cc): the kernels built, for a CPU
+    with AMX-BF16, and the OS granted the process the tile state."""
+    if unavailable_reason() is not None:
+        return False
+    library = _register()
+    return hasattr(library, "JaxserveCpuAmxReady") and library.JaxserveCpuAmxReady() == 1
 
 
 def call(target: str, out: jax.ShapeDtypeStruct, *args, suffix: str = "", **attrs) -> jax.Array:

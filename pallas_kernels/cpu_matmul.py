@@ -67,6 +67,56 @@ def matmul_cpu_panels(
     return _call_on_rows("jaxserve_cpu_matmul_panels", x, panels, n, library)
 
 
+AMX_BLOCK = 16  # columns per block of pack_amx (cpu_amx.cc)
+AMX_K = 32  # k per tile product: K must be a multiple
+
+
+def amx_packable(w: jax.Array) -> bool:
+    """Whether `pack_amx` takes w [K, N]: K a multiple of AMX_K."""
+    return w.ndim == 2 and w.shape[0] % AMX_K == 0 and w.shape[0] > 0
+
+
+def pack_amx(w: jax.Array) -> jax.Array:  # [K, N] float32 -> [2, ceil(N / 16), K / 2, 32] bf16
+    """w's high and low bf16 parts (w = hi + lo to 2^-17) in the pair layout the AMX tile
+    product reads (cpu_amx.cc), columns in blocks of AMX_BLOCK, zero past N."""
+    if not amx_packable(w) or w.dtype != jnp.float32:
+        raise ValueError(f"pack_amx takes float32 [K, N] with K a multiple of {AMX_K}, got "
+                         f"{w.dtype}{list(w.shape)}")
+    k, n = w.shape
+    blocks = -(-n // AMX_BLOCK)
+    padded = jnp.pad(w, ((0, 0), (0, blocks * AMX_BLOCK - n)))
+    hi = padded.astype(jnp.bfloat16)
+    lo = (padded - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    def pairs(part):  # [K, blocks * 16] -> [blocks, K / 2, 32]: (w[2r, c], w[2r + 1, c]) per c
+        return (part.reshape(k // 2, 2, blocks, AMX_BLOCK).transpose(2, 0, 3, 1)
+                .reshape(blocks, k // 2, 2 * AMX_BLOCK))
+
+    return jnp.stack([pairs(hi), pairs(lo)])
+
+
+def matmul_cpu_amx(
+    x: jax.Array,  # [..., K] float32
+    packed: jax.Array,  # [2, ceil(N / 16), K / 2, 32] bfloat16, from pack_amx
+    n: int,  # w's columns
+    library: str = "",
+) -> jax.Array:  # [..., N] float32
+    """x @ w on AMX tiles in three bf16 passes (Precision.HIGH): within about 1e-5 of the
+    float32 product, batch invariant, not matmul_cpu's bits. Needs `cpu_library.amx_ready()`."""
+    if x.dtype != jnp.float32 or packed.dtype != jnp.bfloat16:
+        raise ValueError(f"the AMX matmul takes float32 x and bf16 parts, got {x.dtype} and "
+                         f"{packed.dtype}")
+    blocks = -(-n // AMX_BLOCK)
+    if packed.ndim != 4 or packed.shape[0] != 2 or packed.shape[1] != blocks or \
+            packed.shape[3] != 2 * AMX_BLOCK:
+        raise ValueError(f"packed has shape {packed.shape}: expected [2, {blocks}, K / 2, "
+                         f"{2 * AMX_BLOCK}] for {n} columns (pack_amx)")
+    k = 2 * packed.shape[2]
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x has shape {x.shape}, the packed weight takes {k} features")
+    return _call_on_rows("jaxserve_cpu_matmul_amx", x, packed, n, library)
+
+
 def row_sum_squares_cpu(x: jax.Array, library: str = "") -> jax.Array:  # [..., K] -> [..., 1]
     """sum(x * x) over the last axis, to the bits of matmul_cpu(x * x, ones [K, 1]) (one chain
     of adds in index order), without the array of squares."""
