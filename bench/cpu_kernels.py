@@ -8,7 +8,8 @@
 
     matmul   the peer model's 57 linear layers in a chain (8 layers + LM head), x of M rows:
              XLA's dot against pallas_kernels/cpu_matmul.cc, ms and GFLOP/s per M (with
-             --baseline REV, the packed kernel as at REV too, alternating)
+             --baseline REV, the packed kernel as at REV too, alternating; on a CPU with
+             AMX-BF16, the amx kernel too: matmul_impl="amx")
     prefill  one layer's paged attention for prompt chunks: the plain-XLA block walk
              (attention_impl="reference") against cpu_prefill.cc (and, with --baseline REV, the
              kernel as at REV, alternating)
@@ -38,7 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pallas_kernels import cpu_library
 from pallas_kernels.blocked import prefill_attention_blocked
 from pallas_kernels.cpu_attention import decode_attention_cpu, prefill_attention_cpu
-from pallas_kernels.cpu_matmul import PANEL, matmul_cpu, matmul_cpu_panels, pack_panels
+from pallas_kernels.cpu_matmul import (
+    AMX_BLOCK,
+    PANEL,
+    matmul_cpu,
+    matmul_cpu_amx,
+    matmul_cpu_panels,
+    pack_amx,
+    pack_panels,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,8 +75,7 @@ def matmul_rows(shapes, ms, runs: int, rng, baseline: str | None = None) -> list
         @jax.jit
         def run(x, ws):  # every layer reads x (or x twice over for an input as wide as 2x)
             total = jnp.float32(0)
-            for w in ws:
-                k = w.shape[-2]  # [K, N] or panels [.., K, PANEL]
+            for (k, _), w in zip(shapes, ws, strict=True):  # w as `mm` takes it
                 xin = jnp.tile(x, (1, k // x.shape[1]))
                 total = total + mm(xin, w)[:, :1].sum()
             return total
@@ -77,6 +85,9 @@ def matmul_rows(shapes, ms, runs: int, rng, baseline: str | None = None) -> list
     kinds = {"xla": chain(lambda a, b: a @ b), "cpu": chain(matmul_cpu),
              "panels": chain(lambda a, p: matmul_cpu_panels(a, p, p.shape[0] * PANEL))}
     operands = {"xla": ws, "cpu": ws, "panels": panels}
+    if cpu_library.amx_ready():  # a CPU with AMX-BF16: the bf16x3 kernel too
+        kinds["amx"] = chain(lambda a, p: matmul_cpu_amx(a, p, p.shape[1] * AMX_BLOCK))
+        operands["amx"] = [pack_amx(w) for w in ws]
     if baseline is not None:
         kinds["baseline"] = chain(lambda a, p: matmul_cpu_panels(a, p, p.shape[0] * PANEL,
                                                                  baseline))
@@ -217,13 +228,15 @@ def main(argv: list[str] | None = None) -> dict:
         out["matmul"] = matmul_rows(shapes, ms, runs, rng, baseline)
         print(f"\nmatmul: {len(shapes)} linear layers in a chain; ms (GFLOP/s)")
         print(f"{'rows':>6} {'XLA dot':>18} {'cpu kernel':>18} {'cpu, packed w':>18}"
-              + (f" {'packed, as at ' + args.baseline:>22}" if baseline else ""))
+              + (f" {'packed, as at ' + args.baseline:>22}" if baseline else "")
+              + (f" {'amx (bf16x3)':>18}" if "amx_ms" in out["matmul"][0] else ""))
         for r in out["matmul"]:
             print(f"{r['m']:>6} {r['xla_ms']:9.2f} ({r['xla_gflops']:5.0f}) "
                   f"{r['cpu_ms']:9.2f} ({r['cpu_gflops']:5.0f}) "
                   f"{r['panels_ms']:9.2f} ({r['panels_gflops']:5.0f})"
                   + (f" {r['baseline_ms']:13.2f} ({r['baseline_gflops']:5.0f})"
-                     if baseline else ""))
+                     if baseline else "")
+                  + (f" {r['amx_ms']:9.2f} ({r['amx_gflops']:5.0f})" if "amx_ms" in r else ""))
     if "prefill" in args.parts:
         out["prefill"] = prefill_rows(cases, *attn, runs, rng, baseline)
         print(f"\nprefill attention, one layer ({attn[0]} heads, {attn[1]} KV heads of {attn[2]}); ms")
