@@ -116,7 +116,9 @@ def run_jaxserve(llm, samples: list[Sample], options: dict) -> dict:
                                          llm.engine.runner.matmul_name)
     setting = (f"max_num_seqs {options['max_num_seqs']}, "
                f"{options['max_num_batched_tokens']} tok/step, "
-               f"{llm.engine.runner.attention_impl} attention, {matmul} matmul")
+               f"{llm.engine.runner.attention_impl} attention, {matmul} matmul"
+               + (f", {llm.engine.runner.kv_dtype_name} KV"
+                  if options.get("kv_cache_dtype", "auto") != "auto" else ""))
     return _row("jaxserve", setting, elapsed, ids)
 
 
@@ -271,6 +273,9 @@ def main() -> None:
     parser.add_argument("--matmul-impl", nargs="+", default=["auto"],
                         help="jaxserve, one run each with every --attention-impl (auto xla: the "
                              "CPU's batch-invariant kernel beside XLA's dot)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                        help="jaxserve, one run each with every other setting (auto bfloat16: "
+                             "the float32 KV pool beside the bfloat16 one)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="after the sweep, rounds-1 more rounds of every jaxserve run "
                              "and hf-cb at its best budget, back to back: each round's ratio "
@@ -300,8 +305,10 @@ def main() -> None:
                        prefill_chunk_sizes=tuple(args.prefill_chunk_sizes),
                        row_buckets=tuple(args.row_buckets or row_buckets_x15(args.max_num_seqs)),
                        decode_steps=args.decode_steps, enable_prompt_logprobs=False)
-        settings = [options | {"attention_impl": attention, "matmul_impl": matmul}
-                    for attention in args.attention_impl for matmul in args.matmul_impl]
+        settings = [options | {"attention_impl": attention, "matmul_impl": matmul,
+                               "kv_cache_dtype": kv}
+                    for attention in args.attention_impl for matmul in args.matmul_impl
+                    for kv in args.kv_cache_dtype]
         llms = [load_jaxserve(model, o) for o in settings]
         rows = [run_jaxserve(llm, samples, o) for llm, o in zip(llms, settings, strict=True)]
         hf = _hf_model(model)

@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=15, help="op kinds to print")
     parser.add_argument("--attention-impl", default="auto", help="as the engine's option")
     parser.add_argument("--matmul-impl", default="auto", help="as the engine's option")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as the engine's option")
     args = parser.parse_args(argv)
     if args.rows < 2 or args.context < 1:
         raise SystemExit("--rows must be at least 2 and --context at least 1")
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         config = EngineConfig(load_format="dummy", max_num_seqs=args.rows,
                               row_buckets=(args.rows,), enable_prompt_logprobs=False,
                               attention_impl=args.attention_impl, matmul_impl=args.matmul_impl,
+                              kv_cache_dtype=args.kv_cache_dtype,
                               max_num_batched_tokens=max(args.rows, args.rows * args.prefill),
                               prefill_chunk_sizes=(max(args.prefill, 2),))
         config = replace(config, num_pages=args.rows * config.pages_per_seq(max_len) + 1)
@@ -181,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                                custom_call_names(hlo))
 
     print(f"{mc.num_params / 1e6:.1f}M parameters on {jax.default_backend()} "
-          f"({runner.attention_impl} attention, {runner.matmul_name} matmul): {what}: median "
+          f"({runner.attention_impl} attention, {runner.matmul_name} matmul, "
+          f"{runner.kv_dtype_name} KV): {what}: median "
           f"{1e3 * np.median(times):.1f} ms, best {1e3 * min(times):.1f} ms")
     print(f"{'ms/step':>9} {'calls':>7}  op kind")
     for kind, (ms, calls) in list(totals.items())[:args.top]:

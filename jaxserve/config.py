@@ -15,15 +15,34 @@ from jaxserve.checks import is_finite, is_int, show
 from jaxserve.model_config import SUPPORTED_DTYPES, ModelConfig
 
 
-def kv_cache_dtype(dtype: str, backend: str, attention_impl: str) -> str:
-    """The KV pool's dtype: the model's, except float32 for a 16-bit model under the reference
-    or cpu attention on the CPU. The C++ decode kernel reads float32 pages, and XLA on the CPU
-    has no 16-bit float gather or scatter: it converts the whole pool to float32 and back, every
-    layer of every step (a 2-row decode step of a 32-layer bf16 model took 214 ms with 4096
-    pages and 45 ms with 512)."""
-    if backend == "cpu" and attention_impl in ("reference", "cpu") and dtype != "float32":
-        return "float32"
-    return dtype
+def kv_cache_dtype(dtype: str, backend: str, attention_impl: str,
+                   requested: str = "auto") -> str:
+    """The KV pool's dtype for a model computing in `dtype`; `requested` is the
+    kv_cache_dtype option. "auto" is the model's dtype, except float32 for a 16-bit model under
+    the reference or cpu attention on the CPU: XLA on the CPU has no 16-bit float gather or
+    scatter and converts the whole pool to float32 and back, every layer of every step (a
+    2-row decode step of a 32-layer bf16 model took 214 ms with 4096 pages and 45 ms with 512).
+    "bfloat16" on the CPU is read by the cpu attention's kernels, which hold it as uint16 bits
+    (XLA scatters those in place) and widen each key and value as they load it: half the bytes
+    a decode step reads from the pool, keys and values rounded to bfloat16. On an accelerator
+    the pool takes the model's dtype (the Pallas kernels read q's dtype). A combination that
+    cannot run raises a ValueError naming kv_cache_dtype."""
+    if requested not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"kv_cache_dtype must be one of ('auto', 'float32', 'bfloat16'), "
+                         f"got {requested!r}")
+    if requested == "auto":
+        if backend == "cpu" and attention_impl in ("reference", "cpu") and dtype != "float32":
+            return "float32"
+        return dtype
+    if backend != "cpu":
+        if requested != dtype:
+            raise ValueError(f"kv_cache_dtype={requested!r}: on {backend!r} the KV pool takes "
+                             f"the model's dtype ({dtype}); leave it 'auto'")
+        return requested
+    if requested == "bfloat16" and attention_impl != "cpu":
+        raise ValueError(f"kv_cache_dtype='bfloat16' on the CPU is read by the cpu attention "
+                         f"kernels, not attention_impl={attention_impl!r}")
+    return requested
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -73,6 +92,7 @@ _CHOICES = {
     "batching": ("static", "dynamic", "continuous"),
     "attention_impl": ("auto", "pallas", "cpu", "reference"),
     "matmul_impl": ("auto", "cpu", "amx", "xla"),
+    "kv_cache_dtype": ("auto", "float32", "bfloat16"),
     "dtype": ("auto", *SUPPORTED_DTYPES),
     "policy": ("fcfs", "priority", "sjf", "mlfq", "edf"),
     "load_format": ("auto", "dummy"),
@@ -93,6 +113,9 @@ class EngineConfig:
     num_pages: int | None = None  # None: sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.9  # of free device memory (CPU: of kv_cache_bytes_cpu)
     kv_cache_bytes_cpu: int = 1 << 30
+    # the KV pool's dtype. auto: the model's (float32 on the CPU); bfloat16 on the CPU (cpu
+    # attention): half the bytes per token, keys and values rounded to bfloat16
+    kv_cache_dtype: str = "auto"
     attention_impl: str = "auto"
     matmul_impl: str = "auto"  # auto: the CPU's batch-invariant kernel for float32, else XLA's dot
     # (amx: that kernel on AMX tiles in three bf16 passes, opt-in: not float32's bits)

@@ -69,7 +69,8 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
                           config.kv_cache_bytes_cpu)
     kv_dtype = kv_cache_dtype(dtype, device.backend,
                               resolve_attention_impl(config.attention_impl, device.backend,
-                                                     cfg.head_dim, config.page_size))
+                                                     cfg.head_dim, config.page_size),
+                              config.kv_cache_dtype)
     weights = {dt: weight_bytes(cfg, dt) for dt in SUPPORTED_DTYPES}
     per_token = kv_bytes_per_token(cfg, kv_dtype)
     per_page = per_token * config.page_size

@@ -51,6 +51,7 @@ from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
 from jaxserve.model_config import ModelConfig
+from pallas_kernels.cpu_attention import BF16_BITS
 
 log = logging.getLogger("jaxserve")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -148,7 +149,11 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.attention_impl = resolve_attention_impl(config.attention_impl, self.backend,
                                                      model_config.head_dim, config.page_size)
-        self.kv_dtype = DTYPES[kv_cache_dtype(dtype, self.backend, self.attention_impl)]
+        self.kv_dtype_name = kv_cache_dtype(dtype, self.backend, self.attention_impl,
+                                            config.kv_cache_dtype)
+        # the pool's array dtype: a bfloat16 pool on the CPU is held as its bits (uint16)
+        self.kv_dtype = (BF16_BITS if self.backend == "cpu" and self.kv_dtype_name == "bfloat16"
+                         else DTYPES[self.kv_dtype_name])
         self.matmul_impl = resolve_matmul_impl(config.matmul_impl, self.backend, dtype)
         # what reports call it: amx runs as "cpu" (the kernels' other uses) on AMX-packed weights
         self.matmul_name = "amx" if config.matmul_impl == "amx" else self.matmul_impl

@@ -5,8 +5,12 @@ block walk (`blocked.py`) writes every key and value it gathers and reads it bac
 times the bytes a decode step needs, and a prefill chunk also scores every query against every
 key of each block before masking. `cpu_decode.cc` and `cpu_prefill.cc` read the pages in place,
 once, spread over XLA's intra-op threads, and score a query only against the keys it may see.
-Same contracts as `reference.decode_attention_ref` and `reference.prefill_attention_ref`,
-float32 pages. Built with the other CPU kernels (`cpu_library`).
+Same contracts as `reference.decode_attention_ref` and `reference.prefill_attention_ref`, on
+float32 pages or bfloat16 pages held as their bits in uint16 (`BF16_BITS`; see `bf16_bits` and
+`from_bf16_bits`): XLA on the CPU scatters a 16-bit integer pool in place, but converts a
+bfloat16 one to float32 and back around every write. The kernels widen each bfloat16 key and
+value exactly as they load it, so a bfloat16 pool gives the bits a float32 pool holding the
+widened values gives. Built with the other CPU kernels (`cpu_library`).
 """
 
 import jax
@@ -16,11 +20,23 @@ import numpy as np
 from pallas_kernels.cpu_library import call
 from pallas_kernels.decode import check_lengths, check_paged_inputs
 
+BF16_BITS = jnp.uint16  # a bfloat16 pool's dtype: each element a bfloat16's bits
+
+
+def bf16_bits(x: jax.Array) -> jax.Array:
+    """x rounded to bfloat16 (to nearest even), as the uint16 a BF16_BITS pool holds."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
+
+
+def from_bf16_bits(bits: jax.Array) -> jax.Array:
+    """A BF16_BITS array's values, widened (exactly) to float32."""
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
+
 
 def decode_attention_cpu(
     q: jax.Array,  # [S, num_heads, head_dim]
-    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32
-    v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32 or BF16_BITS
+    v_pages: jax.Array,  # as k_pages
     page_table: jax.Array,  # [S, pages_per_seq] int32
     seq_lens: jax.Array,  # [S] int32
     scale: float,
@@ -40,8 +56,8 @@ def decode_attention_cpu(
 
 def prefill_attention_cpu(
     q: jax.Array,  # [B, C, num_heads, head_dim]   a chunk of C queries per row
-    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32
-    v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32 or BF16_BITS
+    v_pages: jax.Array,  # as k_pages
     page_table: jax.Array,  # [B, pages_per_seq] int32
     positions: jax.Array,  # [B, C] int32
     seq_lens: jax.Array,  # [B] int32
@@ -64,8 +80,8 @@ def prefill_attention_cpu(
 
 def prefill_attention_cpu_ragged(
     q: jax.Array,  # [T, num_heads, head_dim]   the rows' chunks one after another, then padding
-    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32
-    v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32 or BF16_BITS
+    v_pages: jax.Array,  # as k_pages
     page_table: jax.Array,  # [B, pages_per_seq] int32
     positions: jax.Array,  # [T] int32
     query_starts: jax.Array,  # [B + 1] int32   row b's queries: query_starts[b] .. [b + 1] - 1
@@ -90,8 +106,11 @@ def prefill_attention_cpu_ragged(
 
 def _call(target: str, q, k_pages, v_pages, *int_args, scale: float,
           library: str = "") -> jax.Array:
-    if k_pages.dtype != jnp.float32:
-        raise ValueError(f"the CPU kernels read float32 pages, got {k_pages.dtype}")
+    if k_pages.dtype not in (jnp.float32, BF16_BITS) or v_pages.dtype != k_pages.dtype:
+        raise ValueError("the CPU kernels read float32 pages or bfloat16 ones as uint16 bits, "
+                         f"got {k_pages.dtype}/{v_pages.dtype}")
+    if k_pages.dtype == BF16_BITS:
+        target += "_bf16"
     out = call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32), q.astype(jnp.float32),
                k_pages, v_pages, *int_args, scale=np.float32(scale), suffix=library)
     return out.astype(q.dtype)

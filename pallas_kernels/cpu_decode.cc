@@ -5,9 +5,10 @@
 // them in place, once: for each (slot, KV head) it scores the slot's keys page by page, takes
 // the softmax over them, then sums the values, on XLA's own intra-op thread pool.
 //
-// Contract (as pallas_kernels.reference.decode_attention_ref), float32 throughout:
+// Contract (as pallas_kernels.reference.decode_attention_ref), float32 throughout but the pool:
 //   q          [S, H, D]         one query per slot
-//   k, v       [P, page, KV, D]  the page pool (page 0 is the null page)
+//   k, v       [P, page, KV, D]  the page pool (page 0 is the null page): float32, or bfloat16
+//                                as uint16 bits (JaxserveCpuDecodeAttentionBf16)
 //   page_table [S, pages_per_seq] int32
 //   seq_lens   [S] int32          0: an empty slot, whose output is zeros
 //   out        [S, H, D]
@@ -23,10 +24,11 @@ namespace {
 
 using namespace jaxserve_cpu;
 
+template <class T>  // the pool's element: float or bf16_bits
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const T* k;
+  const T* v;
   const int32_t* page_table;
   const int32_t* seq_lens;
   float* out;
@@ -38,7 +40,8 @@ constexpr int64_t kAhead = 16;  // tokens to prefetch ahead
 
 // One slot's query heads of KV heads [kv_begin, kv_end) against the slot's keys, read in memory
 // order (a token's keys for all KV heads are one contiguous row of kv_heads * head_dim floats).
-void attend(const Problem& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
+template <class T>
+void attend(const Problem<T>& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
             std::vector<float>& scores) {
   const int64_t group = p.heads / p.kv_heads;
   const int64_t heads = (kv_end - kv_begin) * group;  // query heads [first, first + heads)
@@ -52,11 +55,11 @@ void attend(const Problem& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
   const float* q = p.q + (slot * p.heads + first) * dim;
   const PagedSeq seq{p.page_table + slot * p.pages_per_seq, p.pages, p.page_size,
                      p.kv_heads * dim};
-  auto token_row = [&](const float* pool, int64_t t) { return seq.row(pool, t, kv_begin, dim); };
+  auto token_row = [&](const T* pool, int64_t t) { return seq.row(pool, t, kv_begin, dim); };
   // A page's rows cross the 4 KiB boundaries where the hardware prefetcher stops: fetch the
   // rows kAhead tokens on by hand (the kv heads this item reads: a row's bytes, in lines).
-  const int64_t row_bytes = (kv_end - kv_begin) * dim * sizeof(float);
-  auto prefetch = [&](const float* pool, int64_t t) {
+  const int64_t row_bytes = (kv_end - kv_begin) * dim * sizeof(T);
+  auto prefetch = [&](const T* pool, int64_t t) {
     if (t >= len) return;
     const char* row = reinterpret_cast<const char*>(token_row(pool, t));
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
@@ -65,13 +68,13 @@ void attend(const Problem& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
   scores.resize(heads * len);
   int64_t t = 0;
   for (; t + 8 <= len; t += 8) {  // scores, 8 tokens at a time
-    const float* rows[8];
+    const T* rows[8];
     for (int j = 0; j < 8; ++j) {
       prefetch(p.k, t + j + kAhead);
       rows[j] = token_row(p.k, t + j);
     }
     for (int64_t h = 0; h < heads;) {  // query heads of one KV head in pairs
-      const float* keys[8];
+      const T* keys[8];
       for (int j = 0; j < 8; ++j) keys[j] = rows[j] + (h / group) * dim;
       if ((h + 1) % group != 0) {
         dot8x2(q + h * dim, q + (h + 1) * dim, keys, dim, scores.data() + h * len + t,
@@ -84,14 +87,14 @@ void attend(const Problem& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
     }
   }
   for (; t < len; ++t) {
-    const float* row = token_row(p.k, t);
+    const T* row = token_row(p.k, t);
     for (int64_t h = 0; h < heads; ++h)
       scores[h * len + t] = dot1(q + h * dim, row + (h / group) * dim, dim);
   }
   for (int64_t h = 0; h < heads; ++h) softmax_prefix(scores.data() + h * len, len, len, p.scale);
   t = 0;
   for (; t + 4 <= len; t += 4) {  // values, 4 tokens at a time: one load and store of out
-    const float* rows[4];
+    const T* rows[4];
     for (int j = 0; j < 4; ++j) {
       prefetch(p.v, t + j + kAhead);
       rows[j] = token_row(p.v, t + j);
@@ -111,7 +114,7 @@ void attend(const Problem& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
     }
   }
   for (; t < len; ++t) {
-    const float* row = token_row(p.v, t);
+    const T* row = token_row(p.v, t);
     for (int64_t h = 0; h < heads; ++h) {
       add_weighted(out + h * dim, scores[h * len + t], row + (h / group) * dim, dim);
     }
@@ -121,18 +124,20 @@ void attend(const Problem& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
 // (aliases: a comma inside the handler macro's arguments would split them)
 using Rows = ffi::BufferR3<ffi::F32>;
 using Pool = ffi::BufferR4<ffi::F32>;
+using Pool16 = ffi::BufferR4<ffi::U16>;  // bfloat16 bits
 using Table = ffi::BufferR2<ffi::S32>;
 using Lens = ffi::BufferR1<ffi::S32>;
 using Out = ffi::ResultBufferR3<ffi::F32>;
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, Rows q, Pool k, Pool v, Table page_table,
-                           Lens seq_lens, Out out, float scale) {
+template <class T, class PoolBuffer>
+ffi::Error DecodeAttention(ffi::ThreadPool pool, Rows q, PoolBuffer k, PoolBuffer v,
+                           Table page_table, Lens seq_lens, Out out, float scale) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto td = page_table.dimensions();
-  Problem p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
-            seq_lens.typed_data(), out->typed_data(),
-            qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], scale};
+  Problem<T> p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
+               seq_lens.typed_data(), out->typed_data(),
+               qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], scale};
   const auto vd = v.dimensions();
   if (kd[3] != p.head_dim || p.kv_heads == 0 || p.heads % p.kv_heads != 0 ||
       !std::equal(kd.begin(), kd.end(), vd.begin()) || td[0] != p.slots ||
@@ -149,28 +154,52 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, Rows q, Pool k, Pool v, Table p
   return ffi::Error::Success();
 }
 
+ffi::Error DecodeAttentionF32(ffi::ThreadPool pool, Rows q, Pool k, Pool v, Table page_table,
+                              Lens seq_lens, Out out, float scale) {
+  return DecodeAttention<float>(pool, q, k, v, page_table, seq_lens, out, scale);
+}
+
+ffi::Error DecodeAttentionBf16(ffi::ThreadPool pool, Rows q, Pool16 k, Pool16 v,
+                               Table page_table, Lens seq_lens, Out out, float scale) {
+  return DecodeAttention<bf16_bits>(pool, q, k, v, page_table, seq_lens, out, scale);
+}
+
+// the handlers' signature, on a pool of either kind
+#define JAXSERVE_DECODE_BINDING(PoolBuffer) \
+  ffi::Ffi::Bind()                          \
+      .Ctx<ffi::ThreadPool>()               \
+      .Arg<Rows>()                          \
+      .Arg<PoolBuffer>()                    \
+      .Arg<PoolBuffer>()                    \
+      .Arg<Table>()                         \
+      .Arg<Lens>()                          \
+      .Ret<Rows>()                          \
+      .Attr<float>("scale")
+
 }  // namespace
 
 namespace jaxserve_cpu {
 
-void decode_query(const float* q, const float* k, const float* v, const int32_t* table,
+template <class T>
+void decode_query(const float* q, const T* k, const T* v, const int32_t* table,
                   int32_t seq_len, float* out, int64_t heads, int64_t head_dim, int64_t pages,
                   int64_t page_size, int64_t kv_heads, int64_t pages_per_seq, float scale,
                   std::vector<float>& scores) {
-  const Problem p{q, k, v, table, &seq_len, out, 1, heads, head_dim, pages, page_size,
-                  kv_heads, pages_per_seq, scale};
+  const Problem<T> p{q, k, v, table, &seq_len, out, 1, heads, head_dim, pages, page_size,
+                     kv_heads, pages_per_seq, scale};
   attend(p, 0, 0, kv_heads, scores);
 }
 
+template void decode_query<float>(const float*, const float*, const float*, const int32_t*,
+                                  int32_t, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                  int64_t, float, std::vector<float>&);
+template void decode_query<bf16_bits>(const float*, const bf16_bits*, const bf16_bits*,
+                                      const int32_t*, int32_t, float*, int64_t, int64_t, int64_t,
+                                      int64_t, int64_t, int64_t, float, std::vector<float>&);
+
 }  // namespace jaxserve_cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Rows>()
-                                  .Arg<Pool>()
-                                  .Arg<Pool>()
-                                  .Arg<Table>()
-                                  .Arg<Lens>()
-                                  .Ret<Rows>()
-                                  .Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttentionF32,
+                              JAXSERVE_DECODE_BINDING(Pool));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttentionBf16, DecodeAttentionBf16,
+                              JAXSERVE_DECODE_BINDING(Pool16));

@@ -1,6 +1,12 @@
 // What the CPU kernels share (cpu_decode.cc, cpu_prefill.cc, cpu_matmul.cc; built together into
 // one library by cpu_library.py): the paged pool's addressing, the attention's vectorised sums
 // and exponential, and work items spread over XLA's intra-op thread pool.
+//
+// The attention kernels read a page pool of float32 or of bfloat16 held as its bits (uint16_t:
+// XLA on the CPU scatters 16-bit integers in place, but converts a bfloat16 pool to float32 and
+// back around every write). A bfloat16 key or value is widened to float32 exactly as it is
+// loaded, and the sums then run as they do over float32 pages: a bfloat16 pool gives the bits
+// a float32 pool holding the same (widened) values gives.
 #pragma once
 
 #include <algorithm>
@@ -23,14 +29,41 @@ namespace jaxserve_cpu {
 
 namespace ffi = xla::ffi;
 
+using bf16_bits = uint16_t;  // a bfloat16 page element: the top half of a float32
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16_bits x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_bits* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_bits* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // One sequence's view of a KV page pool [P, page, KV, D]: a token's keys (or values) for all KV
-// heads are one contiguous row of KV * D floats.
+// heads are one contiguous row of KV * D elements (float or bf16_bits).
 struct PagedSeq {
   const int32_t* table;  // the sequence's page_table row
   int64_t pages, page_size, token_stride;
 
   // Token t's row, from KV head `kv` on; page ids outside [0, pages) read page 0, the null page.
-  const float* row(const float* pool, int64_t t, int64_t kv, int64_t dim) const {
+  template <class T>
+  const T* row(const T* pool, int64_t t, int64_t kv, int64_t dim) const {
     int64_t page = table[t / page_size];
     if (page < 0 || page >= pages) page = 0;
     return pool + (page * page_size + t % page_size) * token_stride + kv * dim;
@@ -41,11 +74,13 @@ struct PagedSeq {
 // wherever it falls among the others (in a group of 8 keys or the tail, a chunk's block of
 // queries or a decode slot), so a token's attention does not depend on the batch or on how its
 // prompt was cut into chunks: dot1 is dot8 on one key, the value sums are one chain of fused
-// multiply-adds over the tokens, and the softmax's tail rounds as its vector body.
+// multiply-adds over the tokens, and the softmax's tail rounds as its vector body. Keys and
+// values (K, V) are float or bf16_bits; queries, scores and outputs are float.
 
-inline float dot(const float* a, const float* b, int64_t n) {  // n not a multiple of 8
+template <class K>
+inline float dot(const float* a, const K* b, int64_t n) {  // n not a multiple of 8
   float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) sum = std::fma(a[i], b[i], sum);
+  for (int64_t i = 0; i < n; ++i) sum = std::fma(a[i], to_float(b[i]), sum);
   return sum;
 }
 
@@ -73,7 +108,8 @@ inline void reduce8_wide(const __m512* wide, float* out) {
 // q against 8 keys: out[j] = q . keys[j]. Eight independent sums, not one dependent chain per
 // key; with AVX-512 (head_dim a multiple of 16) sixteen lanes folded to eight, then as with
 // AVX2: eight vector accumulators reduced together.
-inline void dot8(const float* q, const float* const* keys, int64_t n, float* out) {
+template <class K>
+inline void dot8(const float* q, const K* const* keys, int64_t n, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (n % 8 == 0) {
 #if defined(__AVX512F__)
@@ -83,7 +119,7 @@ inline void dot8(const float* q, const float* const* keys, int64_t n, float* out
       for (int64_t d = 0; d < n; d += 16) {
         const __m512 qv = _mm512_loadu_ps(q + d);
         for (int j = 0; j < 8; ++j)
-          wide[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + d), wide[j]);
+          wide[j] = _mm512_fmadd_ps(qv, load16(keys[j] + d), wide[j]);
       }
       return reduce8_wide(wide, out);
     }
@@ -93,7 +129,7 @@ inline void dot8(const float* q, const float* const* keys, int64_t n, float* out
     for (int64_t d = 0; d < n; d += 8) {
       const __m256 qv = _mm256_loadu_ps(q + d);
       for (int j = 0; j < 8; ++j)
-        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + d), acc[j]);
+        acc[j] = _mm256_fmadd_ps(qv, load8(keys[j] + d), acc[j]);
     }
     return reduce8(acc, out);
   }
@@ -103,7 +139,8 @@ inline void dot8(const float* q, const float* const* keys, int64_t n, float* out
 
 // dot8 for two queries of one KV head (grouped-query attention): each key is loaded once for
 // both, and each query's sums are dot8's, bit for bit.
-inline void dot8x2(const float* qa, const float* qb, const float* const* keys, int64_t n,
+template <class K>
+inline void dot8x2(const float* qa, const float* qb, const K* const* keys, int64_t n,
                    float* out_a, float* out_b) {
 #if defined(__AVX512F__)
   if (n % 16 == 0) {
@@ -112,7 +149,7 @@ inline void dot8x2(const float* qa, const float* qb, const float* const* keys, i
     for (int64_t d = 0; d < n; d += 16) {
       const __m512 qav = _mm512_loadu_ps(qa + d), qbv = _mm512_loadu_ps(qb + d);
       for (int j = 0; j < 8; ++j) {
-        const __m512 kv = _mm512_loadu_ps(keys[j] + d);
+        const __m512 kv = load16(keys[j] + d);
         wa[j] = _mm512_fmadd_ps(qav, kv, wa[j]);
         wb[j] = _mm512_fmadd_ps(qbv, kv, wb[j]);
       }
@@ -126,8 +163,9 @@ inline void dot8x2(const float* qa, const float* qb, const float* const* keys, i
 }
 
 // q . key, summed exactly as dot8 sums each of its keys (it is dot8, on one key).
-inline float dot1(const float* q, const float* key, int64_t n) {
-  const float* keys[8] = {key, key, key, key, key, key, key, key};
+template <class K>
+inline float dot1(const float* q, const K* key, int64_t n) {
+  const K* keys[8] = {key, key, key, key, key, key, key, key};
   float out[8];
   dot8(q, keys, n, out);
   return out[0];
@@ -221,15 +259,15 @@ inline __m512 fma_chain4(__m512 acc, const __m512* w, const __m512* x) {
 #endif
 
 // o[0, n) += w[0] v0 + w[1] v1 + w[2] v2 + w[3] v3: four value rows into one output.
-inline void add_weighted4(float* o, const float* w, const float* v0, const float* v1,
-                          const float* v2, const float* v3, int64_t n) {
+template <class V>
+inline void add_weighted4(float* o, const float* w, const V* v0, const V* v1, const V* v2,
+                          const V* v3, int64_t n) {
   int64_t d = 0;
 #if defined(__AVX512F__)
   const __m512 z[4] = {_mm512_set1_ps(w[0]), _mm512_set1_ps(w[1]), _mm512_set1_ps(w[2]),
                        _mm512_set1_ps(w[3])};
   for (; d + 16 <= n; d += 16) {
-    const __m512 x[4] = {_mm512_loadu_ps(v0 + d), _mm512_loadu_ps(v1 + d),
-                         _mm512_loadu_ps(v2 + d), _mm512_loadu_ps(v3 + d)};
+    const __m512 x[4] = {load16(v0 + d), load16(v1 + d), load16(v2 + d), load16(v3 + d)};
     _mm512_storeu_ps(o + d, fma_chain4(_mm512_loadu_ps(o + d), z, x));
   }
 #endif
@@ -238,39 +276,43 @@ inline void add_weighted4(float* o, const float* w, const float* v0, const float
   const __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
   for (; d + 8 <= n; d += 8) {
     __m256 acc = _mm256_loadu_ps(o + d);
-    acc = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + d), acc);
-    acc = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + d), acc);
-    acc = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v2 + d), acc);
-    acc = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v3 + d), acc);
+    acc = _mm256_fmadd_ps(w0, load8(v0 + d), acc);
+    acc = _mm256_fmadd_ps(w1, load8(v1 + d), acc);
+    acc = _mm256_fmadd_ps(w2, load8(v2 + d), acc);
+    acc = _mm256_fmadd_ps(w3, load8(v3 + d), acc);
     _mm256_storeu_ps(o + d, acc);
   }
 #endif
-  for (; d < n; ++d)
-    o[d] = std::fma(w[3], v3[d],
-                    std::fma(w[2], v2[d], std::fma(w[1], v1[d], std::fma(w[0], v0[d], o[d]))));
+  for (; d < n; ++d) {
+    float acc = std::fma(w[0], to_float(v0[d]), o[d]);
+    acc = std::fma(w[1], to_float(v1[d]), acc);
+    acc = std::fma(w[2], to_float(v2[d]), acc);
+    o[d] = std::fma(w[3], to_float(v3[d]), acc);
+  }
 }
 
 // o[0, n) += w v, rounded as add_weighted4 rounds each of its four
-inline void add_weighted(float* o, float w, const float* v, int64_t n) {
+template <class V>
+inline void add_weighted(float* o, float w, const V* v, int64_t n) {
   int64_t d = 0;
 #if defined(__AVX512F__)
   const __m512 zv = _mm512_set1_ps(w);
   for (; d + 16 <= n; d += 16)
-    _mm512_storeu_ps(o + d, _mm512_fmadd_ps(zv, _mm512_loadu_ps(v + d), _mm512_loadu_ps(o + d)));
+    _mm512_storeu_ps(o + d, _mm512_fmadd_ps(zv, load16(v + d), _mm512_loadu_ps(o + d)));
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 wv = _mm256_set1_ps(w);
   for (; d + 8 <= n; d += 8)
-    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, load8(v + d), _mm256_loadu_ps(o + d)));
 #endif
-  for (; d < n; ++d) o[d] = std::fma(w, v[d], o[d]);
+  for (; d < n; ++d) o[d] = std::fma(w, to_float(v[d]), o[d]);
 }
 
 // add_weighted4 into two outputs (two query heads of one KV head) from the same value rows,
 // each loaded once: oa += wa . v, ob += wb . v, each rounded exactly as add_weighted4 rounds it.
-inline void add_weighted4x2(float* oa, float* ob, const float* wa, const float* wb,
-                            const float* v0, const float* v1, const float* v2, const float* v3,
-                            int64_t n) {
+template <class V>
+inline void add_weighted4x2(float* oa, float* ob, const float* wa, const float* wb, const V* v0,
+                            const V* v1, const V* v2, const V* v3, int64_t n) {
   int64_t d = 0;
 #if defined(__AVX512F__)
   const __m512 a[4] = {_mm512_set1_ps(wa[0]), _mm512_set1_ps(wa[1]), _mm512_set1_ps(wa[2]),
@@ -278,8 +320,7 @@ inline void add_weighted4x2(float* oa, float* ob, const float* wa, const float* 
   const __m512 b[4] = {_mm512_set1_ps(wb[0]), _mm512_set1_ps(wb[1]), _mm512_set1_ps(wb[2]),
                        _mm512_set1_ps(wb[3])};
   for (; d + 16 <= n; d += 16) {
-    const __m512 x[4] = {_mm512_loadu_ps(v0 + d), _mm512_loadu_ps(v1 + d),
-                         _mm512_loadu_ps(v2 + d), _mm512_loadu_ps(v3 + d)};
+    const __m512 x[4] = {load16(v0 + d), load16(v1 + d), load16(v2 + d), load16(v3 + d)};
     _mm512_storeu_ps(oa + d, fma_chain4(_mm512_loadu_ps(oa + d), a, x));
     _mm512_storeu_ps(ob + d, fma_chain4(_mm512_loadu_ps(ob + d), b, x));
   }
@@ -293,8 +334,10 @@ inline void add_weighted4x2(float* oa, float* ob, const float* wa, const float* 
 // own) against the sequence's pages, as the decode kernel computes a slot (cpu_decode.cc). The
 // ragged prefill kernel runs its one-token rows through it, so a decode row packed among prompt
 // chunks is the decode step's, to its bits and its reads.
-//   q, out [heads, head_dim]; table the sequence's page_table row of pages_per_seq entries
-void decode_query(const float* q, const float* k, const float* v, const int32_t* table,
+//   q, out [heads, head_dim]; table the sequence's page_table row of pages_per_seq entries;
+//   T float or bf16_bits (cpu_decode.cc instantiates both)
+template <class T>
+void decode_query(const float* q, const T* k, const T* v, const int32_t* table,
                   int32_t seq_len, float* out, int64_t heads, int64_t head_dim, int64_t pages,
                   int64_t page_size, int64_t kv_heads, int64_t pages_per_seq, float scale,
                   std::vector<float>& scores);

@@ -34,6 +34,10 @@ TARGETS = {
     "jaxserve_cpu_decode_attention": "JaxserveCpuDecodeAttention",
     "jaxserve_cpu_prefill_attention": "JaxserveCpuPrefillAttention",
     "jaxserve_cpu_prefill_attention_ragged": "JaxserveCpuPrefillAttentionRagged",
+    # the same three on a bfloat16 pool held as uint16 bits
+    "jaxserve_cpu_decode_attention_bf16": "JaxserveCpuDecodeAttentionBf16",
+    "jaxserve_cpu_prefill_attention_bf16": "JaxserveCpuPrefillAttentionBf16",
+    "jaxserve_cpu_prefill_attention_ragged_bf16": "JaxserveCpuPrefillAttentionRaggedBf16",
     "jaxserve_cpu_matmul": "JaxserveCpuMatmul",
     "jaxserve_cpu_matmul_transposed": "JaxserveCpuMatmulTransposed",
     "jaxserve_cpu_matmul_panels": "JaxserveCpuMatmulPanels",

@@ -8,9 +8,10 @@
 //   row b, queries c0 .. c0+15 (one item per KV head), positions p_c:
 //     keys 0 .. p_c of each, read once for the 16 queries and their group's query heads
 //
-// Contract (as pallas_kernels.reference.prefill_attention_ref), float32 throughout:
+// Contract (as pallas_kernels.reference.prefill_attention_ref), float32 throughout but the pool:
 //   q          [B, C, H, D]      a chunk of C queries per row
-//   k, v       [P, page, KV, D]  the page pool, the chunk's own keys and values written
+//   k, v       [P, page, KV, D]  the page pool, the chunk's own keys and values written: float32,
+//                                or bfloat16 as uint16 bits (the ...Bf16 handlers)
 //   page_table [B, pages_per_seq] int32
 //   positions  [B, C] int32       query (b, c) sees keys j <= positions[b, c]
 //   seq_lens   [B] int32          keys the row holds, chunk included
@@ -41,10 +42,11 @@ using namespace jaxserve_cpu;
 
 constexpr int64_t kQueries = 16;  // queries of a row per work item
 
+template <class T>  // the pool's element: float or bf16_bits
 struct Problem {
   const float* q;  // [tokens, heads, head_dim]: the padded form's [B, C] flattened
-  const float* k;
-  const float* v;
+  const T* k;
+  const T* v;
   const int32_t* page_table;
   const int32_t* positions;  // [tokens]
   const int32_t* seq_lens;
@@ -56,7 +58,8 @@ struct Problem {
 // Queries [c0, c0 + kQueries) of the `count` from token `first` on, which are `row`'s, the
 // query heads of KV head `kv`. Query vector i is query c0 + i / group, head kv * group +
 // i % group; scores[i * len + j] its score for key j.
-void attend(const Problem& p, int64_t row, int64_t first, int64_t count, int64_t kv, int64_t c0,
+template <class T>
+void attend(const Problem<T>& p, int64_t row, int64_t first, int64_t count, int64_t kv, int64_t c0,
             std::vector<float>& scores) {
   const int64_t group = p.heads / p.kv_heads, dim = p.head_dim;
   const int64_t c1 = std::min(c0 + kQueries, count);
@@ -84,12 +87,12 @@ void attend(const Problem& p, int64_t row, int64_t first, int64_t count, int64_t
   scores.resize(nq * len);
   int64_t t = 0;
   for (; t + 8 <= len; t += 8) {  // scores, 8 keys at a time, each read once for every query
-    const float* keys[8];
+    const T* keys[8];
     for (int j = 0; j < 8; ++j) keys[j] = seq.row(p.k, t + j, kv, dim);
     for (int64_t i = 0; i < nq; ++i) dot8(q_at(i), keys, dim, scores.data() + i * len + t);
   }
   for (; t < len; ++t) {
-    const float* key = seq.row(p.k, t, kv, dim);
+    const T* key = seq.row(p.k, t, kv, dim);
     for (int64_t i = 0; i < nq; ++i) scores[i * len + t] = dot1(q_at(i), key, dim);
   }
   // weights, zero past the keys each query sees (those keys are written: finite)
@@ -103,10 +106,10 @@ void attend(const Problem& p, int64_t row, int64_t first, int64_t count, int64_t
   }
   t = 0;
   for (; t + 4 <= len; t += 4) {  // values, 4 at a time: one load and store of each output
-    const float* v0 = seq.row(p.v, t, kv, dim);
-    const float* v1 = seq.row(p.v, t + 1, kv, dim);
-    const float* v2 = seq.row(p.v, t + 2, kv, dim);
-    const float* v3 = seq.row(p.v, t + 3, kv, dim);
+    const T* v0 = seq.row(p.v, t, kv, dim);
+    const T* v1 = seq.row(p.v, t + 1, kv, dim);
+    const T* v2 = seq.row(p.v, t + 2, kv, dim);
+    const T* v3 = seq.row(p.v, t + 3, kv, dim);
     for (int64_t i = 0; i < nq; ++i) {
       const float* w = scores.data() + i * len + t;
       if (w[0] == 0.f && w[1] == 0.f && w[2] == 0.f && w[3] == 0.f) continue;  // unseen keys
@@ -114,13 +117,14 @@ void attend(const Problem& p, int64_t row, int64_t first, int64_t count, int64_t
     }
   }
   for (; t < len; ++t) {
-    const float* value = seq.row(p.v, t, kv, dim);
+    const T* value = seq.row(p.v, t, kv, dim);
     for (int64_t i = 0; i < nq; ++i) add_weighted(out_at(i), scores[i * len + t], value, dim);
   }
 }
 
 using Queries = ffi::BufferR4<ffi::F32>;
 using Pool = ffi::BufferR4<ffi::F32>;
+using Pool16 = ffi::BufferR4<ffi::U16>;  // bfloat16 bits
 using Table = ffi::BufferR2<ffi::S32>;
 using Positions = ffi::BufferR2<ffi::S32>;
 using Lens = ffi::BufferR1<ffi::S32>;
@@ -129,21 +133,25 @@ using PackedQueries = ffi::BufferR3<ffi::F32>;
 using PackedPositions = ffi::BufferR1<ffi::S32>;
 using PackedOut = ffi::ResultBufferR3<ffi::F32>;
 
-bool consistent(const Problem& p, const ffi::Span<const int64_t>& kd,
+template <class T>
+bool consistent(const Problem<T>& p, const ffi::Span<const int64_t>& kd,
                 const ffi::Span<const int64_t>& vd, const ffi::Span<const int64_t>& td,
                 int64_t lens) {
   return kd[3] == p.head_dim && p.kv_heads > 0 && p.heads % p.kv_heads == 0 &&
          std::equal(kd.begin(), kd.end(), vd.begin()) && td[0] == p.rows && lens == p.rows;
 }
 
-ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, Pool k, Pool v, Table page_table,
-                            Positions positions, Lens seq_lens, Out out, float scale) {
+template <class T, class PoolBuffer>
+ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, PoolBuffer k, PoolBuffer v,
+                            Table page_table, Positions positions, Lens seq_lens, Out out,
+                            float scale) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto pd = positions.dimensions();
-  const Problem p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
+  const Problem<T> p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
                   positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
-                  qd[0], qd[2], qd[3], kd[0], kd[1], kd[2], page_table.dimensions()[1], scale};
+                     qd[0], qd[2], qd[3], kd[0], kd[1], kd[2], page_table.dimensions()[1],
+                     scale};
   const int64_t chunk = qd[1];
   if (!consistent(p, kd, v.dimensions(), page_table.dimensions(), seq_lens.dimensions()[0]) ||
       pd[0] != p.rows || pd[1] != chunk) {
@@ -161,15 +169,16 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, Pool k, Pool v, Tab
   return ffi::Error::Success();
 }
 
-ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, Pool k, Pool v,
-                                  Table page_table, PackedPositions positions, Lens query_starts,
-                                  Lens seq_lens, PackedOut out, float scale) {
+template <class T, class PoolBuffer>
+ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, PoolBuffer k,
+                                  PoolBuffer v, Table page_table, PackedPositions positions,
+                                  Lens query_starts, Lens seq_lens, PackedOut out, float scale) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
-  const Problem p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
-                  positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
-                  seq_lens.dimensions()[0], qd[1], qd[2], kd[0], kd[1], kd[2],
-                  page_table.dimensions()[1], scale};
+  const Problem<T> p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
+                     positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
+                     seq_lens.dimensions()[0], qd[1], qd[2], kd[0], kd[1], kd[2],
+                     page_table.dimensions()[1], scale};
   const int64_t tokens = qd[0];
   if (!consistent(p, kd, v.dimensions(), page_table.dimensions(), p.rows) ||
       positions.dimensions()[0] != tokens || query_starts.dimensions()[0] != p.rows + 1) {
@@ -221,29 +230,64 @@ ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, Pool k,
   return ffi::Error::Success();
 }
 
+// the handlers: float32 and bfloat16 pools
+ffi::Error PrefillF32(ffi::ThreadPool pool, Queries q, Pool k, Pool v, Table page_table,
+                      Positions positions, Lens seq_lens, Out out, float scale) {
+  return PrefillAttention<float>(pool, q, k, v, page_table, positions, seq_lens, out, scale);
+}
+
+ffi::Error PrefillBf16(ffi::ThreadPool pool, Queries q, Pool16 k, Pool16 v, Table page_table,
+                       Positions positions, Lens seq_lens, Out out, float scale) {
+  return PrefillAttention<bf16_bits>(pool, q, k, v, page_table, positions, seq_lens, out, scale);
+}
+
+ffi::Error RaggedF32(ffi::ThreadPool pool, PackedQueries q, Pool k, Pool v, Table page_table,
+                     PackedPositions positions, Lens query_starts, Lens seq_lens, PackedOut out,
+                     float scale) {
+  return PrefillAttentionRagged<float>(pool, q, k, v, page_table, positions, query_starts,
+                                       seq_lens, out, scale);
+}
+
+ffi::Error RaggedBf16(ffi::ThreadPool pool, PackedQueries q, Pool16 k, Pool16 v,
+                      Table page_table, PackedPositions positions, Lens query_starts,
+                      Lens seq_lens, PackedOut out, float scale) {
+  return PrefillAttentionRagged<bf16_bits>(pool, q, k, v, page_table, positions, query_starts,
+                                           seq_lens, out, scale);
+}
+
+// the handlers' signatures, on a pool of either kind
+#define JAXSERVE_PREFILL_BINDING(PoolBuffer) \
+  ffi::Ffi::Bind()                           \
+      .Ctx<ffi::ThreadPool>()                \
+      .Arg<Queries>()                        \
+      .Arg<PoolBuffer>()                     \
+      .Arg<PoolBuffer>()                     \
+      .Arg<Table>()                          \
+      .Arg<Positions>()                      \
+      .Arg<Lens>()                           \
+      .Ret<Queries>()                        \
+      .Attr<float>("scale")
+
+#define JAXSERVE_RAGGED_BINDING(PoolBuffer) \
+  ffi::Ffi::Bind()                          \
+      .Ctx<ffi::ThreadPool>()               \
+      .Arg<PackedQueries>()                 \
+      .Arg<PoolBuffer>()                    \
+      .Arg<PoolBuffer>()                    \
+      .Arg<Table>()                         \
+      .Arg<PackedPositions>()               \
+      .Arg<Lens>()                          \
+      .Arg<Lens>()                          \
+      .Ret<PackedQueries>()                 \
+      .Attr<float>("scale")
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionRagged, PrefillAttentionRagged,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<PackedQueries>()
-                                  .Arg<Pool>()
-                                  .Arg<Pool>()
-                                  .Arg<Table>()
-                                  .Arg<PackedPositions>()
-                                  .Arg<Lens>()
-                                  .Arg<Lens>()
-                                  .Ret<PackedQueries>()
-                                  .Attr<float>("scale"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttention, PrefillAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Queries>()
-                                  .Arg<Pool>()
-                                  .Arg<Pool>()
-                                  .Arg<Table>()
-                                  .Arg<Positions>()
-                                  .Arg<Lens>()
-                                  .Ret<Queries>()
-                                  .Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionRagged, RaggedF32,
+                              JAXSERVE_RAGGED_BINDING(Pool));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionRaggedBf16, RaggedBf16,
+                              JAXSERVE_RAGGED_BINDING(Pool16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttention, PrefillF32,
+                              JAXSERVE_PREFILL_BINDING(Pool));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionBf16, PrefillBf16,
+                              JAXSERVE_PREFILL_BINDING(Pool16));

@@ -72,3 +72,15 @@ def client(server):
 def http(server):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def other_paths():
+    """The CPU kernels' library built for AVX2 without AVX-512, and for no vector extensions at
+    all (what other machines run), registered under their own target names (the suffixes)."""
+    from pallas_kernels import cpu_library
+
+    paths = {"_avx2": ("-mno-avx512f",), "_plain": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+    for suffix, flags in paths.items():
+        cpu_library.register(cpu_library.build(flags), suffix)
+    return tuple(paths)

@@ -346,6 +346,10 @@ def test_plan(stories_dir, capsys):
                  "256"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert (p["dtype"], p["kv_dtype"], p["kv_bytes_per_token"]) == ("bfloat16", "float32", 1280)
+    # a bfloat16 pool on the CPU (the cpu attention's kernels): half the bytes per token
+    assert main(["plan", str(stories_dir), "--json", "--kv-cache-dtype", "bfloat16"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["dtype"], p["kv_dtype"], p["kv_bytes_per_token"]) == ("float32", "bfloat16", 640)
 
 
 def test_bench_throughput(stories_dir, tmp_path):

@@ -102,16 +102,6 @@ def test_a_row_gives_the_same_bits_whatever_the_other_rows(transposed):
         assert (np.asarray(matmul_cpu(x[:m], w, transposed)) == alone[:m]).all()
 
 
-@pytest.fixture(scope="module")
-def other_paths():
-    """The library built for AVX2 without AVX-512, and for no vector extensions at all (what
-    other machines run), registered under their own target names."""
-    paths = {"_avx2": ("-mno-avx512f",), "_plain": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
-    for suffix, flags in paths.items():
-        cpu_library.register(cpu_library.build(flags), suffix)
-    return tuple(paths)
-
-
 def test_every_instruction_set_path_gives_the_same_bits(other_paths):
     # one chain of correctly rounded fused multiply-adds per element, however it is vectorised:
     # a model's greedy output does not depend on the machine's vector width either

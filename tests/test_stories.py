@@ -31,6 +31,25 @@ def test_greedy_ids_from_prompt_ids_batched(stories):
     assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
 
 
+def test_a_bf16_kv_pool_gives_the_references_greedy_ids_whatever_the_batch(stories_dir):
+    # kv_cache_dtype="bfloat16": keys and values rounded to bfloat16, held as their bits, half
+    # the pool's bytes; the tiny real model's greedy ids still match the C reference's, batched
+    # or one at a time (the kernels' sums do not depend on the batch)
+    cases = json.loads((stories_dir / "reference_outputs.json").read_text())["cases"]
+    llm = LLM(stories_dir, page_size=4, prefill_chunk_sizes=(8,), max_num_seqs=8,
+              max_num_batched_tokens=32, num_pages=512, kv_cache_dtype="bfloat16")
+    runner = llm.engine.runner
+    assert runner.kv.k[0].dtype == np.uint16 and runner.kv_dtype_name == "bfloat16"
+    m = runner.model_config
+    assert runner.kv_bytes_per_page == 2 * m.num_layers * 4 * m.num_kv_heads * m.head_dim * 2
+    batched = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases],
+                           [_params(c) for c in cases])
+    for out, case in zip(batched, cases, strict=True):
+        assert out.outputs[0].token_ids == case["generated_ids"]
+        alone = llm.generate({"prompt_token_ids": case["prompt_ids"]}, _params(case))[0]
+        assert alone.outputs[0].token_ids == case["generated_ids"]
+
+
 def test_greedy_from_text_through_the_tokenizer(stories):
     llm, cases = stories
     for case in cases:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.cpu_attention import BF16_BITS, bf16_bits
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -83,4 +85,7 @@ def write_kv(pages: jax.Array, new: jax.Array, index: tuple[jax.Array, jax.Array
     """
     _, _, kv_heads, head_dim = pages.shape
     page, offset = index
-    return pages.at[page, offset].set(new.reshape(-1, kv_heads, head_dim).astype(pages.dtype))
+    new = new.reshape(-1, kv_heads, head_dim)
+    # a bfloat16 pool on the CPU holds its values' bits (cpu_attention.BF16_BITS)
+    new = bf16_bits(new) if pages.dtype == BF16_BITS else new.astype(pages.dtype)
+    return pages.at[page, offset].set(new)
