@@ -135,6 +135,9 @@ def paired_rounds(llms: list, hf, samples: list[Sample], options: list[dict], bu
         out.append({"round": r + 1, "jaxserve_tokens_per_s": best,
                     "peer_tokens_per_s": peer["output_tokens_per_s"],
                     "ratio": best / peer["output_tokens_per_s"],
+                    # each jaxserve setting's own, in `options`' order
+                    "setting_ratios": [x["output_tokens_per_s"] / peer["output_tokens_per_s"]
+                                       for x in ours],
                     "identical": sum(a == b for a, b in zip(ours[0]["token_ids"],
                                                             peer["token_ids"], strict=True))})
         print(f"round {r + 1}: jaxserve / hf-cb {budget} tok/step = {out[-1]['ratio']:.2f}x",
@@ -346,6 +349,20 @@ def main() -> None:
         print(f"jaxserve / hf-cb, round by round: "
               f"{', '.join(f'{x:.2f}x' for x in paired)}; median "
               f"{summary['median_paired_ratio']:.2f}x")
+        # each setting on its own (the best of them may not give the peer's ids: bfloat16 KV)
+        peer_ids = max((r for r in rows if r["name"] == "hf-cb"),
+                       key=lambda r: r["output_tokens_per_s"])["token_ids"]
+        summary["by_setting"] = []
+        for i, r in enumerate(rows[:len(settings)]):
+            own = [r["output_tokens_per_s"] / summary["ratios"]["hf-cb"]["peer_tokens_per_s"]]
+            own += [x["setting_ratios"][i] for x in rounds]
+            same = agreement(r["token_ids"], peer_ids)["identical"]
+            summary["by_setting"].append({"setting": r["setting"], "paired_ratios": own,
+                                          "median": statistics.median(own),
+                                          "identical_to_peer": same})
+            print(f"  {r['setting']:<63} median {statistics.median(own):.2f}x "
+                  f"({', '.join(f'{x:.2f}' for x in own)}); ids {same}/{len(peer_ids)} "
+                  "identical to hf-cb's")
     for name, a in summary["agreement"].items():
         print(f"greedy ids, jaxserve vs {name}: {a['identical']}/{a['total']} identical, "
               f"{100 * a['mean_prefix_fraction']:.1f}% of tokens before a first difference")

@@ -242,6 +242,7 @@ def test_peer_rounds_pair_each_rounds_runs(monkeypatch):
     monkeypatch.setattr(peer, "run_hf_cb", fake)
     rounds = peer.paired_rounds(["a", "b"], None, [], [{}, {}], 512, 2)
     assert [r["ratio"] for r in rounds] == [6.0, 4.0]
+    assert [r["setting_ratios"] for r in rounds] == [[6.0, 5.0], [3.0, 4.0]]
     assert [r["jaxserve_tokens_per_s"] for r in rounds] == [600.0, 400.0]
     assert all(r["identical"] == 2 for r in rounds)
 
