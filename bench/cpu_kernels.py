@@ -13,8 +13,9 @@
     prefill  one layer's paged attention for prompt chunks: the plain-XLA block walk
              (attention_impl="reference") against cpu_prefill.cc (and, with --baseline REV, the
              kernel as at REV, alternating)
-    decode   64 slots x 200 tokens over 8 layers: cpu_decode.cc's GB/s of K and V read,
-             beside the machine's streaming read of a buffer larger than its caches; with
+    decode   64 slots x 200 tokens over 8 layers: cpu_decode.cc's GB/s of K and V read (on
+             float32 pages and on bfloat16 ones: kv_cache_dtype="bfloat16"), beside the
+             machine's streaming read of a buffer larger than its caches; with
              --baseline REV, also the kernels as they were at git revision REV, alternating
              with today's in the same process (where a change's few percent show; from one
              process to the next the figure can move more than that)
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import cpu_library
 from pallas_kernels.blocked import prefill_attention_blocked
-from pallas_kernels.cpu_attention import decode_attention_cpu, prefill_attention_cpu
+from pallas_kernels.cpu_attention import bf16_bits, decode_attention_cpu, prefill_attention_cpu
 from pallas_kernels.cpu_matmul import (
     AMX_BLOCK,
     PANEL,
@@ -156,15 +157,20 @@ def decode_row(slots, context, layers, heads, kv_heads, head_dim, runs: int, rng
             decode_attention_cpu(q, k, v, t, n, 0.125, library).sum()
             for k, v in zip(ks, vs, strict=True)))
 
-    kinds = {"": chain("")} | ({} if baseline is None else {"baseline": chain(baseline)})
+    # kind -> (the chain, its pools): today's kernel, the same on the pools rounded to bfloat16
+    # (kv_cache_dtype="bfloat16", half the bytes), and the baseline's kernel
+    pools16 = ([bf16_bits(k) for k in ks], [bf16_bits(v) for v in vs])
+    kinds = {"": (chain(""), ks, vs), "bf16": (chain(""), *pools16)}
+    if baseline is not None:
+        kinds["baseline"] = (chain(baseline), ks, vs)
     best = {kind: float("inf") for kind in kinds}
     for _ in range(runs):  # alternating
-        for kind, fn in kinds.items():
-            best[kind] = min(best[kind], best_time(fn, q, ks, vs, table, lens, runs=2))
-    kv_bytes = 2 * layers * slots * context * kv_heads * head_dim * 4
+        for kind, (fn, k, v) in kinds.items():
+            best[kind] = min(best[kind], best_time(fn, q, k, v, table, lens, runs=2))
     out = {"slots": slots, "context": context, "layers": layers}
     for kind, seconds in best.items():
         prefix = f"{kind}_" if kind else ""
+        kv_bytes = 2 * layers * slots * context * kv_heads * head_dim * (2 if kind == "bf16" else 4)
         out |= {f"{prefix}ms": 1e3 * seconds, f"{prefix}gb_per_s": kv_bytes / seconds / 1e9}
     return out
 
@@ -253,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\ndecode attention, {d['slots']} slots x {d['context']} tokens x {d['layers']} "
               f"layers: {d['ms']:.2f} ms, {d['gb_per_s']:.1f} GB/s of K and V "
               f"(one thread's streaming read: {out['read_gb_per_s']:.1f} GB/s)")
+        print(f"  on a bfloat16 pool (kv_cache_dtype=bfloat16): {d['bf16_ms']:.2f} ms, "
+              f"{d['bf16_gb_per_s']:.1f} GB/s of its half-size K and V")
         if args.baseline:
             print(f"  as at {args.baseline}: {d['baseline_ms']:.2f} ms, "
                   f"{d['baseline_gb_per_s']:.1f} GB/s (alternating with the above)")

@@ -277,6 +277,7 @@ def test_cpu_kernels_bench_runs_at_tiny_size(capsys):
     assert [r["m"] for r in out["matmul"]] == [1, 8, 40]
     assert all(r[f"{k}_ms"] > 0 for r in out["matmul"] + out["prefill"] for k in ("xla", "cpu"))
     assert out["decode"]["gb_per_s"] > 0 and out["read_gb_per_s"] > 0
+    assert out["decode"]["bf16_ms"] > 0
     assert "decode attention, 4 slots x 40 tokens x 2 layers" in capsys.readouterr().out
 
 
