@@ -20,8 +20,9 @@ def kv_cache_dtype(dtype: str, backend: str, attention_impl: str,
     """The KV pool's dtype for a model computing in `dtype`; `requested` is the
     kv_cache_dtype option. "auto" is the model's dtype, except float32 for a 16-bit model under
     the reference or cpu attention on the CPU: XLA on the CPU has no 16-bit float gather or
-    scatter and converts the whole pool to float32 and back, every layer of every step (a
-    2-row decode step of a 32-layer bf16 model took 214 ms with 4096 pages and 45 ms with 512).
+    scatter, and its steps converted a bfloat16 pool to float32 and back, every layer of every
+    step (2026-11-30: a 2-row decode step of a 32-layer bf16 model took 214 ms with 4096 pages
+    and 45 ms with 512; bench/kv_dtype_cpu.py).
     "bfloat16" on the CPU is read by the cpu attention's kernels, which hold it as uint16 bits
     (XLA scatters those in place) and widen each key and value as they load it: half the bytes
     a decode step reads from the pool, keys and values rounded to bfloat16. On an accelerator
