@@ -141,9 +141,10 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.scheduler = make_scheduler(config, self.runner.num_pages,
                                         self.runner.chunk_buckets[-1])
-        log.info("KV cache: %d pages of %d tokens (%.1f MiB), at most %d tokens in flight",
+        log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s), at most %d tokens in flight",
                  self.runner.num_pages - 1, config.page_size,
                  self.runner.num_pages * self.runner.kv_bytes_per_page / 2**20,
+                 self.runner.kv_dtype_name,
                  (self.runner.num_pages - 1) * config.page_size)
         self.warmup_seconds = self.runner.warmup(progress=progress)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
