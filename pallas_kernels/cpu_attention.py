@@ -7,8 +7,8 @@ key of each block before masking. `cpu_decode.cc` and `cpu_prefill.cc` read the 
 once, spread over XLA's intra-op threads, and score a query only against the keys it may see.
 Same contracts as `reference.decode_attention_ref` and `reference.prefill_attention_ref`, on
 float32 pages or bfloat16 pages held as their bits in uint16 (`BF16_BITS`; see `bf16_bits` and
-`from_bf16_bits`): XLA on the CPU scatters a 16-bit integer pool in place, but converts a
-bfloat16 one to float32 and back around every write. The kernels widen each bfloat16 key and
+`from_bf16_bits`): XLA on the CPU scatters a 16-bit integer pool in place (a 64-token write
+into 4096 pages: 0.04 ms), where a bfloat16 one took 35 ms. The kernels widen each bfloat16 key and
 value exactly as they load it, so a bfloat16 pool gives the bits a float32 pool holding the
 widened values gives. Built with the other CPU kernels (`cpu_library`).
 """

@@ -129,15 +129,16 @@ using Table = ffi::BufferR2<ffi::S32>;
 using Lens = ffi::BufferR1<ffi::S32>;
 using Out = ffi::ResultBufferR3<ffi::F32>;
 
-template <class T, class PoolBuffer>
+template <class PoolBuffer>  // Pool or Pool16
 ffi::Error DecodeAttention(ffi::ThreadPool pool, Rows q, PoolBuffer k, PoolBuffer v,
                            Table page_table, Lens seq_lens, Out out, float scale) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto td = page_table.dimensions();
-  Problem<T> p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
-               seq_lens.typed_data(), out->typed_data(),
-               qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[1], scale};
+  Problem<PoolElement<PoolBuffer>> p{q.typed_data(), k.typed_data(), v.typed_data(),
+                                     page_table.typed_data(), seq_lens.typed_data(),
+                                     out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2],
+                                     td[1], scale};
   const auto vd = v.dimensions();
   if (kd[3] != p.head_dim || p.kv_heads == 0 || p.heads % p.kv_heads != 0 ||
       !std::equal(kd.begin(), kd.end(), vd.begin()) || td[0] != p.slots ||
@@ -152,16 +153,6 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, Rows q, PoolBuffer k, PoolBuffe
     attend(p, i / splits, part * per_part, (part + 1) * per_part, scores);
   });
   return ffi::Error::Success();
-}
-
-ffi::Error DecodeAttentionF32(ffi::ThreadPool pool, Rows q, Pool k, Pool v, Table page_table,
-                              Lens seq_lens, Out out, float scale) {
-  return DecodeAttention<float>(pool, q, k, v, page_table, seq_lens, out, scale);
-}
-
-ffi::Error DecodeAttentionBf16(ffi::ThreadPool pool, Rows q, Pool16 k, Pool16 v,
-                               Table page_table, Lens seq_lens, Out out, float scale) {
-  return DecodeAttention<bf16_bits>(pool, q, k, v, page_table, seq_lens, out, scale);
 }
 
 // the handlers' signature, on a pool of either kind
@@ -199,7 +190,7 @@ template void decode_query<bf16_bits>(const float*, const bf16_bits*, const bf16
 
 }  // namespace jaxserve_cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttentionF32,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttention<Pool>,
                               JAXSERVE_DECODE_BINDING(Pool));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttentionBf16, DecodeAttentionBf16,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttentionBf16, DecodeAttention<Pool16>,
                               JAXSERVE_DECODE_BINDING(Pool16));

@@ -3,8 +3,8 @@
 // and exponential, and work items spread over XLA's intra-op thread pool.
 //
 // The attention kernels read a page pool of float32 or of bfloat16 held as its bits (uint16_t:
-// XLA on the CPU scatters 16-bit integers in place, but converts a bfloat16 pool to float32 and
-// back around every write). A bfloat16 key or value is widened to float32 exactly as it is
+// XLA on the CPU scatters 16-bit integers in place, where a write into a bfloat16 pool took a
+// thousand times as long). A bfloat16 key or value is widened to float32 exactly as it is
 // loaded, and the sums then run as they do over float32 pages: a bfloat16 pool gives the bits
 // a float32 pool holding the same (widened) values gives.
 #pragma once
@@ -16,6 +16,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -54,6 +55,11 @@ inline __m512 load16(const bf16_bits* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 #endif
+
+// A pool buffer's element type (float, or bf16_bits for ffi::U16)
+template <class PoolBuffer>
+using PoolElement = std::remove_cv_t<
+    std::remove_pointer_t<decltype(std::declval<PoolBuffer&>().typed_data())>>;
 
 // One sequence's view of a KV page pool [P, page, KV, D]: a token's keys (or values) for all KV
 // heads are one contiguous row of KV * D elements (float or bf16_bits).

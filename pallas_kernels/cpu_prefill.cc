@@ -141,17 +141,17 @@ bool consistent(const Problem<T>& p, const ffi::Span<const int64_t>& kd,
          std::equal(kd.begin(), kd.end(), vd.begin()) && td[0] == p.rows && lens == p.rows;
 }
 
-template <class T, class PoolBuffer>
+template <class PoolBuffer>  // Pool or Pool16
 ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, PoolBuffer k, PoolBuffer v,
                             Table page_table, Positions positions, Lens seq_lens, Out out,
                             float scale) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto pd = positions.dimensions();
-  const Problem<T> p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
-                  positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
-                     qd[0], qd[2], qd[3], kd[0], kd[1], kd[2], page_table.dimensions()[1],
-                     scale};
+  const Problem<PoolElement<PoolBuffer>> p{
+      q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
+      positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
+      qd[0], qd[2], qd[3], kd[0], kd[1], kd[2], page_table.dimensions()[1], scale};
   const int64_t chunk = qd[1];
   if (!consistent(p, kd, v.dimensions(), page_table.dimensions(), seq_lens.dimensions()[0]) ||
       pd[0] != p.rows || pd[1] != chunk) {
@@ -169,16 +169,17 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, PoolBuffer k, PoolB
   return ffi::Error::Success();
 }
 
-template <class T, class PoolBuffer>
+template <class PoolBuffer>  // Pool or Pool16
 ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, PoolBuffer k,
                                   PoolBuffer v, Table page_table, PackedPositions positions,
                                   Lens query_starts, Lens seq_lens, PackedOut out, float scale) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
-  const Problem<T> p{q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
-                     positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
-                     seq_lens.dimensions()[0], qd[1], qd[2], kd[0], kd[1], kd[2],
-                     page_table.dimensions()[1], scale};
+  const Problem<PoolElement<PoolBuffer>> p{
+      q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
+      positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
+      seq_lens.dimensions()[0], qd[1], qd[2], kd[0], kd[1], kd[2],
+      page_table.dimensions()[1], scale};
   const int64_t tokens = qd[0];
   if (!consistent(p, kd, v.dimensions(), page_table.dimensions(), p.rows) ||
       positions.dimensions()[0] != tokens || query_starts.dimensions()[0] != p.rows + 1) {
@@ -230,31 +231,6 @@ ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, PoolBuf
   return ffi::Error::Success();
 }
 
-// the handlers: float32 and bfloat16 pools
-ffi::Error PrefillF32(ffi::ThreadPool pool, Queries q, Pool k, Pool v, Table page_table,
-                      Positions positions, Lens seq_lens, Out out, float scale) {
-  return PrefillAttention<float>(pool, q, k, v, page_table, positions, seq_lens, out, scale);
-}
-
-ffi::Error PrefillBf16(ffi::ThreadPool pool, Queries q, Pool16 k, Pool16 v, Table page_table,
-                       Positions positions, Lens seq_lens, Out out, float scale) {
-  return PrefillAttention<bf16_bits>(pool, q, k, v, page_table, positions, seq_lens, out, scale);
-}
-
-ffi::Error RaggedF32(ffi::ThreadPool pool, PackedQueries q, Pool k, Pool v, Table page_table,
-                     PackedPositions positions, Lens query_starts, Lens seq_lens, PackedOut out,
-                     float scale) {
-  return PrefillAttentionRagged<float>(pool, q, k, v, page_table, positions, query_starts,
-                                       seq_lens, out, scale);
-}
-
-ffi::Error RaggedBf16(ffi::ThreadPool pool, PackedQueries q, Pool16 k, Pool16 v,
-                      Table page_table, PackedPositions positions, Lens query_starts,
-                      Lens seq_lens, PackedOut out, float scale) {
-  return PrefillAttentionRagged<bf16_bits>(pool, q, k, v, page_table, positions, query_starts,
-                                           seq_lens, out, scale);
-}
-
 // the handlers' signatures, on a pool of either kind
 #define JAXSERVE_PREFILL_BINDING(PoolBuffer) \
   ffi::Ffi::Bind()                           \
@@ -283,11 +259,11 @@ ffi::Error RaggedBf16(ffi::ThreadPool pool, PackedQueries q, Pool16 k, Pool16 v,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionRagged, RaggedF32,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionRagged, PrefillAttentionRagged<Pool>,
                               JAXSERVE_RAGGED_BINDING(Pool));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionRaggedBf16, RaggedBf16,
-                              JAXSERVE_RAGGED_BINDING(Pool16));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttention, PrefillF32,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionRaggedBf16,
+                              PrefillAttentionRagged<Pool16>, JAXSERVE_RAGGED_BINDING(Pool16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttention, PrefillAttention<Pool>,
                               JAXSERVE_PREFILL_BINDING(Pool));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionBf16, PrefillBf16,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionBf16, PrefillAttention<Pool16>,
                               JAXSERVE_PREFILL_BINDING(Pool16));
