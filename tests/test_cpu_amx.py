@@ -21,7 +21,7 @@ needs_amx = pytest.mark.skipif(not cpu_library.amx_ready(),
 # rows around the 16-row tile, the 32-row pair walk and the 128-row work item; columns around
 # the 16-column block and the pair of blocks (an odd count leaves one block alone); k steps of 32
 SHAPES = [(1, 32, 1), (5, 64, 15), (16, 32, 32), (17, 96, 33), (33, 128, 48), (130, 64, 200),
-          (64, 512, 64)]
+          (64, 512, 64), (300, 64, 40)]  # 300: three items of split rows, the last partial
 
 
 def test_pack_amx_layout():
