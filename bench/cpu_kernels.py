@@ -6,10 +6,12 @@
     python bench/cpu_kernels.py --parts prefill --baseline HEAD~1
     python bench/cpu_kernels.py --parts matmul --baseline HEAD~1
 
-    matmul   the peer model's 57 linear layers in a chain (8 layers + LM head), x of M rows:
+    matmul   the peer model's 57 linear layers in a chain (8 layers + LM head), x of M rows
+             (each layer reading x, which lets XLA run some side by side; with --dependent each
+             reading the one before, as the engine's steps do):
              XLA's dot against pallas_kernels/cpu_matmul.cc, ms and GFLOP/s per M (with
              --baseline REV, the packed kernel as at REV too, alternating; on a CPU with
-             AMX-BF16, the amx kernel too: matmul_impl="amx")
+             AMX-BF16, the amx kernel too: matmul_impl="amx", and with --baseline, it as at REV)
     prefill  one layer's paged attention for prompt chunks: the plain-XLA block walk
              (attention_impl="reference") against cpu_prefill.cc (and, with --baseline REV, the
              kernel as at REV, alternating)
@@ -69,7 +71,8 @@ def linear_shapes(hidden: int, kv: int, inter: int, layers: int, vocab: int):
     return per_layer * layers + [(hidden, vocab)]
 
 
-def matmul_rows(shapes, ms, runs: int, rng, baseline: str | None = None) -> list[dict]:
+def matmul_rows(shapes, ms, runs: int, rng, baseline: str | None = None,
+                dependent: bool = False) -> list[dict]:
     ws = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.05) for s in shapes]
 
     def chain(mm):
@@ -80,7 +83,15 @@ def matmul_rows(shapes, ms, runs: int, rng, baseline: str | None = None) -> list
                 xin = jnp.tile(x, (1, k // x.shape[1]))
                 total = total + mm(xin, w)[:, :1].sum()
             return total
-        return run
+
+        @jax.jit
+        def run_dependent(x, ws):  # every layer reads the one before, normalised, as in a step
+            y = x
+            for (k, _), w in zip(shapes, ws, strict=True):
+                xin = jnp.tile(y, (1, -(-k // y.shape[1])))[:, :k]
+                y = mm(xin * jax.lax.rsqrt(jnp.mean(xin * xin, -1, keepdims=True) + 1e-5), w)
+            return y[:, :1].sum()
+        return run_dependent if dependent else run
 
     panels = [pack_panels(w) for w in ws]  # as the engine stores them
     kinds = {"xla": chain(lambda a, b: a @ b), "cpu": chain(matmul_cpu),
@@ -89,6 +100,10 @@ def matmul_rows(shapes, ms, runs: int, rng, baseline: str | None = None) -> list
     if cpu_library.amx_ready():  # a CPU with AMX-BF16: the bf16x3 kernel too
         kinds["amx"] = chain(lambda a, p: matmul_cpu_amx(a, p, p.shape[1] * AMX_BLOCK))
         operands["amx"] = [pack_amx(w) for w in ws]
+        if baseline is not None:
+            kinds["amx_baseline"] = chain(lambda a, p: matmul_cpu_amx(
+                a, p, p.shape[1] * AMX_BLOCK, baseline))
+            operands["amx_baseline"] = [jnp.array(p, copy=True) for p in operands["amx"]]
     if baseline is not None:
         kinds["baseline"] = chain(lambda a, p: matmul_cpu_panels(a, p, p.shape[0] * PANEL,
                                                                  baseline))
@@ -211,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--baseline", metavar="REV",
                         help="the kernels also as built from git revision REV (the packed "
                              "matmul, prefill and decode attention), alternating")
+    parser.add_argument("--dependent", action="store_true",
+                        help="matmul: each layer reads the layer before (as in the engine's "
+                             "steps), not x: XLA cannot run them side by side")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     if args.quick:
@@ -231,18 +249,23 @@ def main(argv: list[str] | None = None) -> dict:
     if args.baseline:
         baseline = register_baseline(args.baseline)
     if "matmul" in args.parts:
-        out["matmul"] = matmul_rows(shapes, ms, runs, rng, baseline)
-        print(f"\nmatmul: {len(shapes)} linear layers in a chain; ms (GFLOP/s)")
+        out["matmul"] = matmul_rows(shapes, ms, runs, rng, baseline, args.dependent)
+        print(f"\nmatmul: {len(shapes)} linear layers in a chain"
+              + (", each reading the one before" if args.dependent else "") + "; ms (GFLOP/s)")
         print(f"{'rows':>6} {'XLA dot':>18} {'cpu kernel':>18} {'cpu, packed w':>18}"
               + (f" {'packed, as at ' + args.baseline:>22}" if baseline else "")
-              + (f" {'amx (bf16x3)':>18}" if "amx_ms" in out["matmul"][0] else ""))
+              + (f" {'amx (bf16x3)':>18}" if "amx_ms" in out["matmul"][0] else "")
+              + (f" {'amx, as at ' + args.baseline:>18}"
+                 if "amx_baseline_ms" in out["matmul"][0] else ""))
         for r in out["matmul"]:
             print(f"{r['m']:>6} {r['xla_ms']:9.2f} ({r['xla_gflops']:5.0f}) "
                   f"{r['cpu_ms']:9.2f} ({r['cpu_gflops']:5.0f}) "
                   f"{r['panels_ms']:9.2f} ({r['panels_gflops']:5.0f})"
                   + (f" {r['baseline_ms']:13.2f} ({r['baseline_gflops']:5.0f})"
                      if baseline else "")
-                  + (f" {r['amx_ms']:9.2f} ({r['amx_gflops']:5.0f})" if "amx_ms" in r else ""))
+                  + (f" {r['amx_ms']:9.2f} ({r['amx_gflops']:5.0f})" if "amx_ms" in r else "")
+                  + (f" {r['amx_baseline_ms']:11.2f} ({r['amx_baseline_gflops']:5.0f})"
+                     if "amx_baseline_ms" in r else ""))
     if "prefill" in args.parts:
         out["prefill"] = prefill_rows(cases, *attn, runs, rng, baseline)
         print(f"\nprefill attention, one layer ({attn[0]} heads, {attn[1]} KV heads of {attn[2]}); ms")

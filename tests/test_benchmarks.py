@@ -32,6 +32,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.server import ServerConfig, build_app
 from jaxserve.sim.metrics import RequestRecord, parse_slos, percentile_key
+from pallas_kernels import cpu_library
 
 # the server tests' engine shape: every step is already in the persistent compilation cache
 CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_sizes=(32,),
@@ -283,11 +284,15 @@ def test_cpu_kernels_bench_runs_at_tiny_size(capsys):
 
 def test_cpu_kernels_bench_runs_a_git_revisions_decode_kernel_beside_todays(capsys):
     """--baseline REV builds the kernels as they were at REV and alternates their decode and
-    prefill attention with today's."""
+    prefill attention and their matmuls (the amx one too, where it runs) with today's."""
     bench = _load(ROOT / "bench" / "cpu_kernels.py")
-    out = bench.main(["--quick", "--parts", "prefill", "decode", "--baseline", "HEAD"])
+    out = bench.main(["--quick", "--parts", "matmul", "prefill", "decode", "--baseline", "HEAD",
+                      "--dependent"])
     assert out["decode"]["ms"] > 0 and out["decode"]["baseline_ms"] > 0
     assert all(r["cpu_ms"] > 0 and r["baseline_ms"] > 0 for r in out["prefill"])
+    assert all(r["panels_ms"] > 0 and r["baseline_ms"] > 0 for r in out["matmul"])
+    if cpu_library.amx_ready():
+        assert all(r["amx_baseline_ms"] > 0 for r in out["matmul"])
     printed = capsys.readouterr().out
     assert "as at HEAD:" in printed and "as at HEAD" in printed.split("decode attention")[0]
     with pytest.raises(SystemExit, match="--baseline no-such-revision"):
