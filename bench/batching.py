@@ -116,6 +116,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-pages", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--matmul-impl", default="auto", help="as the engine's option (amx: "
+                        "bf16x3 on AMX tiles, opt-in)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as the engine's option")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
@@ -125,6 +128,7 @@ def main() -> None:
         prefill_chunk_sizes=tuple(int(c) for c in args.prefill_chunk_sizes.split(",")),
         decode_steps=args.decode_steps, num_pages=args.num_pages, enable_prompt_logprobs=False,
         max_model_len=args.max_model_len, max_batch_size=args.max_num_seqs,
+        matmul_impl=args.matmul_impl, kv_cache_dtype=args.kv_cache_dtype,
         row_buckets=None if args.row_buckets is None
         else tuple(int(r) for r in args.row_buckets.split(",")))
     start = time.perf_counter()
@@ -133,7 +137,8 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     print(f"model {args.model}: {engine.model_config.num_params / 1e6:.1f}M parameters, "
           f"{engine.runner.weight_bytes / 2**20:.0f} MiB weights, backend "
-          f"{engine.runner.backend}, attention {engine.runner.attention_impl}; "
+          f"{engine.runner.backend}, attention {engine.runner.attention_impl}, matmul "
+          f"{engine.runner.matmul_name}, {engine.runner.kv_dtype_name} KV; "
           f"load + warm-up {time.perf_counter() - start:.1f} s")
     prompts, params = workload(args.num_prompts, vocab, args.seed)
     rows = [run_mode(llm, EngineConfig.from_overrides(**overrides, batching=mode), prompts, params)
