@@ -15,8 +15,10 @@ float32, greedy, every request at its own output length (EOS ignored):
 
 It prints output tokens/s, the jaxserve/peer ratios against each peer's best setting, whether
 the greedy ids agree, and each run against the workload's compute floor (its model FLOPs / this
-machine's measured float32 matmul rate). The workload is the engine issue's (prompts uniform in
-[32, 256], outputs lognormal with median 48 capped at 256), as bench/batching.py's.
+machine's measured float32 matmul rate), and on a virtual machine the share of CPU time its
+host took during each run (steal, from /proc/stat: a run that met a contended host says so).
+The workload is the engine issue's (prompts uniform in [32, 256], outputs lognormal with median
+48 capped at 256), as bench/batching.py's.
 """
 
 import argparse
@@ -105,6 +107,7 @@ def run_jaxserve(llm, samples: list[Sample], options: dict) -> dict:
               for s in samples]
     prompts = [s.engine_prompt for s in samples]
     with iteration_times(llm.engine) as times:
+        since = cpu_times()
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
@@ -119,7 +122,7 @@ def run_jaxserve(llm, samples: list[Sample], options: dict) -> dict:
                f"{llm.engine.runner.attention_impl} attention, {matmul} matmul"
                + (f", {llm.engine.runner.kv_dtype_name} KV"
                   if options.get("kv_cache_dtype", "auto") != "auto" else ""))
-    return _row("jaxserve", setting, elapsed, ids)
+    return _row("jaxserve", setting, elapsed, ids, since)
 
 
 def paired_rounds(llms: list, hf, samples: list[Sample], options: list[dict], budget: int,
@@ -138,6 +141,8 @@ def paired_rounds(llms: list, hf, samples: list[Sample], options: list[dict], bu
                     # each jaxserve setting's own, in `options`' order
                     "setting_ratios": [x["output_tokens_per_s"] / peer["output_tokens_per_s"]
                                        for x in ours],
+                    # the host's steal in each run (jaxserve's settings, then the peer's)
+                    "host_steal": [x.get("host_steal") for x in (*ours, peer)],
                     "identical": sum(a == b for a, b in zip(ours[0]["token_ids"],
                                                             peer["token_ids"], strict=True))})
         print(f"round {r + 1}: jaxserve / hf-cb {budget} tok/step = {out[-1]['ratio']:.2f}x",
@@ -181,11 +186,36 @@ def row_buckets_x15(max_num_seqs: int) -> tuple[int, ...]:
     return (*(b for b in sizes if b < top), top)
 
 
-def _row(name: str, setting: str, elapsed: float, ids: list[list[int]]) -> dict:
+def cpu_times(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """(steal, total) of the machine's CPU time so far, in Linux's ticks (the first line of
+    /proc/stat: user nice system idle iowait irq softirq steal ...); None where it has no steal
+    column (not Linux, or not a virtual machine's kernel)."""
+    try:
+        fields = stat.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
+def host_steal(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """The share of all CPU time between two `cpu_times` readings that the host took from this
+    virtual machine (steal): a run with a large share met a contended host."""
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return (end[0] - start[0]) / (end[1] - start[1])
+
+
+def _row(name: str, setting: str, elapsed: float, ids: list[list[int]],
+         since: tuple[int, int] | None = None) -> dict:
     out = sum(len(x) for x in ids)
-    print(f"{name:<9} {setting:<54} {elapsed:7.2f} s {out / elapsed:8.1f} out tok/s", flush=True)
+    steal = host_steal(since, cpu_times())
+    print(f"{name:<9} {setting:<54} {elapsed:7.2f} s {out / elapsed:8.1f} out tok/s"
+          + (f"  (host steal {100 * steal:.0f}%)" if steal is not None else ""), flush=True)
     return {"name": name, "setting": setting, "elapsed_s": elapsed,
-            "output_tokens_per_s": out / elapsed, "token_ids": ids}
+            "output_tokens_per_s": out / elapsed, "host_steal": steal, "token_ids": ids}
 
 
 def _hf_model(model: Path):
@@ -222,9 +252,10 @@ def run_hf_static(hf, samples: list[Sample], batch: int) -> dict:
         return [out[i, width:width + s.output_len].tolist() for i, s in enumerate(group)]
 
     generate([Sample(s.prompt, s.prompt_len, 4) for s in samples[:batch]])  # warm-up
+    since = cpu_times()
     start = time.perf_counter()
     ids = [x for i in range(0, len(samples), batch) for x in generate(samples[i:i + batch])]
-    return _row("hf-static", f"batch {batch}", time.perf_counter() - start, ids)
+    return _row("hf-static", f"batch {batch}", time.perf_counter() - start, ids, since)
 
 
 def run_hf_cb(hf, samples: list[Sample], budget: int) -> dict:
@@ -234,6 +265,7 @@ def run_hf_cb(hf, samples: list[Sample], budget: int) -> dict:
     with hf.continuous_batching_context_manager(generation_config=_greedy_config(256),
                                                 continuous_batching_config=config,
                                                 block=True, timeout=5) as manager:
+        since = cpu_times()
         start = time.perf_counter()  # after the manager's warm-up
         for i, s in enumerate(samples):
             manager.add_request(s.prompt, request_id=str(i), max_new_tokens=s.output_len,
@@ -249,7 +281,7 @@ def run_hf_cb(hf, samples: list[Sample], budget: int) -> dict:
                 raise RuntimeError("transformers' generation thread stopped")
         elapsed = time.perf_counter() - start
     ids = [list(results[str(i)].generated_tokens) for i in range(len(samples))]
-    return _row("hf-cb", f"{budget} tok/step", elapsed, ids)
+    return _row("hf-cb", f"{budget} tok/step", elapsed, ids, since)
 
 
 def main() -> None:

@@ -246,6 +246,21 @@ def test_peer_rounds_pair_each_rounds_runs(monkeypatch):
     assert [r["setting_ratios"] for r in rounds] == [[6.0, 5.0], [3.0, 4.0]]
     assert [r["jaxserve_tokens_per_s"] for r in rounds] == [600.0, 400.0]
     assert all(r["identical"] == 2 for r in rounds)
+    assert all(r["host_steal"] == [None, None, None] for r in rounds)  # the fakes report none
+
+
+def test_peer_reads_the_hosts_steal_from_proc_stat(tmp_path):
+    peer = _load(ROOT / "bench" / "peer_hf.py")
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 50 0 25 400 5 0 2 18 0 0\n")
+    start = peer.cpu_times(stat)
+    assert start == (35, 1000)
+    stat.write_text("cpu  300 0 100 900 10 0 5 85 0 0\n")
+    assert peer.host_steal(start, peer.cpu_times(stat)) == 50 / 400
+    assert peer.cpu_times(tmp_path / "missing") is None
+    stat.write_text("cpu  1 2 3 4\n")  # no steal column
+    assert peer.cpu_times(stat) is None
+    assert peer.host_steal(None, start) is None and peer.host_steal(start, start) is None
 
 
 def test_peer_iteration_times_charge_each_step_to_the_iteration_before():
