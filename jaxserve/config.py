@@ -14,6 +14,8 @@ from typing import Any, Literal
 from jaxserve.checks import is_finite, is_int, show
 from jaxserve.model_config import SUPPORTED_DTYPES, ModelConfig
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # the kv_cache_dtype option's values
+
 
 def kv_cache_dtype(dtype: str, backend: str, attention_impl: str,
                    requested: str = "auto") -> str:
@@ -28,9 +30,8 @@ def kv_cache_dtype(dtype: str, backend: str, attention_impl: str,
     a decode step reads from the pool, keys and values rounded to bfloat16. On an accelerator
     the pool takes the model's dtype (the Pallas kernels read q's dtype). A combination that
     cannot run raises a ValueError naming kv_cache_dtype."""
-    if requested not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"kv_cache_dtype must be one of ('auto', 'float32', 'bfloat16'), "
-                         f"got {requested!r}")
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
     if requested == "auto":
         if backend == "cpu" and attention_impl in ("reference", "cpu") and dtype != "float32":
             return "float32"
@@ -93,7 +94,7 @@ _CHOICES = {
     "batching": ("static", "dynamic", "continuous"),
     "attention_impl": ("auto", "pallas", "cpu", "reference"),
     "matmul_impl": ("auto", "cpu", "amx", "xla"),
-    "kv_cache_dtype": ("auto", "float32", "bfloat16"),
+    "kv_cache_dtype": KV_CACHE_DTYPES,
     "dtype": ("auto", *SUPPORTED_DTYPES),
     "policy": ("fcfs", "priority", "sjf", "mlfq", "edf"),
     "load_format": ("auto", "dummy"),
