@@ -15,10 +15,12 @@ requests alike at every time sets `static_order`: the scheduler then keeps its w
 sorted as requests arrive, so a long queue is not sorted every iteration.
 """
 
+import itertools
 import math
 import weakref
 from abc import ABC, abstractmethod
 from bisect import bisect_left
+from collections.abc import Iterable
 from typing import Any
 
 from jaxserve.core.predictors import Predictor, PromptLengthPredictor
@@ -33,11 +35,13 @@ class Policy(ABC):
     def key(self, request: Request, now: float) -> Any:
         """Sort key: requests with lower keys are served first."""
 
-    def order(self, requests: list[Request], now: float, limit: int | None = None,
+    def order(self, requests: Iterable[Request], now: float, limit: int | None = None,
               presorted: bool = False) -> list[Request]:
-        """The first `limit` (default all) requests, first served first; `presorted`: the
-        list is already in key order."""
-        ranked = requests if presorted else sorted(requests, key=lambda r: self.key(r, now))
+        """The first `limit` (default all) requests, first served first; `presorted`: they
+        come in key order already (the waiting queue: only the first `limit` are read)."""
+        if presorted:
+            return list(itertools.islice(requests, limit))
+        ranked = sorted(requests, key=lambda r: self.key(r, now))
         return ranked if limit is None else ranked[:limit]
 
     def victim(self, running: list[Request], now: float) -> Request:
@@ -99,9 +103,10 @@ class PriorityPolicy(Policy):
         return (self.qos_class(request), request.priority, request.arrival_time,
                 request.request_id)
 
-    def order(self, requests: list[Request], now: float, limit: int | None = None,
+    def order(self, requests: Iterable[Request], now: float, limit: int | None = None,
               presorted: bool = False) -> list[Request]:
-        ranked = requests if presorted else sorted(requests, key=lambda r: self.key(r, now))
+        ranked = sorted(requests, key=lambda r: self.key(r, now)) if not presorted else list(
+            requests)  # the weighted merge needs both classes whole
         split = bisect_left(ranked, 1, key=self.qos_class)  # keys sort realtime first
         classes = (ranked[:split], ranked[split:])
         if ranked and ranked[0].status == RequestStatus.WAITING:  # the waiting queue (running

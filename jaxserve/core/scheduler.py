@@ -24,6 +24,7 @@ from jaxserve.core.kv_manager import KVCacheManager
 from jaxserve.core.page_pool import PagePool
 from jaxserve.core.policies import Policy, make_policy
 from jaxserve.core.predictors import resolve_predictor
+from jaxserve.core.waiting import WaitingQueue
 from jaxserve.core.window import AdaptiveWindow, BatchingWindow
 from jaxserve.request import Request, RequestStatus
 
@@ -81,7 +82,8 @@ class Scheduler:
         self.decode_steps = decode_steps
         self.length_buckets = tuple(length_buckets)
         self.clock = clock
-        self.waiting: list[Request] = []
+        self.waiting = WaitingQueue(
+            (lambda r: self.policy.key(r, 0.0)) if self.policy.static_order else None)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.num_preemptions = 0
@@ -98,15 +100,9 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} needs {pages} KV pages at its "
                              f"max length {request.max_len}; the KV cache has "
                              f"{self.kv.pool.num_usable}")
-        self._enqueue(request)  # first: a policy that cannot order it leaves no trace
+        self.waiting.add(request)  # first: a policy that cannot order it leaves no trace
         self.requests[request.request_id] = request
         self.window.observe_arrival(request.arrival_time)
-
-    def _enqueue(self, request: Request) -> None:
-        if self.policy.static_order:  # kept in policy order: no sort per iteration
-            bisect.insort(self.waiting, request, key=lambda r: self.policy.key(r, 0.0))
-        else:
-            self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Abort in any state; its pages are free at once. None if unknown or finished."""
@@ -248,7 +244,7 @@ class Scheduler:
         request.set_status(RequestStatus.WAITING)
         request.metrics.num_preemptions += 1
         request.metrics.last_preempted_time = self.clock()
-        self._enqueue(request)
+        self.waiting.add(request)
         self.num_preemptions += 1
         out.preempted.append(request)
 
