@@ -1,7 +1,6 @@
-"""Shared fixtures: where the shared test models live, and the test server (module-scoped: a
-module that asks for it gets its own)."""
+"""Shared fixtures: the test models shipped in the repository, and the test server
+(module-scoped: a module that asks for it gets its own)."""
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,22 +9,15 @@ import openai
 import pytest
 from served import AUTH, BODY_LIMIT, KEY, MODEL, uvicorn_url
 
-
-def shared_dir() -> Path:
-    """`JAXSERVE_SHARED_DIR`, else the `shared/` folder beside the repository."""
-    env = os.environ.get("JAXSERVE_SHARED_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
-    """The stories260K model directory; skipped when absent, except under CI where it fails."""
-    path = shared_dir() / "models" / "stories260K"
+    """The stories260K model directory the repository ships (models/stories260K); never skipped."""
+    path = ROOT / "models" / "stories260K"
     if not (path / "tokenizer.json").is_file():
-        message = f"shared model missing: {path} (set JAXSERVE_SHARED_DIR)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+        pytest.fail(f"the repository's stories260K is missing: {path}")
     return path
 
 
