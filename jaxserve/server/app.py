@@ -149,6 +149,7 @@ class _API:
         self._sampling_defaults = {k: v for k, v in engine.engine.sampling_defaults.items()
                                    if k != "max_tokens"}
         self.metrics = Metrics(engine, model_name)
+        engine.on_iteration = self.metrics.observe_iteration
         self.created = int(time.time())
 
     # -- routes --------------------------------------------------------------------------------
@@ -308,7 +309,7 @@ class _API:
             return StreamingResponse(self._sse(streams, fmt, info), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         last: list[RequestOutput | None] = [None] * len(streams)
-        seen = [Seen() for _ in streams]
+        seen = [Seen(req.params.max_tokens) for _ in streams]
 
         def progress(i: int, out: RequestOutput) -> None:
             last[i] = out
@@ -330,7 +331,7 @@ class _API:
     async def _sse(self, streams: list[RequestStream], fmt: protocol.Formatter,
                    info: dict) -> AsyncIterator[str]:
         last: list[RequestOutput | None] = [None] * len(streams)
-        seen = [Seen() for _ in streams]
+        seen = [Seen(fmt.req.params.max_tokens) for _ in streams]
         try:
             try:
                 async with contextlib.aclosing(merge(streams)) as updates:
@@ -354,9 +355,7 @@ class _API:
 
     def _ended(self, streams: list[RequestStream], last: list[RequestOutput | None],
                info: dict, n: int, seen: list[Seen]) -> None:
-        for stream, out, counted in zip(streams, last, seen, strict=True):
-            self.metrics.observe(counted, out, stream.inter_token_latencies,
-                                 aborted=not stream.finished)
+        self.metrics.observe(seen, last, streams, n)
         outs = [o for o in last if o is not None]
         info["prompt_tokens"] = sum(len(o.prompt_token_ids) for o in last[::n] if o is not None)
         info["completion_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -1,27 +1,54 @@
-"""Prometheus metrics under vLLM's names with the `jaxserve:` prefix (DESIGN.md section 7).
+"""Prometheus metrics under vLLM V1's names, labels and buckets, with the `jaxserve:` prefix
+(DESIGN.md section 7).
 
-Engine gauges and counters are read from `AsyncEngine.stats()` at scrape time; token counts,
+Engine gauges and counters are read from `AsyncEngine.stats()` at scrape time. Token counters,
 time to first token and inter-token latencies are observed as the server sees each request's
-outputs (so rates move while long requests run), end-to-end latency and the finish reason as it
-ends. Each app has its own registry, so several servers can live in one process (the tests
-start more than one).
+outputs (so rates move while long requests run). When a request ends, its finish reason is
+counted and, if it finished (was not aborted), vLLM's per-request histograms are observed: the
+latency phases, token counts and parameters. The engine thread reports each step's tokens
+(`observe_iteration`). Each app has its own registry, so several servers can live in one process
+(the tests start more than one).
+
+A request's phases, from its `RequestMetrics` (as vLLM's, a preemption counts in the phase it
+interrupts):
+
+    arrival      first_scheduled      first_token                finished
+       |--- queue ---|---- prefill ----|--------- decode ---------|
+                     |---------------- inference -----------------|
+       |---------------------------- e2e -------------------------|
 """
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine import AsyncEngine, RequestStream
 from jaxserve.request import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+# vLLM's buckets, as its PrometheusStatLogger has them
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                          2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # inter-token and per-request TPOT
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_FINISH_REASONS = ("stop", "length", "abort")
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`: vLLM's buckets for token counts (up to
+    max_model_len)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class _EngineCollector:
@@ -40,82 +67,163 @@ class _EngineCollector:
             gauge = GaugeMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
             gauge.add_metric([self.model_name], float(stats[key]))
             yield gauge
-        for name, key, doc in (
-                ("num_preemptions", "num_preemptions", "Requests preempted (recomputed later)."),
-                ("num_compilations", "num_compilations_after_warmup",
+        for name, value, doc in (
+                ("num_preemptions", stats["num_preemptions"],
+                 "Requests preempted (recomputed later)."),
+                ("num_compilations", stats["num_compilations_after_warmup"],
                  "XLA compilations after warm-up (each one is a bug)."),
+                # no prefix cache yet (issue 31 adds it and these two keys): 0 until then
+                ("prefix_cache_queries", stats.get("prefix_cache_queries", 0),
+                 "Prefix cache queries, in queried tokens."),
+                ("prefix_cache_hits", stats.get("prefix_cache_hits", 0),
+                 "Prefix cache hits, in cached tokens."),
         ):
             counter = CounterMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
-            counter.add_metric([self.model_name], float(stats[key]))
+            counter.add_metric([self.model_name], float(value))
             yield counter
 
 
 @dataclass
 class Seen:
-    """What the metrics already counted of one request."""
+    """One sequence of a request: its max_tokens, and what the metrics already counted of it."""
 
+    max_tokens: int | None = None  # as asked; None: up to max_model_len
     prompt: bool = False
     tokens: int = 0
     gaps: int = 0
 
 
 class Metrics:
-    """The registry behind /metrics: `progress` records a request's new output, `observe` its
-    end."""
+    """The registry behind /metrics: `progress` records a sequence's new output, `observe` the
+    end of an HTTP request's sequences, `observe_iteration` (on the engine thread) a step."""
 
     def __init__(self, engine: AsyncEngine, model_name: str):
+        llm = engine.engine
+        self.max_model_len = llm.max_model_len
+        self.registry = r = CollectorRegistry()
+        r.register(_EngineCollector(engine, model_name))
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(f"jaxserve:{name}", doc, ["model_name"], buckets=buckets,
+                             registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"jaxserve:{name}", doc, ["model_name"], registry=r).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to the first token.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens.",
+                             _TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "A request's decode time per token after its first.",
+                              _TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.",
+                             _REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                               _REQUEST_LATENCY_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds",
+                                 "First scheduled to the first token.", _REQUEST_LATENCY_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to the last.",
+                                _REQUEST_LATENCY_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds",
+                                   "First scheduled to the last token.", _REQUEST_LATENCY_BUCKETS)
+        token_buckets = buckets_1_2_5(self.max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens",
+                                               "Prompt tokens of a request.", token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Tokens a request generated.", token_buckets)
+        self.max_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "The most tokens generated by one of a prompt's n samples.", token_buckets)
+        self.params_n = histogram("request_params_n", "The n request parameter.", _N_BUCKETS)
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens",
+            "The max_tokens request parameter (unset: what max_model_len leaves).", token_buckets)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step.",
+                                          _ITERATION_TOKEN_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.model_name = model_name
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
-        labels = ["model_name"]
-        r = self.registry
-        self.ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to the first token.",
-                              labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("jaxserve:inter_token_latency_seconds", "Time between two tokens.",
-                             labels, buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "Arrival to last token.",
-                             labels, buckets=_E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of admitted "
-                                     "requests.", labels, registry=r)
-        self.generation_tokens = Counter("jaxserve:generation_tokens", "Tokens generated.",
-                                         labels, registry=r)
         self.success = Counter("jaxserve:request_success", "Ended requests by finish reason.",
-                               [*labels, "finished_reason"], registry=r)
+                               ["model_name", "finished_reason"], registry=r)
+        for reason in _FINISH_REASONS:  # each shown from the start, as vLLM's
+            self.success.labels(model_name, reason)
+        # an info metric as vLLM's: a gauge at 1 whose labels are vLLM's CacheConfig fields that
+        # jaxserve has (a page is vLLM's block; num_gpu_blocks counts the null page, as vLLM's)
+        cache = {"block_size": llm.config.page_size, "num_gpu_blocks": llm.runner.num_pages,
+                 "num_gpu_blocks_override": llm.config.num_pages,
+                 "cache_dtype": llm.runner.kv_dtype_name, "enable_prefix_caching": False}
+        Gauge("jaxserve:cache_config_info", "The engine's KV cache configuration.", list(cache),
+              registry=r).labels(*map(str, cache.values())).set(1)
 
     def progress(self, seen: Seen, output: RequestOutput | None,
                  inter_token_latencies: list[float]) -> None:
-        """A request's newest output: count what it adds (its prompt once, new tokens, the
+        """A sequence's newest output: count what it adds (its prompt once, new tokens, the
         first token's latency, new inter-token gaps)."""
-        name = self.model_name
         if output is not None:
             if not seen.prompt:
                 seen.prompt = True
-                self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
             tokens = len(output.outputs[0].token_ids)
             if tokens > seen.tokens:
                 m = output.metrics
                 if seen.tokens == 0 and m is not None and m.first_token_time is not None:
-                    self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
-                self.generation_tokens.labels(name).inc(tokens - seen.tokens)
+                    self.ttft.observe(m.first_token_time - m.arrival_time)
+                self.generation_tokens.inc(tokens - seen.tokens)
                 seen.tokens = tokens
         for gap in inter_token_latencies[seen.gaps:]:
-            self.itl.labels(name).observe(gap)
+            self.itl.observe(gap)
         seen.gaps = max(seen.gaps, len(inter_token_latencies))
 
-    def observe(self, seen: Seen, output: RequestOutput | None,
-                inter_token_latencies: list[float], aborted: bool) -> None:
-        """One request ended: finished (with its last output) or aborted (client gone, timeout).
-        An aborted request's tokens and latencies count too (it is often one of the slow ones);
-        only the end-to-end latency needs a finished request."""
-        self.progress(seen, output, inter_token_latencies)
-        name = self.model_name
-        if aborted or output is None or not output.finished:
-            self.success.labels(name, "abort").inc()
-            return
-        self.success.labels(name, output.outputs[0].finish_reason).inc()
+    def observe(self, seen: list[Seen], outputs: list[RequestOutput | None],
+                streams: list[RequestStream], n: int) -> None:
+        """An HTTP request ended: each of its sequences (sample j of prompt i at i * n + j)
+        finished, with its last output, or was aborted (client gone, timeout). An aborted
+        sequence's tokens and latencies count too (it is often one of the slow ones), and its
+        finish reason; the per-request histograms take finished sequences, and n and the most
+        tokens generated a prompt whose n samples all finished (as vLLM, once per prompt)."""
+        done: list[RequestOutput | None] = []
+        for counted, output, stream in zip(seen, outputs, streams, strict=True):
+            self.progress(counted, output, stream.inter_token_latencies)
+            finished = stream.finished and output is not None and output.finished
+            done.append(output if finished else None)
+            reason = output.outputs[0].finish_reason if finished else "abort"
+            self.success.labels(self.model_name, reason).inc()
+            if finished:
+                self._finished(counted, output)
+        for start in range(0, len(done), n):
+            group = done[start:start + n]
+            if all(output is not None for output in group):
+                self.params_n.observe(n)
+                self.max_generation_tokens.observe(
+                    max(len(output.outputs[0].token_ids) for output in group))
+
+    def _finished(self, seen: Seen, output: RequestOutput) -> None:
+        prompt, generated = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+        self.request_prompt_tokens.observe(prompt)
+        self.request_generation_tokens.observe(generated)
+        room = self.max_model_len - prompt  # what vLLM's server sets when max_tokens is unset
+        max_tokens = room if seen.max_tokens is None else min(seen.max_tokens, room)
+        if max_tokens > 0:
+            self.params_max_tokens.observe(max_tokens)
         m = output.metrics
-        if m is not None and m.finished_time is not None:
-            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+        if m is None or None in (m.first_scheduled_time, m.first_token_time, m.finished_time):
+            return
+        decode = m.finished_time - m.first_token_time
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+        self.decode.observe(decode)
+        self.inference.observe(m.finished_time - m.first_scheduled_time)
+        self.tpot.observe(decode / (generated - 1) if generated > 1 else 0.0)
+
+    def observe_iteration(self, num_tokens: int) -> None:
+        """On the engine thread (`AsyncEngine.on_iteration`), after each dispatched step: the
+        tokens it was given. vLLM counts, per step, the tokens generated plus a prompt's tokens
+        in the step that gives its first token; jaxserve counts what the model is fed: the
+        prompt chunks and one token per decode row. Over a request that differs by the last
+        token, which is sampled but never fed."""
+        self.iteration_tokens.observe(num_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
