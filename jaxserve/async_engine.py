@@ -12,11 +12,16 @@ step). The event loop never waits on the device: it awaits futures the thread re
     abort()              --abort--> [commands]  --> LLMEngine.abort: pages free before the next step
 
 The thread sleeps on a condition while there is no work. If a step raises, the engine is dead:
-every open stream gets `EngineDeadError`, and so does every later request.
+every open stream gets `EngineDeadError`, and so does every later request. The thread stamps a
+heartbeat every iteration: work that waits while the heartbeat is old is a stalled engine
+(`stalled_for`, /health's 503). Shutdown never waits on a stuck thread: past the grace period
+the caller's side fails every open request itself.
 """
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -31,6 +36,7 @@ from jaxserve.request import RequestOutput, SamplingParams
 log = logging.getLogger("jaxserve")
 
 _IDLE_POLL_S = 0.005  # work exists but nothing could be dispatched: look again this soon
+_STOP_MARGIN_S = 2.0  # past the shutdown deadline, how long a stuck engine thread is waited for
 
 
 class EngineDeadError(RuntimeError):
@@ -102,14 +108,17 @@ class RequestStream:
         for item in items:
             if isinstance(item, BaseException):
                 self._done = True
+                self._owner._forget(self)
                 raise item
         output = items[-1]
         if output.finished:
             self._done = self.finished = True
+            self._owner._forget(self)
         return output
 
     def abort(self) -> None:
         """Abort the request unless it finished; iteration ends. Safe to call twice."""
+        self._owner._forget(self)
         if not self._done:
             self._done = True
             self._ready.set()
@@ -130,30 +139,49 @@ class AsyncEngine:
     """An `LLMEngine` stepped by a background thread.
 
     `max_waiting_requests`: at most this many requests wait for a slot; one more raises
-    `QueueFullError` (None: unbounded). `request_timeout_s`: a request still unfinished this long
-    after its arrival is aborted and its stream raises `RequestTimeoutError` (None: no limit).
-    Both are plain attributes, read when a request is added. `on_death(error)`, if set, is
-    called on the engine thread once the engine died and every client was told (a server
-    exits then, so that its supervisor restarts it).
+    `QueueFullError`. Not given: as many as the KV pool has pages (each waiting request needs
+    one at least), and never fewer than `max_num_seqs`; None set later: unbounded.
+    `request_timeout_s`: a request still unfinished this long after its arrival is aborted and
+    its stream raises `RequestTimeoutError` (None: no limit). Both are plain attributes, read
+    when a request is added. `stall_timeout_s`: work that waited this long without an engine
+    iteration makes `stalled_for` report it. `on_death(error)`, if set, is called on the engine
+    thread once the engine died and every client was told (a server exits then, so that its
+    supervisor restarts it). `on_iteration(num_tokens)`, if set, is called on the engine thread
+    after each step with the tokens it scheduled.
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
-                 request_timeout_s: float | None = None):
-        if max_waiting_requests is not None and max_waiting_requests < 0:
+                 request_timeout_s: float | None = None, stall_timeout_s: float = 60.0):
+        if max_waiting_requests is None:
+            scheduler = engine.scheduler
+            max_waiting_requests = max(scheduler.max_num_seqs, scheduler.kv.pool.num_usable)
+        if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
         if request_timeout_s is not None and not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
         self.engine = engine
-        self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_requests: int | None = max_waiting_requests
         self.request_timeout_s = request_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.on_death: Callable[[BaseException], None] | None = None
+        self.on_iteration: Callable[[int], None] | None = None
         self._cond = threading.Condition()
         self._commands: list[_Add | str] = []  # guarded by _cond; a str is an abort
         self._stop_at: float | None = None  # guarded by _cond: shutting down, deadline
         self._error: BaseException | None = None  # guarded by _cond: the engine died of it
+        self._idle = False  # guarded by _cond: the thread sleeps for want of work
+        self._heartbeat = time.monotonic()  # the thread's last sign of progress
+        # requests added and not yet ended, by id: the callers' side fails them itself when a
+        # shutdown finds the engine thread stuck
+        self._live: dict[str, _Add] = {}
+        self._live_lock = threading.Lock()
         # engine-thread state
         self._streams: dict[str, RequestStream] = {}
-        self._deadlines: dict[str, float] = {}
+        # a heap of (deadline, tie-breaker, stream); entries of ended streams are skipped
+        self._deadlines: list[tuple[float, int, RequestStream]] = []
+        self._deadline_ids = itertools.count()
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
@@ -173,6 +201,19 @@ class AsyncEngine:
     def stats(self) -> dict[str, Any]:
         """`LLMEngine.stats()` as of the end of the latest engine iteration."""
         return dict(self._stats)
+
+    def stalled_for(self) -> float | None:
+        """Seconds the engine has made no iteration while work waits, when that is past
+        `stall_timeout_s` (None: not stalled, or idle)."""
+        with self._cond:
+            if self._idle and not self._commands:
+                return None
+            heartbeat = self._heartbeat
+            pending = bool(self._commands)
+        busy = pending or self._stats.get("num_requests_running", 0) or self._stats.get(
+            "num_requests_waiting", 0)
+        age = time.monotonic() - heartbeat
+        return age if busy and age > self.stall_timeout_s else None
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           params: SamplingParams | None = None,
@@ -201,17 +242,24 @@ class AsyncEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         adds = [_Add(rid, prompt, params, arrival, RequestStream(rid, self, loop),
                      loop.create_future()) for rid, prompt, params in requests]
-        self._send(*adds)
+        with self._live_lock:
+            self._live.update((a.request_id, a) for a in adds)
+        try:
+            self._send(*adds)
+        except BaseException:
+            for a in adds:
+                self._forget(a.stream)
+            raise
         try:
             results = await asyncio.gather(*(a.ack for a in adds), return_exceptions=True)
         except asyncio.CancelledError:
             for a in adds:
-                self.abort(a.request_id)
+                a.stream.abort()
             raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for a in adds:
-                self.abort(a.request_id)
+                a.stream.abort()
             raise errors[0]
         return [a.stream for a in adds]
 
@@ -226,17 +274,48 @@ class AsyncEngine:
 
     async def shutdown(self, grace_s: float = 0.0) -> None:
         """Accept nothing new, let running requests finish for up to `grace_s`, abort the rest
-        (their streams raise EngineStoppedError) and stop the thread."""
-        self.begin_shutdown(grace_s)
-        await asyncio.to_thread(self._thread.join)
+        (their streams raise EngineStoppedError) and stop the thread. Returns by the deadline
+        plus a few seconds whatever the thread does: a thread still busy then (a stuck step)
+        is left behind (it is a daemon) and its requests are failed from here."""
+        stop_at = self.begin_shutdown(grace_s)
+        timeout = max(0.0, stop_at - time.monotonic()) + _STOP_MARGIN_S
+        await asyncio.to_thread(self._thread.join, timeout)
+        if self._thread.is_alive():
+            log.error("the engine thread did not stop within %.1f s of the shutdown deadline "
+                      "(a step is stuck); failing its requests and leaving it behind",
+                      _STOP_MARGIN_S)
+            self.fail_live(EngineStoppedError("the engine shut down before the request finished"))
 
-    def begin_shutdown(self, grace_s: float = 0.0) -> None:
+    def begin_shutdown(self, grace_s: float = 0.0) -> float:
         """`shutdown` without waiting for the thread (any thread; a signal handler may call
-        it). A shutdown already begun keeps its deadline."""
+        it). A shutdown already begun keeps its deadline, which is returned."""
         with self._cond:
             if self._stop_at is None:
                 self._stop_at = time.monotonic() + grace_s
             self._cond.notify()
+            return self._stop_at
+
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the engine thread still runs (after a shutdown: it is stuck)."""
+        return self._thread.is_alive()
+
+    def fail_live(self, error: BaseException) -> None:
+        """Fail every request added and not yet ended, from the callers' side (any thread):
+        what a shutdown does when the engine thread is stuck and would never answer them."""
+        with self._live_lock:
+            live, self._live = list(self._live.values()), {}
+        now = time.monotonic()
+        for add in live:
+            self._reply(add, error)
+            _hand_over(add.stream.loop, [(add.stream, error)], now)
+
+    def _forget(self, stream: RequestStream) -> None:
+        """The stream ended (or was never queued): not live any more."""
+        with self._live_lock:
+            add = self._live.get(stream.request_id)
+            if add is not None and add.stream is stream:
+                del self._live[stream.request_id]
 
     def _send(self, *commands: _Add) -> None:
         with self._cond:
@@ -244,6 +323,8 @@ class AsyncEngine:
                 raise EngineDeadError(f"the engine is dead: {self._error!r}")
             if self._stop_at is not None:
                 raise EngineStoppedError("the engine is shutting down")
+            if self._idle:  # it wakes now: the stall clock starts with this work
+                self._heartbeat = time.monotonic()
             self._commands.extend(commands)
             self._cond.notify()
 
@@ -263,7 +344,9 @@ class AsyncEngine:
         with self._cond:
             while not (self._commands or engine.has_unfinished_requests()
                        or self._stop_at is not None):
+                self._idle = True
                 self._cond.wait()
+            self._idle = False
             commands, self._commands = self._commands, []
             stop_at = self._stop_at
         for i, command in enumerate(commands):
@@ -282,18 +365,20 @@ class AsyncEngine:
         if engine.has_unfinished_requests():
             steps_before = engine.num_steps
             self._publish(engine.step())
+            if self.on_iteration is not None and engine.num_steps > steps_before:
+                self.on_iteration(engine.last_step_tokens)
             if engine.num_steps == steps_before and engine.has_unfinished_requests():
                 with self._cond:  # nothing could be dispatched (pages, window): don't spin
                     if not self._commands:
                         self._cond.wait(_IDLE_POLL_S)
         self._stats = engine.stats()
+        self._heartbeat = time.monotonic()
         return True
 
     def _apply(self, command: _Add | str) -> None:
         if isinstance(command, str):
             self.engine.abort(command)
             self._streams.pop(command, None)
-            self._deadlines.pop(command, None)
             return
         limit = self.max_waiting_requests
         if limit is not None and self._num_waiting_for_a_slot() >= limit:
@@ -308,7 +393,8 @@ class AsyncEngine:
             return
         self._streams[command.request_id] = command.stream
         if self.request_timeout_s is not None:
-            self._deadlines[command.request_id] = command.arrival_time + self.request_timeout_s
+            heapq.heappush(self._deadlines, (command.arrival_time + self.request_timeout_s,
+                                             next(self._deadline_ids), command.stream))
         self._reply(command, None)
 
     def _num_waiting_for_a_slot(self) -> int:
@@ -318,14 +404,17 @@ class AsyncEngine:
         return len(scheduler.waiting) - free
 
     def _expire(self, now: float) -> None:
-        for request_id, deadline in list(self._deadlines.items()):
-            if now >= deadline:
-                self.engine.abort(request_id)
-                del self._deadlines[request_id]
-                stream = self._streams.pop(request_id)
-                _hand_over(stream.loop, [(stream, RequestTimeoutError(
-                    f"request exceeded request_timeout_s ({self.request_timeout_s} s) and was "
-                    "aborted"))], now)
+        """Time out requests past their deadline: O(1) per iteration while none is due (the
+        deadlines of requests that ended are dropped as they come up)."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, stream = heapq.heappop(self._deadlines)
+            if self._streams.get(stream.request_id) is not stream:  # ended already
+                continue
+            del self._streams[stream.request_id]
+            self.engine.abort(stream.request_id)
+            _hand_over(stream.loop, [(stream, RequestTimeoutError(
+                f"request exceeded request_timeout_s ({self.request_timeout_s} s) and was "
+                "aborted"))], now)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -336,7 +425,6 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-                self._deadlines.pop(output.request_id, None)
             by_loop[stream.loop].append((stream, output))
         for loop, items in by_loop.items():
             _hand_over(loop, items, now)
@@ -355,6 +443,8 @@ class AsyncEngine:
             by_loop[stream.loop].append((stream, error))
         self._streams.clear()
         self._deadlines.clear()
+        with self._live_lock:
+            self._live.clear()
         for loop, items in by_loop.items():
             _hand_over(loop, items, now)
 

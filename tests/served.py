@@ -9,6 +9,8 @@ import time
 
 import uvicorn
 
+from jaxserve.server.connections import uvicorn_config
+
 MODEL = "stories"
 KEY = "sk-jaxserve-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -17,11 +19,13 @@ BODY_LIMIT = 64 << 10
 
 
 @contextlib.contextmanager
-def uvicorn_url(app):
-    """uvicorn in a thread on a free port of 127.0.0.1; yields the base URL."""
+def uvicorn_server(app, header_timeout_s: float = 10.0, max_connections: int = 1000):
+    """uvicorn in a thread on a free port of 127.0.0.1, with `jaxserve serve`'s connection
+    guards; yields (base URL, the uvicorn server)."""
     sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                           lifespan="on", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, header_timeout_s=header_timeout_s,
+                                           max_connections=max_connections,
+                                           timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -29,10 +33,17 @@ def uvicorn_url(app):
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextlib.contextmanager
+def uvicorn_url(app, **guards):
+    """`uvicorn_server`, yielding the base URL only."""
+    with uvicorn_server(app, **guards) as (url, _):
+        yield url
 
 
 def metrics_of(http) -> dict[str, float]:

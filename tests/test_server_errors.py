@@ -5,11 +5,11 @@ import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+from fake_engine import BrokenEngine
 from served import (
     AUTH,
     BODY_LIMIT,
@@ -151,7 +151,7 @@ def test_body_over_limit_is_413(http):
 def test_full_waiting_queue_is_429_with_retry_after(server, http):
     """max_waiting_requests counts the requests that would wait for a slot: with the limit 0 a
     free slot still takes a request at once, and with every slot busy one more is a 429."""
-    server.engine.max_waiting_requests = 0
+    limit, server.engine.max_waiting_requests = server.engine.max_waiting_requests, 0
     body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
     try:
         succeeds(http)
@@ -167,21 +167,21 @@ def test_full_waiting_queue_is_429_with_retry_after(server, http):
             assert int(r.headers["Retry-After"]) >= 1
             assert [f.result().status_code for f in busy] == [200] * 8
     finally:
-        server.engine.max_waiting_requests = None
+        server.engine.max_waiting_requests = limit
     succeeds(http)
 
 
 def test_more_samples_than_the_server_ever_admits_is_400_not_429(server, http):
     """n x prompts past max_num_seqs + max_waiting_requests could never start together: a 429
     would be retried for ever."""
-    server.engine.max_waiting_requests = 2
+    limit, server.engine.max_waiting_requests = server.engine.max_waiting_requests, 2
     try:
         assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2,
                                                         "n": 11}), 400, "n", "max_num_seqs")
         r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "n": 10})
         assert r.status_code == 200 and len(r.json()["choices"]) == 10
     finally:
-        server.engine.max_waiting_requests = None
+        server.engine.max_waiting_requests = limit
     succeeds(http)
 
 
@@ -216,40 +216,10 @@ def test_request_timeout_is_504_and_frees_the_request(server, http):
     succeeds(http)
 
 
-class _BrokenEngine:
-    """Just enough of an LLMEngine for AsyncEngine and the app: its first step raises."""
-
-    tokenizer = None
-    max_model_len = 64
-    model_path = "broken"
-    num_steps = 0
-    scheduler = SimpleNamespace(waiting=[])
-
-    def __init__(self):
-        self.pending = False
-        self.sampling_defaults = {}
-
-    def stats(self):
-        return dict(num_requests_running=0, num_requests_waiting=0, kv_cache_usage=0.0,
-                    num_preemptions=0, num_compilations_after_warmup=0)
-
-    def add_request(self, *args):
-        self.pending = True
-
-    def abort(self, request_id):
-        return False
-
-    def has_unfinished_requests(self):
-        return self.pending
-
-    def step(self):
-        raise RuntimeError("device lost")
-
-
 def test_dead_engine_is_503_and_touches_no_other_server(http):
     """Every client of a dead engine gets a 503, its gauges read zero, and `on_death` hears of
     it (`serve` then exits 1, for a supervisor to restart it)."""
-    engine = AsyncEngine(_BrokenEngine())
+    engine = AsyncEngine(BrokenEngine())
     deaths = []
     engine.on_death = deaths.append
     with uvicorn_url(build_app(engine, ServerConfig(), "broken")) as url:

@@ -16,7 +16,8 @@ def _output(rid: str, n: int, finished: bool = False) -> RequestOutput:
 
 
 def _stream(rid: str, loop) -> RequestStream:
-    return RequestStream(rid, SimpleNamespace(abort=lambda request_id: None), loop)
+    return RequestStream(rid, SimpleNamespace(abort=lambda request_id: None,
+                                              _forget=lambda stream: None), loop)
 
 
 def test_a_stalled_reader_holds_only_the_newest_output():
