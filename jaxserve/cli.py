@@ -3,10 +3,15 @@
 Engine options are flags generated from `EngineConfig`'s fields (`max_num_seqs` is
 `--max-num-seqs`), and `serve`'s server options from `ServerConfig`'s; a `--config` YAML file
 sets the same keys, and a flag wins over the file.
+
+Logging: jaxserve's own loggers at `--log-level` (default `$JAXSERVE_LOG_LEVEL`, else info), every
+other library's (absl and orbax, jax, uvicorn) at WARNING; at debug those say INFO too.
 """
 
 import argparse
 import dataclasses
+import logging
+import os
 import sys
 import types
 import typing
@@ -14,6 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.config import EngineConfig, read_config_file
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _configure_logging(level: str) -> None:
+    """jaxserve's loggers at `level`, the rest at WARNING (INFO when `level` is debug): a start
+    says what jaxserve loaded and compiled, not what orbax did to read it."""
+    if level not in LOG_LEVELS:  # JAXSERVE_LOG_LEVEL (argparse checks only the flag)
+        raise ValueError(f"JAXSERVE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, "
+                         f"got {level!r}")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(logging.INFO if level == "debug" else logging.WARNING)
+    logging.getLogger("jaxserve").setLevel(level.upper())
 
 
 def _convert(args) -> int:
@@ -66,14 +84,9 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    import logging
-
     from jaxserve.engine import DEMO, LLMEngine, freeze_gc
     from jaxserve.server import ServerConfig, bind, serve
 
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax").setLevel(logging.WARNING)
     engine_options, server_options = _options(args)
     server_config = ServerConfig(**server_options)
     engine_config = EngineConfig.from_overrides(**engine_options)
@@ -114,7 +127,7 @@ def _plan(args) -> int:
     return 0
 
 
-def _add_bench_parser(sub) -> None:
+def _add_bench_parser(sub, logs: argparse.ArgumentParser) -> None:
     from jaxserve.benchmarks import serve, sweep, throughput
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, serve, sweep")
@@ -125,7 +138,8 @@ def _add_bench_parser(sub) -> None:
             ("sweep", sweep, "concurrency / window / batching-mode sweeps, plots, a config")):
         parser = kinds.add_parser(name, help=help_text,
                                   description=module.__doc__.split("\n\n")[0],
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+                                  formatter_class=argparse.RawDescriptionHelpFormatter,
+                                  parents=[logs] if name != "serve" else [])
         module.add_arguments(parser)
         if name != "serve":  # a server's engine is its own
             parser.add_argument("--config", type=Path, help="YAML file of engine options")
@@ -187,15 +201,22 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM serving on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
+    logs = argparse.ArgumentParser(add_help=False)  # the flag of every command that loads a model
+    logs.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS,
+                      default=os.environ.get("JAXSERVE_LOG_LEVEL", "info").lower(),
+                      help="jaxserve's logging (debug: other libraries' INFO too); default: "
+                           "$JAXSERVE_LOG_LEVEL, else info")
 
-    serve = sub.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API (HTTP)",
+                           parents=[logs])
     serve.add_argument("model", nargs="?", help="a local model directory, or demo (default)")
     serve.add_argument("--config", type=Path, help="YAML file of engine and server options")
     _add_option_flags(serve, ServerConfig, "server options")
     _add_option_flags(serve, EngineConfig, "engine options")
     serve.set_defaults(func=_serve)
 
-    generate = sub.add_parser("generate", help="stream a completion to stdout, offline")
+    generate = sub.add_parser("generate", help="stream a completion to stdout, offline",
+                              parents=[logs])
     generate.add_argument("model", nargs="?", help="a local model directory, or demo (default)")
     generate.add_argument("prompts", nargs="*", metavar="PROMPT", help="same as --prompt")
     generate.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -206,14 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     _add_option_flags(generate, EngineConfig, "engine options")
     generate.set_defaults(func=_generate)
 
-    convert = sub.add_parser("convert", help="write an orbax checkpoint from a Hugging Face dir")
+    convert = sub.add_parser("convert", help="write an orbax checkpoint from a Hugging Face dir",
+                             parents=[logs])
     convert.add_argument("hf_dir", type=Path)
     convert.add_argument("out_dir", type=Path)
     convert.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                             "float16"])
     convert.set_defaults(func=_convert)
 
-    _add_bench_parser(sub)
+    _add_bench_parser(sub, logs)
 
     plan = sub.add_parser("plan", help="memory arithmetic: weights, KV cache, pages, sequences")
     plan.add_argument("model", nargs="?", help="a local model directory, or demo (default)")
@@ -230,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        if "log_level" in args:
+            _configure_logging(args.log_level)
         return args.func(args)
     except (ValueError, OSError) as err:  # bad input, a missing file, a path in the way
         print(f"jaxserve: error: {err}", file=sys.stderr)

@@ -137,16 +137,20 @@ class LLMEngine:
         # the model's default sampling params (generation_config.json), for requests that
         # leave them out: LLM.generate without params, the server's temperature/top_p/top_k
         self.sampling_defaults = generation_defaults(self.model_path)
+        cfg = self.model_config
+        log.info("model: %s (%s, %.3gM parameters, %s)", self.model_path, cfg.architecture,
+                 cfg.num_params / 1e6, cfg.dtype)
         self.runner = ModelRunner(self.model_path, self.model_config, config)
         self.max_model_len = self.runner.max_model_len
         self.scheduler = make_scheduler(config, self.runner.num_pages,
                                         self.runner.chunk_buckets[-1])
-        log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s), at most %d tokens in flight",
+        log.info("KV pool: %d pages of %d tokens = %d tokens in flight at most, %.1f MiB (%s)",
                  self.runner.num_pages - 1, config.page_size,
+                 (self.runner.num_pages - 1) * config.page_size,
                  self.runner.num_pages * self.runner.kv_bytes_per_page / 2**20,
-                 self.runner.kv_dtype_name,
-                 (self.runner.num_pages - 1) * config.page_size)
+                 self.runner.kv_dtype_name)
         self.warmup_seconds = self.runner.warmup(progress=progress)
+        log.info("compiled every step shape in %.1f s", self.warmup_seconds)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
         # the stop ids beyond the tokenizer's own EOS (generation_config.json's, Llama-3's

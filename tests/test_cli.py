@@ -1,10 +1,12 @@
-"""The `jaxserve` CLI as a user runs it (subprocesses on stories260K): `serve` answers and exits 0
-on SIGTERM after finishing what is in flight, `generate` streams the greedy completion; and the
-configs/ files hold only engine and server keys."""
+"""The `jaxserve` CLI as a user runs it (subprocesses on stories260K): `serve` starts quietly,
+answers and exits 0 on SIGTERM after finishing what is in flight, `generate` streams the greedy
+completion; and the configs/ files hold only engine and server keys."""
 
 import contextlib
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -112,7 +114,8 @@ def _cli_server(stories_dir, *flags):
         [sys.executable, "-m", "jaxserve.cli", "serve", str(stories_dir), "--port", str(port),
          *flags, *SERVER_ENGINE_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-        env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        env={k: v for k, v in os.environ.items() if k != "JAXSERVE_LOG_LEVEL"}  # info
+        | {"PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -137,8 +140,14 @@ def _stream_through_sigterm(proc, url: str, body: dict) -> list[str]:
         return [line for line in lines if line.startswith("data: ")]
 
 
-def test_cli_serve_answers_then_exits_0_on_sigterm(stories_dir):
-    with _cli_server(stories_dir, "--served-model-name", MODEL,
+def test_cli_serve_starts_quietly_answers_then_exits_0_on_sigterm(stories_dir, tmp_path):
+    """Served from an orbax checkpoint (orbax logs through absl at INFO): the start-up output
+    has jaxserve's lines only, naming the model, the KV pool and the URL."""
+    from jaxserve.cli import main
+
+    checkpoint = tmp_path / "stories-orbax"
+    assert main(["convert", str(stories_dir), str(checkpoint)]) == 0
+    with _cli_server(checkpoint, "--served-model-name", MODEL,
                      "--shutdown-grace-s", "20") as (proc, url):
         r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
@@ -149,7 +158,42 @@ def test_cli_serve_answers_then_exits_0_on_sigterm(stories_dir):
         assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == 300
         assert proc.wait(timeout=30) == 0
     out = proc.stdout.read()
-    assert f"{url}/v1" in out and '"POST /v1/completions" 200' in out
+    assert f"serving {MODEL!r} at {url}/v1" in out and '"POST /v1/completions" 200' in out
+    assert f"model: {checkpoint} (LlamaForCausalLM, 0.26M parameters, float32)" in out
+    assert "KV pool: 255 pages of 8 tokens = 2040 tokens" in out
+    assert "compiling: 100%" in out
+    talking = set(re.findall(r"^\S+ \S+ (?:INFO|DEBUG) (\S+): ", out, re.MULTILINE))
+    assert talking and all(name.split(".")[0] == "jaxserve" for name in talking), talking
+
+
+@pytest.mark.parametrize(("level", "ours", "others"), [
+    ("info", logging.INFO, logging.WARNING), ("Error", logging.ERROR, logging.WARNING),
+    ("debug", logging.DEBUG, logging.INFO)])
+def test_log_level_is_jaxserves_own_unless_debug(level, ours, others, monkeypatch, capsys):
+    """`JAXSERVE_LOG_LEVEL` (or `--log-level`) sets jaxserve's loggers; absl (orbax's), jax and
+    uvicorn stay at WARNING, except at debug. A level that is no level is an error naming it."""
+    from absl import logging as absl_logging
+
+    from jaxserve.cli import main
+
+    root, own = logging.getLogger(), logging.getLogger("jaxserve")
+    saved = root.level, own.level
+    monkeypatch.setenv("JAXSERVE_LOG_LEVEL", level)
+    try:
+        assert main(["generate", "/nonexistent", "--prompt", "hi"]) == 2  # after the logging
+        assert logging.getLogger("jaxserve.server").getEffectiveLevel() == ours
+        for logger in (absl_logging.get_absl_logger(), logging.getLogger("jax"),
+                       logging.getLogger("uvicorn.error")):
+            assert logger.getEffectiveLevel() == others, logger.name
+        monkeypatch.setenv("JAXSERVE_LOG_LEVEL", "loud")
+        assert main(["generate", "/nonexistent", "--prompt", "hi", "--log-level", level]) == 2
+        assert own.level == ours  # the flag wins over the variable
+        assert main(["generate", "/nonexistent", "--prompt", "hi"]) == 2
+        assert "JAXSERVE_LOG_LEVEL must be one of debug, info, warning, error, got 'loud'" in \
+            capsys.readouterr().err
+    finally:
+        root.setLevel(saved[0])
+        own.setLevel(saved[1])
 
 
 def test_cli_serve_ends_open_streams_with_an_error_event_past_the_grace(stories_dir):
