@@ -469,17 +469,20 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """As vLLM's `LLM.chat`: one conversation ([{"role", "content"}, ...]) or a list of
         them, rendered with the model's chat template (as the server's /v1/chat/completions
-        renders them), then generated; outputs in input order."""
+        renders them), then generated; outputs in input order. `continue_final_message`:
+        the model continues the final message (`add_generation_prompt` must be False)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
+                                                 continue_final_message)
             prompts.append({"prompt_token_ids": tokenizer.chat_prompt_ids(text), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 

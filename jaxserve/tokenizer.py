@@ -65,19 +65,30 @@ class BaseTokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         """Render `messages` ([{"role": str, "content": str}, ...]) with the model's chat template
         (or `DEFAULT_CHAT_TEMPLATE`), given the special tokens' texts (`bos_token`, `eos_token`,
         `unk_token`, `pad_token`, ... as tokenizer_config.json names them) as transformers does.
-        `chat_prompt_ids` encodes the result."""
+        `continue_final_message`: the text ends with the final message's content, left open
+        (no end-of-turn marker after it), for the model to continue it ("prefill"), as
+        transformers cuts it; it excludes `add_generation_prompt`. `chat_prompt_ids` encodes
+        the result."""
         check_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true: the first continues the final message, the second starts "
+                             "a new one")
         template = compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
-        return template.render(
+        text = template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             **{"bos_token": "", "eos_token": "", **self.template_tokens},
         )
+        if continue_final_message:
+            return _open_final_message(text, messages[-1]["content"])
+        return text
 
     def chat_prompt_ids(self, text: str) -> list[int]:
         """The ids of a rendered chat. A model's own template writes every special token it
@@ -417,6 +428,19 @@ class IncrementalDetokenizer:
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+
+def _open_final_message(text: str, final: str) -> str:
+    """A rendered chat cut after its final message's content, as transformers'
+    continue_final_message cuts it: after the content's last occurrence, its trailing spaces
+    kept only where the text holds the content exactly (a template may trim them)."""
+    stripped = final.strip()
+    if stripped not in text:
+        raise ValueError("continue_final_message: the final message's content is not in the "
+                         "text the chat template renders (the template changes it)")
+    at = text.rindex(stripped)
+    whole = len(final.lstrip())
+    return text[:at + (whole if text[at:at + whole] == final else len(stripped))]
 
 
 def _incomplete_utf8_tail(data: bytes) -> int:
