@@ -191,15 +191,13 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: this model has no tokenizer, so stop strings cannot match; "
                              "use stop_token_ids")
-        if params.logprobs is not None and params.logprobs > self.config.max_top_logprobs:
-            raise ValueError(f"logprobs {params.logprobs} exceeds max_top_logprobs "
-                             f"{self.config.max_top_logprobs}")
         if params.prompt_logprobs is not None and not self.config.enable_prompt_logprobs:
             raise ValueError("prompt_logprobs: this engine runs with enable_prompt_logprobs=False")
-        if params.prompt_logprobs is not None and (
-                params.prompt_logprobs > self.config.max_top_logprobs):
-            raise ValueError(f"prompt_logprobs {params.prompt_logprobs} exceeds "
-                             f"max_top_logprobs {self.config.max_top_logprobs}")
+        params = self._whole_vocabulary(params)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):  # SamplingParams checked t >= 0
+            raise ValueError(f"stop_token_ids must be ids in [0, {vocab}) (the model's "
+                             f"vocabulary), got {show(list(params.stop_token_ids))}")
         max_len = limit if params.max_tokens is None else min(len(ids) + params.max_tokens,
                                                               limit)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
@@ -210,6 +208,24 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self._trackers[request_id] = _Tracker(request, self.tokenizer)
         return request
+
+    def _whole_vocabulary(self, params: SamplingParams) -> SamplingParams:
+        """`params` with logprobs / prompt_logprobs of -1 (the whole vocabulary, as vLLM) as
+        the vocabulary's size, each checked against max_top_logprobs: the steps compute that
+        many top logprobs (vLLM's max_logprobs), so -1 needs a max_top_logprobs of the
+        vocabulary's size."""
+        vocab, limit = self.model_config.vocab_size, self.config.max_top_logprobs
+        whole = {}
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value == -1:
+                whole[name] = value = vocab
+            if value is not None and value > limit:
+                asked = f"-1 (the whole vocabulary, {vocab} tokens)" if name in whole else value
+                raise ValueError(f"{name} {asked} exceeds max_top_logprobs {limit}"
+                                 + (f"; a server with max_top_logprobs {vocab} allows -1"
+                                    if name in whole else ""))
+        return dataclasses.replace(params, **whole) if whole else params
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from jaxserve.checks import is_finite, is_int, show
 
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range, as vLLM's API takes it
 
 
 @dataclass(frozen=True)
@@ -22,8 +23,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False  # the text ends after the stop string, not before
     ignore_eos: bool = False
-    logprobs: int | None = None  # top logprobs per generated token; 0: the sampled one only
-    prompt_logprobs: int | None = None  # 0: the logprob of each prompt token
+    # top logprobs per generated token; 0: the sampled one only; -1: the whole vocabulary
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # 0: the logprob of each prompt token; -1 as logprobs
     priority: int = 0  # lower first; the priority policy treats <= 0 as realtime, > 0 as batch
     slo_ms: float | None = None  # time-to-first-token target; the edf policy's deadline
     n: int = 1  # samples per prompt (LLM.generate and the server run n requests: `for_sample`)
@@ -55,17 +57,20 @@ class SamplingParams:
                              f"got {show(self.slo_ms)}")
         if not (is_int(self.n) and self.n >= 1):
             raise ValueError(f"n must be a positive integer, got {show(self.n)}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {show(self.seed)}")
+        if self.seed is not None and not (is_int(self.seed)
+                                          and INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be a 64-bit integer, in [-2**63, 2**63 - 1], "
+                             f"got {show(self.seed)}")
         if not is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {show(self.priority)}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {show(getattr(self, name))}")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary (as vLLM)
             value = getattr(self, name)
-            if value is not None and not (is_int(value) and value >= 0):
-                raise ValueError(f"{name} must be a non-negative integer, got {show(value)}")
+            if value is not None and not (is_int(value) and value >= -1):
+                raise ValueError(f"{name} must be a non-negative integer or -1 (the whole "
+                                 f"vocabulary), got {show(value)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {show(self.stop)}")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -80,8 +85,9 @@ class SamplingParams:
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The params of sample `index` of n: one sample each, the seed (if any) + index, so the
-        samples differ and a seeded request still reproduces all of them."""
-        seed = None if self.seed is None else self.seed + index
+        samples differ and a seeded request still reproduces all of them (wrapped into int64:
+        the device folds a seed modulo 2**64 anyway)."""
+        seed = None if self.seed is None else (self.seed + index - INT64_MIN) % 2**64 + INT64_MIN
         return dataclasses.replace(self, n=1, seed=seed)
 
 
