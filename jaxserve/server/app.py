@@ -191,7 +191,8 @@ class _API:
 
     def _chat_prompt(self, req: protocol.GenerateRequest) -> dict:
         try:
-            text = self.tokenizer.apply_chat_template(req.messages, req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(req.messages, req.add_generation_prompt,
+                                                      req.continue_final_message)
         except ValueError as error:
             raise APIError(400, str(error), param="messages") from None
         except Exception as error:  # the model's own template, fed what the client sent

@@ -2,9 +2,10 @@
 envelope, and the response bodies and stream chunks of /v1/completions and /v1/chat/completions.
 
 Fields are checked by hand rather than by a schema library so that each 400 says which field is
-wrong and why, in vLLM's envelope: {"error": {"message", "type", "param", "code"}}. Unknown
-fields are ignored (as vLLM does); known ones that jaxserve does not implement are a 400 unless
-they hold their no-op value.
+wrong and why, in vLLM's envelope: {"error": {"message", "type", "param", "code"}}. No field is
+silently ignored: each field of OpenAI's and vLLM's requests is implemented, accepted because it
+changes nothing here (`_NO_OP`), or refused unless it holds its no-op value (`_REFUSED`); any
+other field is a 400 naming it (vLLM ignores those, so a typo would pass unnoticed).
 """
 
 import codecs
@@ -39,17 +40,115 @@ class APIError(Exception):
                           "param": self.param, "code": self.status}}
 
 
-# fields jaxserve does not implement (OpenAI's and vLLM's extra ones), with the values that mean
-# "off"; () refuses any value but null
-_UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-                "logit_bias": ({},), "suffix": ("",), "best_of": (1,), "min_tokens": (0,),
-                "use_beam_search": (False,), "tools": ([],), "tool_choice": ("none", "auto"),
-                "response_format": ({"type": "text"},), "min_p": (0,), "bad_words": ([],),
-                "allowed_token_ids": (), "skip_special_tokens": (True,),
-                "spaces_between_special_tokens": (True,), "length_penalty": (1,),
-                "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-                "structured_outputs": (), "logits_processors": (), "prompt_embeds": (),
-                "return_tokens_as_token_ids": (False,)}
+# -- the fields of a request ------------------------------------------------------------------
+# Each field of OpenAI's and vLLM's CompletionRequest and ChatCompletionRequest is in one class:
+# implemented (parsed below), accepted because it changes nothing for jaxserve (README.md says
+# why), or refused with a 400 naming it unless it holds a value that means "off". The endpoint
+# kinds each field belongs to: a field of neither endpoint's schema is an unknown field.
+_BOTH, _COMPLETION, _CHAT = ("completion", "chat"), ("completion",), ("chat",)
+
+_IMPLEMENTED = {
+    "model": _BOTH, "stream": _BOTH, "stream_options": _BOTH, "n": _BOTH, "max_tokens": _BOTH,
+    "temperature": _BOTH, "top_p": _BOTH, "top_k": _BOTH, "seed": _BOTH, "stop": _BOTH,
+    "stop_token_ids": _BOTH, "ignore_eos": _BOTH, "include_stop_str_in_output": _BOTH,
+    "logprobs": _BOTH, "prompt_logprobs": _BOTH, "truncate_prompt_tokens": _BOTH,
+    "add_special_tokens": _BOTH, "priority": _BOTH, "request_id": _BOTH, "echo": _BOTH,
+    "slo_ms": _BOTH,  # jaxserve's own: the edf policy's time-to-first-token target
+    "prompt": _COMPLETION,
+    "messages": _CHAT, "max_completion_tokens": _CHAT, "top_logprobs": _CHAT,
+    "add_generation_prompt": _CHAT, "continue_final_message": _CHAT,
+}
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+# accepted with any value of their type: nothing jaxserve does depends on them
+_NO_OP = {
+    "user": (_BOTH, _is_str, "a string"),  # the end user, for the provider's abuse monitoring
+    "cache_salt": (_BOTH, lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "session_id": (_BOTH, _is_str, "a string"),  # routing related requests
+    "return_token_offsets": (_BOTH, _is_bool, "a boolean"),
+    "return_mm_kwargs": (_BOTH, _is_bool, "a boolean"),
+    "routed_experts_prompt_start": (_BOTH, lambda v: is_int(v) and v >= 0,
+                                    "a non-negative integer"),
+    "metadata": (_CHAT, lambda v: isinstance(v, dict), "an object"),
+    "safety_identifier": (_CHAT, _is_str, "a string"),
+    "prompt_cache_key": (_CHAT, _is_str, "a string"),
+    "prompt_cache_retention": (_CHAT, lambda v: v in ("in_memory", "24h"),
+                               '"in_memory" or "24h"'),
+    "prompt_cache_options": (_CHAT, lambda v: isinstance(v, dict), "an object"),
+    "parallel_tool_calls": (_CHAT, _is_bool, "a boolean"),
+    "include_reasoning": (_CHAT, _is_bool, "a boolean"),
+}
+
+# not implemented: a 400 unless null or one of the values that mean "off"; () refuses any value
+_REFUSED = {name: (_BOTH, off) for name, off in {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "logit_bias": ({},), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
+    "best_of": (1,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "detokenize": (True,), "response_format": ({"type": "text"},), "structured_outputs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structural_tag": (),
+    "logits_processors": (), "logprob_token_ids": (), "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,), "truncation_side": ("left",), "watermarking": (False,),
+    "repetition_detection": (), "thinking_token_budget": (-1,), "stream_interval": (1,),
+    "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": ({},),
+    "mm_processor_kwargs": ({},),
+}.items()} | {name: (_COMPLETION, off) for name, off in {
+    "suffix": ("",), "prompt_embeds": (),
+}.items()} | {name: (_CHAT, off) for name, off in {
+    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "function_call": ("none", "auto"), "audio": (), "modalities": (["text"],), "prediction": (),
+    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
+    "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],),
+    "media_io_kwargs": ({},), "return_prompt_text": (False,), "store": (False,),
+    "service_tier": ("auto", "default"),
+}.items()}
+
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
+_PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def _same(value: Any, off: Any) -> bool:
+    """value == off, with a bool never equal to a number (True == 1 in Python)."""
+    return value == off and isinstance(value, bool) == isinstance(off, bool)
+
+
+def check_fields(body: dict[str, Any], kind: str) -> None:
+    """APIError(400) naming the first field of `body` that a `kind` ("completion" or "chat")
+    request must not have: an unknown one, a no-op one of the wrong type, or one jaxserve does
+    not implement holding a value other than its no-op one."""
+    for name, value in body.items():
+        if kind in _IMPLEMENTED.get(name, ()):
+            continue
+        no_op, refused = _NO_OP.get(name), _REFUSED.get(name)
+        if no_op is not None and kind in no_op[0]:
+            _, check, what = no_op
+            if value is not None and not check(value):
+                raise APIError(400, f"{name} must be {what}, got {show(value)}", param=name)
+        elif refused is not None and kind in refused[0]:
+            if value is not None and not any(_same(value, off) for off in refused[1]):
+                raise APIError(400, f"{name} is not supported by jaxserve (got {show(value)})",
+                               param=name)
+        else:
+            other = "chat" if kind == "completion" else "completion"
+            kinds = _IMPLEMENTED.get(name, ()) + (no_op or refused or ((),))[0]
+            hint = f" (it is a field of {_PATHS[other]})" if other in kinds else ""
+            raise APIError(400, f"unknown field {show(name)} for {_PATHS[kind]}{hint}",
+                           param=_field_name(name))
+
+
+def _field_name(name: str) -> str:
+    """A client's field name as an error's `param`: cut short, and encodable (a lone surrogate
+    is valid JSON, but no UTF-8)."""
+    return name[:100].encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass
@@ -61,13 +160,17 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
-    echo: bool = False
+    continuous_usage: bool = False  # every stream chunk carries the usage so far (vLLM's)
+    request_id: str | None = None  # the client's: the response's id is made of it (as vLLM)
+    echo: bool = False  # completion: the prompt first; chat: the last message's content first
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs), no output
     prompt_logprobs: bool = False  # the client asked for them by name: they go in the response
     truncate_prompt_tokens: int | None = None  # keep the prompt's last this-many tokens
     add_special_tokens: bool | None = None  # None: completions add BOS, chats as their template
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat only
     add_generation_prompt: bool = True  # chat only
+    continue_final_message: bool = False  # chat only: the model continues the final message
+    role: str = "assistant"  # chat only: the response message's role
     names: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> request field
 
 
@@ -87,10 +190,11 @@ def _get(body: dict, name: str, check, what: str, default: Any = None) -> Any:
 def parse_completion(body: dict[str, Any],
                      defaults: dict[str, Any] | None = None) -> GenerateRequest:
     """A /v1/completions body -> GenerateRequest; APIError(400) naming the field otherwise."""
+    check_fields(body, "completion")
     if "prompt" not in body or body["prompt"] is None:
         raise APIError(400, "prompt is required", param="prompt")
     logprobs = _get(body, "logprobs", is_int, "an integer")
-    echo = _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
+    echo = _get(body, "echo", _is_bool, "a boolean", False)
     # echo with max_tokens 0 scores a prompt (as OpenAI's and vLLM's): one token is generated,
     # and dropped from the response
     echo_only = echo and body.get("max_tokens") == 0 and is_int(body["max_tokens"])
@@ -105,22 +209,31 @@ def parse_completion(body: dict[str, Any],
 
 def parse_chat(body: dict[str, Any], defaults: dict[str, Any] | None = None) -> GenerateRequest:
     """A /v1/chat/completions body -> GenerateRequest (the app renders `messages`)."""
+    check_fields(body, "chat")
     if "messages" not in body:
         raise APIError(400, "messages is required", param="messages")
-    wants = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+    wants = _get(body, "logprobs", _is_bool, "a boolean", False)
     top = _get(body, "top_logprobs", is_int, "an integer")
-    if top is not None and not wants:
+    if top not in (None, 0) and not wants:  # 0 is the default: it asks for nothing (as vLLM)
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if body.get("echo"):
-        raise APIError(400, "echo is supported by /v1/completions only", param="echo")
+    continue_final = _get(body, "continue_final_message", _is_bool, "a boolean", False)
+    # true unless the final message is continued (a new message's header would close it)
+    add_prompt = _get(body, "add_generation_prompt", _is_bool, "a boolean", not continue_final)
+    if continue_final and add_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
+                       "true: the first continues the final message, the second starts a new "
+                       "one", param="continue_final_message")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     # the engine's errors name the prompt, the token limit and the top logprobs by its words
     names = {"max_tokens": name, "logprobs": "top_logprobs", "prompt": "messages"}
     req = _common(body, default_max_tokens=None, logprobs=(top or 0) if wants else None,
                   names=names, defaults=defaults)
     req.messages = _messages(body["messages"])
-    req.add_generation_prompt = _get(body, "add_generation_prompt", lambda v: isinstance(v, bool),
-                                     "a boolean", True)
+    req.add_generation_prompt, req.continue_final_message = add_prompt, continue_final
+    # as vLLM's: a new message is the assistant's; a continued one (or a template given no
+    # generation prompt) keeps the final message's role
+    req.role = "assistant" if add_prompt else req.messages[-1]["role"]
+    req.echo = _get(body, "echo", _is_bool, "a boolean", False)
     return req
 
 
@@ -131,19 +244,8 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
     request that leaves them out, as vLLM's server takes them. `prompt_logprobs`: what echo
     asks for when the body does not name `prompt_logprobs` itself."""
     defaults = defaults or {}
-    for name, off in _UNSUPPORTED.items():
-        if body.get(name) is not None and body[name] not in off:
-            raise APIError(400, f"{name} is not supported by jaxserve (got {show(body[name])})",
-                           param=name)
-    stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
-    options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object")
-    if options is not None and not stream:
-        raise APIError(400, "stream_options is only allowed with stream: true",
-                       param="stream_options")
-    include_usage = (options or {}).get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise APIError(400, f"stream_options.include_usage must be a boolean, got "
-                       f"{show(include_usage)}", param="stream_options")
+    stream = _get(body, "stream", _is_bool, "a boolean", False)
+    include_usage, continuous_usage = _stream_options(body, stream)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -174,9 +276,9 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
         stop_token_ids=tuple(_get(body, "stop_token_ids",
                                   lambda v: isinstance(v, list) and all(map(is_int, v)),
                                   "a list of integers", [])),
-        ignore_eos=_get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
+        ignore_eos=_get(body, "ignore_eos", _is_bool, "a boolean", False),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output",
-                                        lambda v: isinstance(v, bool), "a boolean", False),
+                                        _is_bool, "a boolean", False),
         logprobs=logprobs,
         prompt_logprobs=named_prompt_lps if named_prompt_lps is not None else prompt_logprobs,
         priority=_get(body, "priority", is_int, "an integer", 0),
@@ -190,10 +292,49 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
         raise client_error(error, names) from None
     return GenerateRequest(model=_get(body, "model", lambda v: isinstance(v, str), "a string"),
                            prompts=[], params=params, stream=stream, include_usage=include_usage,
+                           continuous_usage=continuous_usage,
+                           request_id=_get(body, "request_id", _is_text, "a non-empty string"),
                            names=names, prompt_logprobs=named_prompt_lps is not None,
                            truncate_prompt_tokens=truncate,
                            add_special_tokens=_get(body, "add_special_tokens",
-                                                   lambda v: isinstance(v, bool), "a boolean"))
+                                                   _is_bool, "a boolean"))
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """stream_options -> (include_usage, continuous_usage_stats). continuous_usage_stats asks
+    for the usage in every chunk, and so for the usage itself unless include_usage is false
+    (vLLM's include_usage defaults to true)."""
+    options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    if options is None:
+        return False, False
+    if not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true",
+                       param="stream_options")
+    for key, value in options.items():
+        if key not in _STREAM_OPTIONS:
+            raise APIError(400, f"stream_options: unknown field {show(key)}",
+                           param="stream_options")
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, f"stream_options.{key} must be a boolean, got {show(value)}",
+                           param="stream_options")
+    if options.get("include_obfuscation"):  # OpenAI's padding against a length side channel
+        raise APIError(400, "stream_options.include_obfuscation is not supported by jaxserve: "
+                       "its stream events carry no padding", param="stream_options")
+    continuous = options.get("continuous_usage_stats") or False
+    include = options.get("include_usage")
+    include = continuous if include is None else include
+    return include, continuous and include
+
+
+def _is_text(value: Any) -> bool:
+    """A non-empty string that UTF-8 can encode (JSON can carry a lone surrogate)."""
+    if not isinstance(value, str) or not value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def param_of(error: Exception, names: dict[str, str]) -> str | None:
@@ -314,11 +455,19 @@ class Formatter:
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, tokenizer,
                  req: GenerateRequest, prompt_texts: list[str]):
-        self.kind, self.id, self.created, self.model = kind, request_id, created, model
+        self.kind, self.created, self.model = kind, created, model
+        # the client's request_id names the response (as vLLM's); the engine's ids stay unique
+        self.id = request_id if req.request_id is None else (
+            ("chatcmpl-" if kind == "chat" else "cmpl-") + req.request_id)
         self.tokenizer = tokenizer
         self.req = req
         self.prompt_texts = prompt_texts
         self._sent = [_Sent() for _ in prompt_texts]
+        # chat echo (vLLM's): the reply starts with the last message's content when that
+        # message has the reply's role (a continued message, or an assistant's prefill)
+        last = req.messages[-1] if req.messages else {}
+        self._chat_echo = (last["content"] if kind == "chat" and req.echo
+                           and last.get("role") == req.role else "")
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -331,9 +480,9 @@ class Formatter:
             c = out.outputs[0]
             lps = self._logprobs(out, 0, _Offsets(), echo=self.req.echo, index=i)
             if self.kind == "chat":
-                choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": lps, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
+                message = {"role": self.req.role, "content": self._chat_echo + c.text}
+                choices.append({"index": i, "message": message, "logprobs": lps,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             else:
                 text = (self.prompt_texts[i] if self.req.echo else "") + c.text
                 choices.append({"index": i, "text": text, "logprobs": lps,
@@ -382,7 +531,8 @@ class Formatter:
         finish = c.finish_reason if out.finished else None
         stop_reason = c.stop_reason if out.finished else None
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            delta = ({"role": self.req.role, "content": self._chat_echo + text} if first
+                     else {"content": text})
             choice = {"index": index, "delta": delta if text or first else {}, "logprobs": lps,
                       "finish_reason": finish, "stop_reason": stop_reason}
         else:
@@ -390,8 +540,8 @@ class Formatter:
                       "logprobs": lps, "finish_reason": finish, "stop_reason": stop_reason}
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         body = self._head(obj) | {"choices": [choice]}
-        if self.req.include_usage:
-            body["usage"] = None
+        if self.req.include_usage:  # vLLM's continuous_usage_stats: this choice's so far
+            body["usage"] = usage([out]) if self.req.continuous_usage else None
         return body
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -453,9 +603,9 @@ class Formatter:
         return {self._token(t, lp): _finite(lp.logprob) for t, lp in d.items()}
 
     def _chat_entry(self, token_id: int, d: dict[int, Logprob]) -> dict[str, Any]:
-        num_top = self.req.params.logprobs or 0
-        top = sorted(((t, lp) for t, lp in d.items() if lp.rank is not None and lp.rank <= num_top),
-                     key=lambda item: item[1].rank)
+        num_top = self.req.params.logprobs or 0  # -1: the whole vocabulary, every ranked one
+        top = sorted(((t, lp) for t, lp in d.items() if lp.rank is not None
+                      and (num_top == -1 or lp.rank <= num_top)), key=lambda item: item[1].rank)
         return self._chat_token(token_id, d[token_id]) | {
             "top_logprobs": [self._chat_token(t, lp) for t, lp in top]}
 
