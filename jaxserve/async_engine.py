@@ -78,6 +78,14 @@ class RequestStream:
         self._done = False
         self._num_tokens = 0
         self._last_token_time: float | None = None
+        # called on the event loop when an item arrives or iteration ends: one listener over
+        # many streams (streams.merge) needs no task per stream
+        self.on_ready: Callable[[], None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether `__anext__` would return (or end) without waiting."""
+        return bool(self._items) or self._done
 
     def _push(self, item: RequestOutput | BaseException, now: float) -> None:
         """On the event loop: an output (stamped by the engine thread) or an error."""
@@ -93,6 +101,8 @@ class RequestStream:
         else:
             self._items.append(item)
         self._ready.set()
+        if self.on_ready is not None:
+            self.on_ready()
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -118,11 +128,17 @@ class RequestStream:
 
     def abort(self) -> None:
         """Abort the request unless it finished; iteration ends. Safe to call twice."""
-        self._owner._forget(self)
-        if not self._done:
-            self._done = True
-            self._ready.set()
-            self._owner.abort(self.request_id)
+        self._owner.abort_streams([self])
+
+    def _close(self) -> bool:
+        """End iteration; True if the request was still open (it must be aborted)."""
+        if self._done:
+            return False
+        self._done = True
+        self._ready.set()
+        if self.on_ready is not None:
+            self.on_ready()
+        return True
 
 
 @dataclass
@@ -253,13 +269,11 @@ class AsyncEngine:
         try:
             results = await asyncio.gather(*(a.ack for a in adds), return_exceptions=True)
         except asyncio.CancelledError:
-            for a in adds:
-                a.stream.abort()
+            self.abort_streams([a.stream for a in adds])
             raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            for a in adds:
-                a.stream.abort()
+            self.abort_streams([a.stream for a in adds])
             raise errors[0]
         return [a.stream for a in adds]
 
@@ -267,9 +281,22 @@ class AsyncEngine:
         """Abort a request (unknown or finished ones are ignored); thread-safe, returns at once."""
         if not isinstance(request_id, str):  # the engine thread takes any other command for an add
             raise ValueError(f"request_id must be a string, got {request_id!r}")
+        self._abort_ids([request_id])
+
+    def abort_streams(self, streams: list[RequestStream]) -> None:
+        """`RequestStream.abort` for many at once, as one command batch (a client with
+        thousands of sequences that goes away takes one lock, not thousands)."""
+        with self._live_lock:
+            for stream in streams:
+                add = self._live.get(stream.request_id)
+                if add is not None and add.stream is stream:
+                    del self._live[stream.request_id]
+        self._abort_ids([stream.request_id for stream in streams if stream._close()])
+
+    def _abort_ids(self, request_ids: list[str]) -> None:
         with self._cond:
-            if self._error is None:
-                self._commands.append(request_id)
+            if self._error is None and request_ids:
+                self._commands += request_ids
                 self._cond.notify()
 
     async def shutdown(self, grace_s: float = 0.0) -> None:

@@ -162,6 +162,7 @@ class LLMEngine:
         self._trackers: dict[str, _Tracker] = {}
         self._inflight: tuple[SchedulerOutput, Inflight] | None = None
         self.num_steps = 0
+        self.last_step_tokens = 0  # the tokens the latest dispatched step was given
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -269,6 +270,7 @@ class LLMEngine:
         flight = (out, self.runner.dispatch(out)) if out.chunks else None
         if flight is not None:
             self.num_steps += 1
+            self.last_step_tokens = out.num_batched_tokens
         previous, self._inflight = self._inflight, flight
         if previous is None:
             if flight is None:

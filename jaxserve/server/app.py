@@ -10,11 +10,15 @@ aborts its request: its pages are free before the engine's next step. Every erro
 """
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
+import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -40,6 +44,7 @@ from jaxserve.checks import is_finite, is_int, show
 from jaxserve.engine import LLMEngine
 from jaxserve.request import RequestOutput
 from jaxserve.server import protocol
+from jaxserve.server.connections import ConcurrencyLimit, uvicorn_config
 from jaxserve.server.metrics import CONTENT_TYPE, Metrics, Seen
 from jaxserve.server.middleware import AccessLog, APIKey
 from jaxserve.server.protocol import APIError, GenerateRequest
@@ -60,10 +65,17 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # None: no key; else /v1/* need "Authorization: Bearer KEY"
     served_model_name: str | None = None  # None: the MODEL argument
-    max_waiting_requests: int | None = None  # more waiting requests get 429 (None: unbounded)
+    # more waiting requests get 429; None: as many as the KV pool has pages (AsyncEngine)
+    max_waiting_requests: int | None = None
+    max_seqs_per_request: int = 4096  # prompts x n of one request; more: 400, nothing queued
     request_timeout_s: float | None = None  # unfinished this long after arrival: aborted, 504
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, in-flight requests get this long
+    stall_timeout_s: float = 60.0  # work waiting this long with no engine iteration: /health 503
+    header_timeout_s: float = 10.0  # request line and headers must arrive within this: else 408
+    body_timeout_s: float = 60.0  # the whole request body must arrive within this: else 408
+    max_connections: int = 1000  # open connections; one more is answered 503 and closed
+    max_concurrent_requests: int = 1000  # /v1 requests in flight; one more is a 503
 
     def __post_init__(self):
         # a config file may hold any YAML value: types first, so every mistake is a ValueError
@@ -82,9 +94,14 @@ class ServerConfig:
                 is_finite(self.request_timeout_s) and self.request_timeout_s > 0):
             raise ValueError(f"request_timeout_s must be a number > 0, got "
                              f"{show(self.request_timeout_s)}")
-        if not (is_int(self.max_body_bytes) and self.max_body_bytes > 0):
-            raise ValueError(f"max_body_bytes must be a positive integer, got "
-                             f"{show(self.max_body_bytes)}")
+        for name in ("max_body_bytes", "max_seqs_per_request", "max_connections",
+                     "max_concurrent_requests"):
+            if not (is_int(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a positive integer, got "
+                                 f"{show(getattr(self, name))}")
+        for name in ("stall_timeout_s", "header_timeout_s", "body_timeout_s"):
+            if not (is_finite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a number > 0, got {show(getattr(self, name))}")
         if not (is_finite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
             raise ValueError(f"shutdown_grace_s must be a number >= 0, got "
                              f"{show(self.shutdown_grace_s)}")
@@ -128,9 +145,20 @@ def _handler(fn):
     return endpoint
 
 
+class SafeJSONResponse(JSONResponse):
+    """JSON that always renders: text that cannot be UTF-8 (a lone surrogate a client sent
+    and an error message quotes) is written as JSON's \\u escapes instead of failing."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, separators=(",", ":")).encode()
+
+
 def _error_response(request: Request, error: APIError) -> JSONResponse:
     _info(request)["error"] = error.message
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    return SafeJSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def _info(request: Request) -> dict[str, Any]:
@@ -151,6 +179,7 @@ class _API:
         self.metrics = Metrics(engine, model_name)
         engine.on_iteration = self.metrics.observe_iteration
         self.created = int(time.time())
+        self._stall_logged = False
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -158,14 +187,16 @@ class _API:
         req = protocol.parse_completion(await self._read_json(request), self._sampling_defaults)
         self._check_model(req.model)
         self._check_prompt_logprobs(req)
-        # tokenizing a long prompt takes a while: off the event loop, so streams keep flowing
-        prompts, texts = await asyncio.to_thread(self._completion_prompts, req)
-        return await self._generate(request, "completion", req, prompts, texts)
+        self._check_num_seqs(req, len(req.prompts))
+        return await self._generate(request, "completion", req, self._completion_prompts)
 
-    def _completion_prompts(self, req: protocol.GenerateRequest) -> tuple[list[dict], list[str]]:
+    def _completion_prompts(self, req: protocol.GenerateRequest,
+                            cancelled: threading.Event) -> tuple[list[dict], list[str]]:
         """The engine prompts of a completion request, and the texts echo shows."""
         prompts, texts = [], []
         for p in req.prompts:
+            if cancelled.is_set():  # the client went away: stop tokenizing for nobody
+                raise _Disconnected
             if isinstance(p, str):
                 ids = self._encode(p, "prompt", req.add_special_tokens is not False)
             else:
@@ -186,8 +217,13 @@ class _API:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use "
                            "/v1/completions with token ids", param="messages")
-        prompt = await asyncio.to_thread(self._chat_prompt, req)
-        return await self._generate(request, "chat", req, [prompt], [prompt.get("prompt", "")])
+        self._check_num_seqs(req, 1)
+        return await self._generate(request, "chat", req, self._chat_prompts)
+
+    def _chat_prompts(self, req: protocol.GenerateRequest,
+                      cancelled: threading.Event) -> tuple[list[dict], list[str]]:
+        prompt = self._chat_prompt(req)
+        return [prompt], [prompt.get("prompt", "")]
 
     def _chat_prompt(self, req: protocol.GenerateRequest) -> dict:
         try:
@@ -211,6 +247,14 @@ class _API:
             return ids
         return ids[-(self.engine.engine.max_model_len if k == -1 else k):]
 
+    def _check_num_seqs(self, req: protocol.GenerateRequest, num_prompts: int) -> None:
+        """Prompts x n is what a request queues: bounded before any prompt is tokenized."""
+        n, limit = req.params.n, self.config.max_seqs_per_request
+        if num_prompts * n > limit:
+            raise APIError(400, f"{num_prompts} prompts x n {n} = {num_prompts * n} sequences, "
+                           f"more than one request may ask for ({limit}, "
+                           "max_seqs_per_request)", param="n" if n > 1 else "prompt")
+
     def _check_prompt_logprobs(self, req: protocol.GenerateRequest) -> None:
         """The prompt's logprobs, asked for by name or by echo with logprobs, need an engine
         that compiled the steps computing them."""
@@ -225,14 +269,26 @@ class _API:
         card = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "jaxserve", "root": str(self.engine.engine.model_path),
                 "max_model_len": self.engine.engine.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        return SafeJSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
-        if self.engine.is_running:
-            return JSONResponse({"status": "ok"})
         if self.engine.error is not None:
             raise APIError(503, f"the engine is dead: {self.engine.error!r}")
-        raise APIError(503, "the server is shutting down")
+        if not self.engine.is_running:
+            raise APIError(503, "the server is shutting down")
+        stalled = self.engine.stalled_for()
+        if stalled is None:
+            self._stall_logged = False
+            return SafeJSONResponse({"status": "ok"})
+        stats = self.engine.stats()
+        message = (f"the engine made no progress for {stalled:.0f} s while work waits "
+                   f"(stall_timeout_s {self.engine.stall_timeout_s:g}; last seen: "
+                   f"{stats['num_requests_running']} running, "
+                   f"{stats['num_requests_waiting']} waiting)")
+        if not self._stall_logged:  # once per stall, however often it is probed
+            self._stall_logged = True
+            log.error("health: %s", message)
+        raise APIError(503, message)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -240,11 +296,16 @@ class _API:
     # -- helpers -------------------------------------------------------------------------------
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
+        kind = request.headers.get("content-type")
+        media = (kind or "").split(";")[0].strip().lower()
+        if kind is not None and media != "application/json" and not media.endswith("+json"):
+            raise APIError(415, "the request body must be JSON (Content-Type: "
+                           f"application/json); got Content-Type {show(kind)}")
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length", "")
         too_big = declared.isdigit() and int(declared) > limit
         body, size = bytearray(), 0
-        async for chunk in request.stream():
+        async for chunk in _within(request.stream(), self.config.body_timeout_s):
             size += len(chunk)
             too_big = too_big or size > limit
             if too_big and size > 16 * limit:
@@ -260,10 +321,11 @@ class _API:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        _check_unicode(data)
         return data
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model and model != self.model_name:  # none or "": the served model, as vLLM
             raise APIError(404, f"the model `{model}` does not exist; this server serves "
                            f"`{self.model_name}`", param="model")
 
@@ -291,19 +353,36 @@ class _API:
                            param="prompt") from None
 
     async def _generate(self, request: Request, kind: str, req: GenerateRequest,
-                        prompts: list[dict], texts: list[str]) -> Response:
+                        prepare) -> Response:
+        """`prepare(req, cancelled)` -> (engine prompts, echo texts) runs in a worker thread
+        (tokenizing a long prompt would stall every stream); a client that disconnects while
+        it runs or while its requests are queued stops that work (`cancelled` is set)."""
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         info = _info(request)
         info["id"] = request_id
         arrival = time.monotonic()
         n = req.params.n  # choice i: sample i % n of prompt i // n
-        texts = [text for text in texts for _ in range(n)]
-        try:  # all together: they start in one engine iteration, or none of them does
+        cancelled = threading.Event()
+
+        async def admit() -> tuple[list[str], list[RequestStream]]:
+            prompts, texts = await asyncio.to_thread(prepare, req, cancelled)
+            # all together: they start in one engine iteration, or none of them does
             streams = await self.engine.add_requests(
                 [(f"{request_id}-{i * n + j}", prompt, req.params.for_sample(j))
                  for i, prompt in enumerate(prompts) for j in range(n)], arrival)
+            return [text for text in texts for _ in range(n)], streams
+
+        admitting = asyncio.ensure_future(admit())
+        try:
+            admitted = await until_disconnect(request, admitting)
         except _ENGINE_ERRORS as error:
             raise _api_error(error, req) from None
+        finally:
+            cancelled.set()  # the thread is done by now, unless the client went away
+        if not admitted:
+            info["error"] = "client disconnected"
+            return Response(status_code=499)  # nginx's "client closed request": for the log only
+        texts, streams = admitting.result()
         fmt = protocol.Formatter(kind, request_id, int(time.time()), self.model_name,
                                  self.tokenizer, req, texts)
         if req.stream:
@@ -321,13 +400,12 @@ class _API:
         except _STREAM_ERRORS as error:
             raise _api_error(error, req) from None
         finally:
-            for stream in streams:
-                stream.abort()
+            self.engine.abort_streams(streams)
             self._ended(streams, last, info, n, seen)
         if not done:
             info["error"] = "client disconnected"
             return Response(status_code=499)  # nginx's "client closed request": for the log only
-        return JSONResponse(fmt.response(last))
+        return SafeJSONResponse(fmt.response(last))
 
     async def _sse(self, streams: list[RequestStream], fmt: protocol.Formatter,
                    info: dict) -> AsyncIterator[str]:
@@ -350,8 +428,7 @@ class _API:
                 yield sse_event(api_error.body())
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away: the task is cancelled at an await
-            for stream in streams:
-                stream.abort()
+            self.engine.abort_streams(streams)
             self._ended(streams, last, info, fmt.req.params.n, seen)
 
     def _ended(self, streams: list[RequestStream], last: list[RequestOutput | None],
@@ -360,13 +437,56 @@ class _API:
         outs = [o for o in last if o is not None]
         info["prompt_tokens"] = sum(len(o.prompt_token_ids) for o in last[::n] if o is not None)
         info["completion_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
-        info["finish"] = ",".join(
-            o.outputs[0].finish_reason if s.finished and o else "abort"
-            for s, o in zip(streams, last, strict=True))
+        finishes = collections.Counter(o.outputs[0].finish_reason if s.finished and o else "abort"
+                                       for s, o in zip(streams, last, strict=True))
+        info["finish"] = ",".join(reason if count == 1 else f"{reason}x{count}"
+                                  for reason, count in finishes.items())
         first = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs
                  if o.metrics is not None and o.metrics.first_token_time is not None]
         if first:
             info["ttft"] = f"{max(first):.3f}s"
+
+
+class _Disconnected(Exception):
+    """The client went away while its prompts were being prepared."""
+
+
+async def _within(chunks: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
+    """`chunks` (a request body), all of which must arrive within `seconds` (a client that
+    trickles its body would hold a connection and a handler for ever): else 408."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(chunks, None), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {seconds:g} s "
+                           "(body_timeout_s)", headers={"Connection": "close"}) from None
+        if chunk is None:
+            return
+        yield chunk
+
+
+def _check_unicode(data: dict[str, Any]) -> None:
+    """Every string of the body, keys too, is valid Unicode: JSON's \\u escapes can carry a
+    lone UTF-16 surrogate, which no tokenizer, response or log line can encode. 400 naming
+    the top-level field that holds one."""
+    for key, value in data.items():
+        stack = [key, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, dict):
+                stack += item.keys()
+                stack += item.values()
+            elif isinstance(item, list):
+                stack += item
+            elif isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    name = key.encode("utf-8", "backslashreplace").decode()
+                    raise APIError(400, f"{name} holds text that is not valid Unicode (a lone "
+                                   "UTF-16 surrogate)", param=name) from None
 
 
 async def _http_error(request: Request, error: HTTPException) -> Response:
@@ -391,7 +511,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Sta
     ]
     return Starlette(routes=routes, lifespan=lifespan,
                      exception_handlers={HTTPException: _http_error},
-                     middleware=[Middleware(AccessLog), Middleware(APIKey, key=config.api_key)])
+                     middleware=[Middleware(AccessLog),
+                                 Middleware(ConcurrencyLimit, limit=config.max_concurrent_requests),
+                                 Middleware(APIKey, key=config.api_key)])
 
 
 def bind(config: ServerConfig) -> socket.socket:
@@ -406,25 +528,38 @@ def serve(engine: LLMEngine, config: ServerConfig, model_name: str,
     """Serve until SIGTERM or SIGINT: then stop accepting, give in-flight requests
     `shutdown_grace_s`, abort the rest (a stream gets a 503 error event and [DONE], a request
     a 503), stop the engine, and return 0. If the engine dies, clients get 503s and this
-    returns 1, so that a supervisor restarts the server. `sock`: bound already (`bind`)."""
+    returns 1, so that a supervisor restarts the server. `sock`: bound already (`bind`).
+
+    The stop takes the grace period and a few seconds whatever the engine does: if its thread
+    is stuck in a step, the requests it holds are failed from the event loop one second past
+    the grace period, and the process ends without waiting for the thread."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             # the engine's grace starts now and ends before uvicorn's (which then cancels
-            # handlers outright): requests still running at its end get the engine's 503s
+            # handlers outright): requests still running at its end get the engine's 503s,
+            # from the engine thread or, if that is stuck, from this timer
+            if async_engine.is_running:
+                timer = threading.Timer(config.shutdown_grace_s + 1.0, async_engine.fail_live,
+                                        [EngineStoppedError("the engine did not stop within "
+                                                            "the shutdown grace period")])
+                timer.daemon = True
+                timer.start()
             async_engine.begin_shutdown(config.shutdown_grace_s)
             super().handle_exit(sig, frame)
 
     async_engine = AsyncEngine(engine, max_waiting_requests=config.max_waiting_requests,
-                               request_timeout_s=config.request_timeout_s)
+                               request_timeout_s=config.request_timeout_s,
+                               stall_timeout_s=config.stall_timeout_s)
     name = config.served_model_name or model_name
     app = build_app(async_engine, config, name)
     sock = bind(config) if sock is None else sock
     host = f"[{config.host}]" if sock.family == socket.AF_INET6 else config.host
     print(f"jaxserve: serving {name!r} at http://{host}:{sock.getsockname()[1]}/v1 "
           "(Ctrl+C to stop)", flush=True)
-    uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+    uv_config = uvicorn_config(app, header_timeout_s=config.header_timeout_s,
+                               max_connections=config.max_connections,
                                timeout_graceful_shutdown=config.shutdown_grace_s + 5)
     # uvicorn handles SIGINT/SIGTERM while it runs, then re-raises the signal to the handler it
     # found: these absorb it, so a graceful stop exits 0.
@@ -433,4 +568,10 @@ def serve(engine: LLMEngine, config: ServerConfig, model_name: str,
     server = Server(uv_config)
     async_engine.on_death = lambda error: setattr(server, "should_exit", True)
     server.run(sockets=[sock])
-    return 0 if async_engine.error is None else 1
+    code = 0 if async_engine.error is None else 1
+    if async_engine.thread_alive:  # stuck in a step: exit without waiting on it at exit
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

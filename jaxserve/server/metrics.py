@@ -183,14 +183,17 @@ class Metrics:
         finish reason; the per-request histograms take finished sequences, and n and the most
         tokens generated a prompt whose n samples all finished (as vLLM, once per prompt)."""
         done: list[RequestOutput | None] = []
+        reasons: dict[str, int] = {}  # one increment per reason: a request may hold thousands
         for counted, output, stream in zip(seen, outputs, streams, strict=True):
             self.progress(counted, output, stream.inter_token_latencies)
             finished = stream.finished and output is not None and output.finished
             done.append(output if finished else None)
             reason = output.outputs[0].finish_reason if finished else "abort"
-            self.success.labels(self.model_name, reason).inc()
+            reasons[reason] = reasons.get(reason, 0) + 1
             if finished:
                 self._finished(counted, output)
+        for reason, count in reasons.items():
+            self.success.labels(self.model_name, reason).inc(count)
         for start in range(0, len(done), n):
             group = done[start:start + n]
             if all(output is not None for output in group):

@@ -18,43 +18,47 @@ def sse_event(body: dict[str, Any]) -> str:
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) from several streams as they come."""
+    """(choice index, output) from several streams as they come: the newest output of each
+    (outputs are cumulative: a slow reader skips the ones between, and holds one output per
+    choice however far it falls behind). One listener, no task per stream: a request may have
+    thousands. Raises the first error a stream ends with."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
-    # the newest output per choice (outputs are cumulative: a slow reader skips the ones between,
-    # and holds one output per choice however far it falls behind)
-    latest: dict[int, RequestOutput] = {}
-    ended: set[int] = set()
-    errors: list[Exception] = []
+    ready: dict[int, None] = dict.fromkeys(range(len(streams)))  # to look at, in order
     changed = asyncio.Event()
+    ended: set[int] = set()
 
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                latest[i] = out
-                changed.set()
-        except Exception as error:
-            errors.append(error)
-        ended.add(i)
-        changed.set()
+    def listener(i: int):
+        def on_ready() -> None:
+            ready[i] = None
+            changed.set()
+        return on_ready
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    for i, stream in enumerate(streams):
+        stream.on_ready = listener(i)
     try:
-        while True:
-            await changed.wait()
-            changed.clear()
-            if errors:
-                raise errors[0]
-            while latest:
-                i = next(iter(latest))
-                yield i, latest.pop(i)
-            if len(ended) == len(streams) and not latest:
-                return
+        while len(ended) < len(streams):
+            if not ready:
+                changed.clear()
+                await changed.wait()
+                continue
+            i = next(iter(ready))
+            del ready[i]
+            if i in ended or not streams[i].ready:
+                continue
+            try:
+                out = await streams[i].__anext__()  # does not wait: the stream is ready
+            except StopAsyncIteration:
+                ended.add(i)
+                continue
+            if streams[i].ready:  # ended with this output (or more came): look again
+                ready[i] = None
+            yield i, out
     finally:
-        for task in tasks:
-            task.cancel()
+        for stream in streams:
+            stream.on_ready = None
 
 
 async def follow(streams: list[RequestStream], on_output) -> None:
