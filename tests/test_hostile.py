@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.request import SamplingParams
 from jaxserve.server import ServerConfig, build_app
+from jaxserve.server import app as server_app
 
 TIMEOUT_S = 1.0  # this module's header and body timeouts
 MAX_WAITING = 8
@@ -128,6 +130,35 @@ def test_health_is_503_while_the_engine_loop_is_stuck():
         while httpx.get(url + "/health").status_code != 200:
             assert time.monotonic() < deadline, "health stayed 503"
             time.sleep(0.05)
+
+
+def test_a_client_gone_while_tokenizing_or_queued_stops_that_work():
+    """The engine thread is stuck, so a second request's sequences stay queued for it (not yet
+    taken): when its client goes, they are dropped at once, not left for the engine; and a
+    client gone while its prompts are tokenized stops the tokenizing."""
+    fake = StuckEngine()
+    engine = AsyncEngine(fake)
+    app = build_app(engine, ServerConfig(), "stuck")
+    try:
+        with uvicorn_url(app) as url:
+            body = {"prompt": [1, 2, 3], "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10):
+                assert fake.stepping.wait(5)  # the first request holds the thread
+                with contextlib.suppress(httpx.TimeoutException):
+                    httpx.post(url + "/v1/completions", json={"prompt": [[4, 5]] * 50},
+                               timeout=0.5)
+                deadline = time.monotonic() + 5
+                while len(engine._live) > 1:  # the 50 queued for the engine are gone
+                    assert time.monotonic() < deadline, len(engine._live)
+                    time.sleep(0.01)
+    finally:
+        fake.release.set()
+    api = SimpleNamespace(tokenizer=None)  # the tokenizing loop checks the flag per prompt
+    cancelled = threading.Event()
+    cancelled.set()
+    req = SimpleNamespace(prompts=[[1, 2]] * 3, truncate_prompt_tokens=None, echo=False)
+    with pytest.raises(server_app._Disconnected):
+        server_app._API._completion_prompts(api, req, cancelled)
 
 
 _STUCK_SERVER = """
