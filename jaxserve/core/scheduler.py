@@ -15,6 +15,7 @@ request in policy order always may join.
 """
 
 import bisect
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -272,13 +273,15 @@ class Scheduler:
         self._batch_rows = len(batch)
         return batch
 
-    def _arrivals(self) -> list[Request]:
+    def _arrivals(self, limit: int | None = None) -> list[Request]:
         """The waiting requests the window judges: new arrivals (a preempted request was
-        admitted once already, and its old arrival would hold the window open for the rest)."""
-        return [r for r in self.waiting if not r.metrics.num_preemptions]
+        admitted once already, and its old arrival would hold the window open for the rest);
+        the first `limit` of them (the window needs no more: a long queue is not walked)."""
+        arrivals = (r for r in self.waiting if not r.metrics.num_preemptions)
+        return list(itertools.islice(arrivals, limit))
 
     def _window_open(self, now: float, idle: bool) -> bool:
-        arrivals = self._arrivals()
+        arrivals = self._arrivals(self.window.max_batch_size)
         n = len(arrivals)
         if n == 0 or n >= self.window.max_batch_size:  # open whatever the oldest
             return True
@@ -286,7 +289,8 @@ class Scheduler:
 
     def next_wakeup(self) -> float | None:
         """When admission may open for requests that wait on the window (None: not waiting)."""
-        arrivals = self._arrivals() if self.waiting and not self.running else []
+        arrivals = (self._arrivals(self.window.max_batch_size)
+                    if self.waiting and not self.running else [])
         if not arrivals:
             return None
         return self.window.opens_at(min(r.arrival_time for r in arrivals))

@@ -185,6 +185,10 @@ class Metrics:
         done: list[RequestOutput | None] = []
         reasons: dict[str, int] = {}  # one increment per reason: a request may hold thousands
         for counted, output, stream in zip(seen, outputs, streams, strict=True):
+            if output is None and not stream.inter_token_latencies:  # gone before its first
+                reasons["abort"] = reasons.get("abort", 0) + 1  # token (a mass abort's many)
+                done.append(None)
+                continue
             self.progress(counted, output, stream.inter_token_latencies)
             finished = stream.finished and output is not None and output.finished
             done.append(output if finished else None)
@@ -196,7 +200,7 @@ class Metrics:
             self.success.labels(self.model_name, reason).inc(count)
         for start in range(0, len(done), n):
             group = done[start:start + n]
-            if all(output is not None for output in group):
+            if group[0] is not None and all(output is not None for output in group):
                 self.params_n.observe(n)
                 self.max_generation_tokens.observe(
                     max(len(output.outputs[0].token_ids) for output in group))
