@@ -2,17 +2,18 @@
 
     POST /v1/completions, /v1/chat/completions    GET /v1/models, /health, /metrics
 
-A request is parsed on the event loop and tokenized in a worker thread (a long prompt would
-stall every stream), then handed to the `AsyncEngine`; the loop only ever awaits (it never
-waits on the device). A client that goes away, streaming or not,
-aborts its request: its pages are free before the engine's next step. Every error is an
-`APIError` in vLLM's envelope, and touches no other request.
+A request's body is read within its limits (`body.read_json`), parsed on the event loop and
+tokenized in a worker thread (a long prompt would stall every stream), then handed to the
+`AsyncEngine`; the loop only ever awaits (it never waits on the device). A client that goes
+away, streaming or not, while it is tokenized, queued or served, aborts its request: its pages
+are free before the engine's next step. Every error is an `APIError` in vLLM's envelope, and
+touches no other request. `serve` runs it under uvicorn with the connection guards of
+`connections.py`, and stops within its grace period whatever the engine does.
 """
 
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -22,7 +23,6 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -40,10 +40,11 @@ from jaxserve.async_engine import (
     RequestStream,
     RequestTimeoutError,
 )
-from jaxserve.checks import is_finite, is_int, show
 from jaxserve.engine import LLMEngine
 from jaxserve.request import RequestOutput
 from jaxserve.server import protocol
+from jaxserve.server.body import SafeJSONResponse, read_json
+from jaxserve.server.config import ServerConfig
 from jaxserve.server.connections import ConcurrencyLimit, uvicorn_config
 from jaxserve.server.metrics import CONTENT_TYPE, Metrics, Seen
 from jaxserve.server.middleware import AccessLog, APIKey
@@ -51,60 +52,6 @@ from jaxserve.server.protocol import APIError, GenerateRequest
 from jaxserve.server.streams import follow, merge, sse_event, until_disconnect
 
 log = logging.getLogger("jaxserve.server")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Server settings; the field names are config-file keys and `jaxserve serve` flags.
-
-    `max_waiting_requests` and `request_timeout_s` are enforced by the AsyncEngine, which
-    `serve` builds with them (they are not engine options: `LLM.generate` has no use for them).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # None: no key; else /v1/* need "Authorization: Bearer KEY"
-    served_model_name: str | None = None  # None: the MODEL argument
-    # more waiting requests get 429; None: as many as the KV pool has pages (AsyncEngine)
-    max_waiting_requests: int | None = None
-    max_seqs_per_request: int = 4096  # prompts x n of one request; more: 400, nothing queued
-    request_timeout_s: float | None = None  # unfinished this long after arrival: aborted, 504
-    max_body_bytes: int = 4 << 20  # larger request bodies get 413
-    shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, in-flight requests get this long
-    stall_timeout_s: float = 60.0  # work waiting this long with no engine iteration: /health 503
-    header_timeout_s: float = 10.0  # request line and headers must arrive within this: else 408
-    body_timeout_s: float = 60.0  # the whole request body must arrive within this: else 408
-    max_connections: int = 1000  # open connections; one more is answered 503 and closed
-    max_concurrent_requests: int = 1000  # /v1 requests in flight; one more is a 503
-
-    def __post_init__(self):
-        # a config file may hold any YAML value: types first, so every mistake is a ValueError
-        # naming its key before the model loads
-        for name in ("host", "api_key", "served_model_name"):
-            value = getattr(self, name)
-            if not (isinstance(value, str) or (value is None and name != "host")):
-                raise ValueError(f"{name} must be a string, got {show(value)}")
-        if not (is_int(self.port) and 0 <= self.port < 65536):
-            raise ValueError(f"port must be an integer in [0, 65536), got {show(self.port)}")
-        if self.max_waiting_requests is not None and not (
-                is_int(self.max_waiting_requests) and self.max_waiting_requests >= 0):
-            raise ValueError("max_waiting_requests must be an integer >= 0, got "
-                             f"{show(self.max_waiting_requests)}")
-        if self.request_timeout_s is not None and not (
-                is_finite(self.request_timeout_s) and self.request_timeout_s > 0):
-            raise ValueError(f"request_timeout_s must be a number > 0, got "
-                             f"{show(self.request_timeout_s)}")
-        for name in ("max_body_bytes", "max_seqs_per_request", "max_connections",
-                     "max_concurrent_requests"):
-            if not (is_int(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"{name} must be a positive integer, got "
-                                 f"{show(getattr(self, name))}")
-        for name in ("stall_timeout_s", "header_timeout_s", "body_timeout_s"):
-            if not (is_finite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"{name} must be a number > 0, got {show(getattr(self, name))}")
-        if not (is_finite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
-            raise ValueError(f"shutdown_grace_s must be a number >= 0, got "
-                             f"{show(self.shutdown_grace_s)}")
 
 
 def _api_error(error: Exception, req: GenerateRequest | None = None) -> APIError:
@@ -145,17 +92,6 @@ def _handler(fn):
     return endpoint
 
 
-class SafeJSONResponse(JSONResponse):
-    """JSON that always renders: text that cannot be UTF-8 (a lone surrogate a client sent
-    and an error message quotes) is written as JSON's \\u escapes instead of failing."""
-
-    def render(self, content: Any) -> bytes:
-        try:
-            return super().render(content)
-        except UnicodeEncodeError:
-            return json.dumps(content, separators=(",", ":")).encode()
-
-
 def _error_response(request: Request, error: APIError) -> JSONResponse:
     _info(request)["error"] = error.message
     return SafeJSONResponse(error.body(), status_code=error.status, headers=error.headers)
@@ -184,7 +120,8 @@ class _API:
     # -- routes --------------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        req = protocol.parse_completion(await self._read_json(request), self._sampling_defaults)
+        req = protocol.parse_completion(await read_json(request, self.config.max_body_bytes,
+                                                       self.config.body_timeout_s), self._sampling_defaults)
         self._check_model(req.model)
         self._check_prompt_logprobs(req)
         self._check_num_seqs(req, len(req.prompts))
@@ -211,7 +148,8 @@ class _API:
         return prompts, texts
 
     async def chat(self, request: Request) -> Response:
-        req = protocol.parse_chat(await self._read_json(request), self._sampling_defaults)
+        req = protocol.parse_chat(await read_json(request, self.config.max_body_bytes,
+                                                       self.config.body_timeout_s), self._sampling_defaults)
         self._check_model(req.model)
         self._check_prompt_logprobs(req)
         if self.tokenizer is None:
@@ -294,35 +232,6 @@ class _API:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     # -- helpers -------------------------------------------------------------------------------
-
-    async def _read_json(self, request: Request) -> dict[str, Any]:
-        kind = request.headers.get("content-type")
-        media = (kind or "").split(";")[0].strip().lower()
-        if kind is not None and media != "application/json" and not media.endswith("+json"):
-            raise APIError(415, "the request body must be JSON (Content-Type: "
-                           f"application/json); got Content-Type {show(kind)}")
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        too_big = declared.isdigit() and int(declared) > limit
-        body, size = bytearray(), 0
-        async for chunk in _within(request.stream(), self.config.body_timeout_s):
-            size += len(chunk)
-            too_big = too_big or size > limit
-            if too_big and size > 16 * limit:
-                break
-            if not too_big:  # past the limit, read on (so the client gets our answer) but drop
-                body += chunk
-        if too_big:
-            raise APIError(413, f"the request body is over the limit of {limit} bytes "
-                           "(max_body_bytes)")
-        try:
-            data = json.loads(body)
-        except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
-            raise APIError(400, f"the request body is not valid JSON: {error}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        _check_unicode(data)
-        return data
 
     def _check_model(self, model: str | None) -> None:
         if model and model != self.model_name:  # none or "": the served model, as vLLM
@@ -449,44 +358,6 @@ class _API:
 
 class _Disconnected(Exception):
     """The client went away while its prompts were being prepared."""
-
-
-async def _within(chunks: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
-    """`chunks` (a request body), all of which must arrive within `seconds` (a client that
-    trickles its body would hold a connection and a handler for ever): else 408."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while True:
-        try:
-            chunk = await asyncio.wait_for(anext(chunks, None), max(0.0, deadline - loop.time()))
-        except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {seconds:g} s "
-                           "(body_timeout_s)", headers={"Connection": "close"}) from None
-        if chunk is None:
-            return
-        yield chunk
-
-
-def _check_unicode(data: dict[str, Any]) -> None:
-    """Every string of the body, keys too, is valid Unicode: JSON's \\u escapes can carry a
-    lone UTF-16 surrogate, which no tokenizer, response or log line can encode. 400 naming
-    the top-level field that holds one."""
-    for key, value in data.items():
-        stack = [key, value]
-        while stack:
-            item = stack.pop()
-            if isinstance(item, dict):
-                stack += item.keys()
-                stack += item.values()
-            elif isinstance(item, list):
-                stack += item
-            elif isinstance(item, str):
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    name = key.encode("utf-8", "backslashreplace").decode()
-                    raise APIError(400, f"{name} holds text that is not valid Unicode (a lone "
-                                   "UTF-16 surrogate)", param=name) from None
 
 
 async def _http_error(request: Request, error: HTTPException) -> Response:

@@ -128,7 +128,7 @@ def engine_config(args) -> EngineConfig:
 
 def _config_file(path: Path) -> dict:
     """A config file's engine options; its server keys (port, api_key, ...) do not apply."""
-    from jaxserve.server.app import ServerConfig  # only here: the simulator loads without jax
+    from jaxserve.server.config import ServerConfig  # only here: the simulator loads without jax
 
     data = read_config_file(path)
     server = {f.name for f in dataclasses.fields(ServerConfig)}

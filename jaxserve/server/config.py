@@ -1,0 +1,59 @@
+"""The server's settings: config-file keys and `jaxserve serve` flags."""
+
+from dataclasses import dataclass
+
+from jaxserve.checks import is_finite, is_int, show
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server settings; the field names are config-file keys and `jaxserve serve` flags.
+
+    `max_waiting_requests` and `request_timeout_s` are enforced by the AsyncEngine, which
+    `serve` builds with them (they are not engine options: `LLM.generate` has no use for them).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no key; else /v1/* need "Authorization: Bearer KEY"
+    served_model_name: str | None = None  # None: the MODEL argument
+    # more waiting requests get 429; None: as many as the KV pool has pages (AsyncEngine)
+    max_waiting_requests: int | None = None
+    max_seqs_per_request: int = 4096  # prompts x n of one request; more: 400, nothing queued
+    request_timeout_s: float | None = None  # unfinished this long after arrival: aborted, 504
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413
+    shutdown_grace_s: float = 30.0  # on SIGTERM/SIGINT, in-flight requests get this long
+    stall_timeout_s: float = 60.0  # work waiting this long with no engine iteration: /health 503
+    header_timeout_s: float = 10.0  # request line and headers must arrive within this: else 408
+    body_timeout_s: float = 60.0  # the whole request body must arrive within this: else 408
+    max_connections: int = 1000  # open connections; one more is answered 503 and closed
+    max_concurrent_requests: int = 1000  # /v1 requests in flight; one more is a 503
+
+    def __post_init__(self):
+        # a config file may hold any YAML value: types first, so every mistake is a ValueError
+        # naming its key before the model loads
+        for name in ("host", "api_key", "served_model_name"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (value is None and name != "host")):
+                raise ValueError(f"{name} must be a string, got {show(value)}")
+        if not (is_int(self.port) and 0 <= self.port < 65536):
+            raise ValueError(f"port must be an integer in [0, 65536), got {show(self.port)}")
+        if self.max_waiting_requests is not None and not (
+                is_int(self.max_waiting_requests) and self.max_waiting_requests >= 0):
+            raise ValueError("max_waiting_requests must be an integer >= 0, got "
+                             f"{show(self.max_waiting_requests)}")
+        if self.request_timeout_s is not None and not (
+                is_finite(self.request_timeout_s) and self.request_timeout_s > 0):
+            raise ValueError(f"request_timeout_s must be a number > 0, got "
+                             f"{show(self.request_timeout_s)}")
+        for name in ("max_body_bytes", "max_seqs_per_request", "max_connections",
+                     "max_concurrent_requests"):
+            if not (is_int(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a positive integer, got "
+                                 f"{show(getattr(self, name))}")
+        for name in ("stall_timeout_s", "header_timeout_s", "body_timeout_s"):
+            if not (is_finite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a number > 0, got {show(getattr(self, name))}")
+        if not (is_finite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
+            raise ValueError(f"shutdown_grace_s must be a number >= 0, got "
+                             f"{show(self.shutdown_grace_s)}")
