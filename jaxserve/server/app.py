@@ -49,6 +49,7 @@ from jaxserve.server.connections import ConcurrencyLimit, uvicorn_config
 from jaxserve.server.metrics import CONTENT_TYPE, Metrics, Seen
 from jaxserve.server.middleware import AccessLog, APIKey
 from jaxserve.server.protocol import APIError, GenerateRequest
+from jaxserve.server.responses import Formatter
 from jaxserve.server.streams import follow, merge, sse_event, until_disconnect
 
 log = logging.getLogger("jaxserve.server")
@@ -292,7 +293,7 @@ class _API:
             info["error"] = "client disconnected"
             return Response(status_code=499)  # nginx's "client closed request": for the log only
         texts, streams = admitting.result()
-        fmt = protocol.Formatter(kind, request_id, int(time.time()), self.model_name,
+        fmt = Formatter(kind, request_id, int(time.time()), self.model_name,
                                  self.tokenizer, req, texts)
         if req.stream:
             return StreamingResponse(self._sse(streams, fmt, info), media_type="text/event-stream",
@@ -316,7 +317,7 @@ class _API:
             return Response(status_code=499)  # nginx's "client closed request": for the log only
         return SafeJSONResponse(fmt.response(last))
 
-    async def _sse(self, streams: list[RequestStream], fmt: protocol.Formatter,
+    async def _sse(self, streams: list[RequestStream], fmt: Formatter,
                    info: dict) -> AsyncIterator[str]:
         last: list[RequestOutput | None] = [None] * len(streams)
         seen = [Seen(fmt.req.params.max_tokens) for _ in streams]

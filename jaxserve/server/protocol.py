@@ -1,5 +1,5 @@
-"""The OpenAI API as jaxserve speaks it: request parsing (every error names its field), the error
-envelope, and the response bodies and stream chunks of /v1/completions and /v1/chat/completions.
+"""The OpenAI API as jaxserve speaks it: request parsing (every error names its field) and the
+error envelope. The response bodies and stream chunks are responses.py's.
 
 Fields are checked by hand rather than by a schema library so that each 400 says which field is
 wrong and why, in vLLM's envelope: {"error": {"message", "type", "param", "code"}}. No field is
@@ -8,20 +8,18 @@ changes nothing here (`_NO_OP`), or refused unless it holds its no-op value (`_R
 other field is a 400 naming it (vLLM ignores those, so a typo would pass unnoticed).
 """
 
-import codecs
-import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.checks import is_finite, is_int, show
-from jaxserve.request import Logprob, RequestOutput, SamplingParams
-from jaxserve.tokenizer import IncrementalDetokenizer, token_text
+from jaxserve.request import SamplingParams
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
-               500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
+               405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+               413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
+               429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+               504: "TimeoutError"}
 
 
 class APIError(Exception):
@@ -398,226 +396,3 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                            param="messages")
         out.append({**message, "content": content})
     return out
-
-
-# -- responses -------------------------------------------------------------------------------------
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else -9999.0  # JSON has no -inf
-
-
-@dataclass
-class _Sent:
-    """What a stream already sent of one choice."""
-
-    num_tokens: int = 0
-    text_len: int = 0
-    started: bool = False
-    offsets: "_Offsets" = field(default_factory=lambda: _Offsets())
-
-
-class _Offsets:
-    """Running text_offset of logprob tokens: the characters before each token, counted from
-    the tokens' bytes (a character split over several tokens counts once its last byte is in;
-    special tokens, which the text leaves out, count none)."""
-
-    def __init__(self) -> None:
-        self.offset = 0
-        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def advance(self, raw: bytes) -> int:
-        """The offset of a token of bytes `raw`; moves past it."""
-        at = self.offset
-        self.offset += len(self._chars.decode(raw))
-        return at
-
-    def prompt(self, tokenizer, ids: list[int], text: str) -> list[int]:
-        """The offsets of an echoed prompt's tokens in `text`, its echo: read as the tokenizer
-        decodes the prompt (a SentencePiece "▁Once" at the start is "Once"), not from each
-        token's bytes; the tokens after it count from the end of `text`."""
-        offsets = [0] * len(ids)
-        if tokenizer is not None:
-            detok, at = IncrementalDetokenizer(tokenizer), 0
-            for j, token in enumerate(ids):
-                offsets[j] = at
-                at += len(detok.push([token]))
-        self.offset = len(text)
-        return offsets
-
-
-class Formatter:
-    """Builds the response bodies (or SSE chunks) of one request: `kind` "completion" or "chat".
-
-    `prompt_texts[i]` is choice i's prompt text, echoed when `echo`. With n samples per
-    prompt, choice i is sample i % n of prompt i // n (OpenAI's numbering).
-    """
-
-    def __init__(self, kind: str, request_id: str, created: int, model: str, tokenizer,
-                 req: GenerateRequest, prompt_texts: list[str]):
-        self.kind, self.created, self.model = kind, created, model
-        # the client's request_id names the response (as vLLM's); the engine's ids stay unique
-        self.id = request_id if req.request_id is None else (
-            ("chatcmpl-" if kind == "chat" else "cmpl-") + req.request_id)
-        self.tokenizer = tokenizer
-        self.req = req
-        self.prompt_texts = prompt_texts
-        self._sent = [_Sent() for _ in prompt_texts]
-        # chat echo (vLLM's): the reply starts with the last message's content when that
-        # message has the reply's role (a continued message, or an assistant's prefill)
-        last = req.messages[-1] if req.messages else {}
-        self._chat_echo = (last["content"] if kind == "chat" and req.echo
-                           and last.get("role") == req.role else "")
-
-    def _head(self, object_name: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
-
-    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        """The non-streaming body, with usage."""
-        outputs = [self._shown(out) for out in outputs]
-        choices = []
-        for i, out in enumerate(outputs):
-            c = out.outputs[0]
-            lps = self._logprobs(out, 0, _Offsets(), echo=self.req.echo, index=i)
-            if self.kind == "chat":
-                message = {"role": self.req.role, "content": self._chat_echo + c.text}
-                choices.append({"index": i, "message": message, "logprobs": lps,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            else:
-                text = (self.prompt_texts[i] if self.req.echo else "") + c.text
-                choices.append({"index": i, "text": text, "logprobs": lps,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-                if self.req.prompt_logprobs:
-                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs(out)
-        obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        body = self._head(obj) | {"choices": choices, "usage": usage(outputs, self.req.params.n)}
-        if self.req.prompt_logprobs and self.kind == "chat":  # vLLM's place for a chat's
-            body["prompt_logprobs"] = self._prompt_logprobs(outputs[0])
-        return body
-
-    def _shown(self, out: RequestOutput) -> RequestOutput:
-        """`out` as the response shows it: an echo-only request's one generated token (it
-        only made the engine compute the prompt's logprobs) is left out."""
-        if not self.req.echo_only:
-            return out
-        c = out.outputs[0]
-        return dataclasses.replace(out, outputs=[dataclasses.replace(
-            c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
-            cumulative_logprob=None if c.logprobs is None else 0.0,
-            finish_reason="length" if out.finished else None, stop_reason=None)])
-
-    def _prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
-        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id:
-        {"logprob", "rank", "decoded_token"}} for the token and the top ones."""
-        if out.prompt_logprobs is None:
-            return None
-        return [None if d is None else {
-            str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
-                     "decoded_token": self._token(t, lp)} for t, lp in d.items()}
-            for d in out.prompt_logprobs]
-
-    def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
-        """The SSE chunk carrying what `out` adds to choice `index` (None: nothing new)."""
-        out = self._shown(out)
-        sent, c = self._sent[index], out.outputs[0]
-        text = c.text[sent.text_len:]
-        new_tokens = len(c.token_ids) > sent.num_tokens
-        first = not sent.started
-        if not (text or new_tokens or out.finished or first):
-            return None
-        echo = first and self.req.echo and self.kind == "completion"
-        lps = self._logprobs(out, sent.num_tokens, sent.offsets, echo=echo, index=index)
-        sent.num_tokens, sent.text_len, sent.started = len(c.token_ids), len(c.text), True
-        finish = c.finish_reason if out.finished else None
-        stop_reason = c.stop_reason if out.finished else None
-        if self.kind == "chat":
-            delta = ({"role": self.req.role, "content": self._chat_echo + text} if first
-                     else {"content": text})
-            choice = {"index": index, "delta": delta if text or first else {}, "logprobs": lps,
-                      "finish_reason": finish, "stop_reason": stop_reason}
-        else:
-            choice = {"index": index, "text": (self.prompt_texts[index] if echo else "") + text,
-                      "logprobs": lps, "finish_reason": finish, "stop_reason": stop_reason}
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        body = self._head(obj) | {"choices": [choice]}
-        if self.req.include_usage:  # vLLM's continuous_usage_stats: this choice's so far
-            body["usage"] = usage([out]) if self.req.continuous_usage else None
-        return body
-
-    def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return self._head(obj) | {"choices": [], "usage": usage(
-            [self._shown(out) for out in outputs], self.req.params.n)}
-
-    # -- logprobs ----------------------------------------------------------------------------
-
-    def _token(self, token_id: int, lp: Logprob | None = None) -> str:
-        """The token's text with its leading space; a piece of a character as "bytes:\\x..",
-        so that different tokens never share a name in top_logprobs. The engine's
-        `decoded_token` when it named it already."""
-        if lp is not None and lp.decoded_token is not None:
-            return lp.decoded_token
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return token_text(self.tokenizer, token_id)
-
-    def _bytes(self, token_id: int) -> bytes:
-        if self.tokenizer is None:
-            return b""
-        return self.tokenizer.token_bytes(token_id)
-
-    def _text_bytes(self, token_id: int) -> bytes:
-        """What the token adds to the response's text: nothing for a special token."""
-        if self.tokenizer is not None and token_id in self.tokenizer.all_special_ids:
-            return b""
-        return self._bytes(token_id)
-
-    def _logprobs(self, out: RequestOutput, start: int, offsets: _Offsets,
-                  echo: bool = False, index: int = 0) -> dict[str, Any] | None:
-        """Choice `index`'s logprobs of tokens from `start`; with `echo`, its prompt's first."""
-        c = out.outputs[0]
-        if c.logprobs is None:
-            return None
-        ids = c.token_ids[start:]
-        entries = c.logprobs[start:start + len(ids)]
-        if self.kind == "chat":
-            return {"content": [self._chat_entry(t, d) for t, d in zip(ids, entries, strict=False)]}
-        tokens, token_lps, tops, text_offsets = [], [], [], []
-        if echo:  # the prompt's tokens first, with their logprobs (the first token has none)
-            prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-            for t, d in zip(out.prompt_token_ids, prompt_lps, strict=False):
-                tokens.append(self._token(t, None if d is None else d[t]))
-                token_lps.append(None if d is None else _finite(d[t].logprob))
-                tops.append(None if d is None else self._top_dict(d))
-            text_offsets += offsets.prompt(self.tokenizer, out.prompt_token_ids,
-                                           self.prompt_texts[index])
-        for t, d in zip(ids, entries, strict=False):
-            tokens.append(self._token(t, d[t]))
-            token_lps.append(_finite(d[t].logprob))
-            tops.append(self._top_dict(d))
-            text_offsets.append(offsets.advance(self._text_bytes(t)))
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": text_offsets}
-
-    def _top_dict(self, d: dict[int, Logprob]) -> dict[str, float]:
-        return {self._token(t, lp): _finite(lp.logprob) for t, lp in d.items()}
-
-    def _chat_entry(self, token_id: int, d: dict[int, Logprob]) -> dict[str, Any]:
-        num_top = self.req.params.logprobs or 0  # -1: the whole vocabulary, every ranked one
-        top = sorted(((t, lp) for t, lp in d.items() if lp.rank is not None
-                      and (num_top == -1 or lp.rank <= num_top)), key=lambda item: item[1].rank)
-        return self._chat_token(token_id, d[token_id]) | {
-            "top_logprobs": [self._chat_token(t, lp) for t, lp in top]}
-
-    def _chat_token(self, token_id: int, lp: Logprob) -> dict[str, Any]:
-        return {"token": self._token(token_id, lp), "logprob": _finite(lp.logprob),
-                "bytes": list(self._bytes(token_id)) if self.tokenizer is not None else None}
-
-
-def usage(outputs: list[RequestOutput], n: int = 1) -> dict[str, int]:
-    """Token counts of a response: `outputs` holds n samples per prompt, prompt by prompt, and
-    each prompt counts once (as in vLLM and OpenAI)."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
