@@ -37,6 +37,9 @@ log = logging.getLogger("jaxserve")
 
 _IDLE_POLL_S = 0.005  # work exists but nothing could be dispatched: look again this soon
 _STOP_MARGIN_S = 2.0  # past the shutdown deadline, how long a stuck engine thread is waited for
+# commands (adds, aborts) applied between two steps at most: 100,000 aborts at once must not hold
+# the running requests' next step for their whole length (a request's adds are never split)
+_COMMANDS_PER_ITERATION = 8192
 
 
 class EngineDeadError(RuntimeError):
@@ -184,7 +187,8 @@ class AsyncEngine:
         self.on_death: Callable[[BaseException], None] | None = None
         self.on_iteration: Callable[[int], None] | None = None
         self._cond = threading.Condition()
-        self._commands: list[_Add | str] = []  # guarded by _cond; a str is an abort
+        # guarded by _cond: a request's adds, together (a tuple), or one abort (a str)
+        self._commands: list[tuple[_Add, ...] | str] = []
         self._stop_at: float | None = None  # guarded by _cond: shutting down, deadline
         self._error: BaseException | None = None  # guarded by _cond: the engine died of it
         self._idle = False  # guarded by _cond: the thread sleeps for want of work
@@ -352,7 +356,7 @@ class AsyncEngine:
                 raise EngineStoppedError("the engine is shutting down")
             if self._idle:  # it wakes now: the stall clock starts with this work
                 self._heartbeat = time.monotonic()
-            self._commands.extend(commands)
+            self._commands.append(commands)
             self._cond.notify()
 
     # -- the engine thread ---------------------------------------------------------------------
@@ -374,15 +378,21 @@ class AsyncEngine:
                 self._idle = True
                 self._cond.wait()
             self._idle = False
-            commands, self._commands = self._commands, []
+            taken = _commands_within(self._commands, _COMMANDS_PER_ITERATION)
+            commands, self._commands = self._commands[:taken], self._commands[taken:]
             stop_at = self._stop_at
         for i, command in enumerate(commands):
-            try:
-                self._apply(command)
-            except BaseException:  # the engine dies: the commands not applied get its answer
-                with self._cond:
-                    self._commands[:0] = commands[i + 1:]
-                raise
+            if isinstance(command, str):
+                self.engine.abort(command)
+                self._streams.pop(command, None)
+                continue
+            for j, add in enumerate(command):
+                try:
+                    self._add(add)
+                except BaseException:  # the engine dies: the commands not applied get its answer
+                    with self._cond:
+                        self._commands[:0] = [command[j:], *commands[i + 1:]]
+                    raise
         now = time.monotonic()
         self._expire(now)
         if stop_at is not None and (now >= stop_at or not engine.has_unfinished_requests()):
@@ -402,11 +412,7 @@ class AsyncEngine:
         self._heartbeat = time.monotonic()
         return True
 
-    def _apply(self, command: _Add | str) -> None:
-        if isinstance(command, str):
-            self.engine.abort(command)
-            self._streams.pop(command, None)
-            return
+    def _add(self, command: _Add) -> None:
         limit = self.max_waiting_requests
         if limit is not None and self._num_waiting_for_a_slot() >= limit:
             self._reply(command, QueueFullError(
@@ -481,8 +487,9 @@ class AsyncEngine:
             commands, self._commands = self._commands, []
         dead = EngineDeadError(f"the engine is dead: {error!r}")
         for command in commands:
-            if isinstance(command, _Add):
-                self._reply(command, dead)
+            if isinstance(command, tuple):
+                for add in command:
+                    self._reply(add, dead)
         self._fail_streams(dead)
         self._stats = self._stats | {"num_requests_running": 0, "num_requests_waiting": 0,
                                      "kv_cache_usage": 0.0}
@@ -499,6 +506,17 @@ class AsyncEngine:
                     command.ack.set_exception(error)
 
         _call_soon(command.stream.loop, resolve)
+
+
+def _commands_within(commands: list[tuple | str], budget: int) -> int:
+    """How many of `commands` (from the front) to apply before the next step: at least one, and
+    no more than `budget` adds and aborts in all, unless the first alone is more."""
+    total = 0
+    for i, command in enumerate(commands):
+        total += 1 if isinstance(command, str) else len(command)
+        if total > budget:
+            return max(i, 1)
+    return len(commands)
 
 
 def _hand_over(loop: asyncio.AbstractEventLoop, items: list, now: float) -> None:

@@ -112,6 +112,17 @@ def test_mass_abort_of_queued_sequences_leaves_the_engine_serving(server, http):
     _idle(server, timeout=60)
 
 
+def test_commands_between_two_steps_are_bounded_and_a_requests_adds_never_split():
+    """A flood of aborts is applied a budget at a time, with a step between (the running
+    requests go on); a request's adds (a tuple) are applied together, alone if over budget."""
+    from jaxserve.async_engine import _commands_within
+
+    assert _commands_within(["abort"] * 10, 4) == 4
+    assert _commands_within([("add",) * 3, "abort", ("add",) * 5], 4) == 2
+    assert _commands_within([("add",) * 9, "abort"], 4) == 1
+    assert _commands_within([], 4) == 0
+
+
 def test_health_is_503_while_the_engine_loop_is_stuck():
     fake = StuckEngine()
     engine = AsyncEngine(fake, stall_timeout_s=0.3)
