@@ -413,6 +413,10 @@ def serve(engine: LLMEngine, config: ServerConfig, model_name: str,
             # handlers outright): requests still running at its end get the engine's 503s,
             # from the engine thread or, if that is stuck, from this timer
             if async_engine.is_running:
+                stats = async_engine.stats()
+                log.info("stopping: %d running and %d waiting requests have %g s to finish "
+                         "(shutdown_grace_s)", stats["num_requests_running"],
+                         stats["num_requests_waiting"], config.shutdown_grace_s)
                 timer = threading.Timer(config.shutdown_grace_s + 1.0, async_engine.fail_live,
                                         [EngineStoppedError("the engine did not stop within "
                                                             "the shutdown grace period")])
