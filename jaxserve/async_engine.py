@@ -166,7 +166,7 @@ class AsyncEngine:
     iteration makes `stalled_for` report it. `on_death(error)`, if set, is called on the engine
     thread once the engine died and every client was told (a server exits then, so that its
     supervisor restarts it). `on_iteration(num_tokens)`, if set, is called on the engine thread
-    after each step with the tokens it scheduled.
+    for each step whose results were read, with its prompt and generated tokens.
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
@@ -402,7 +402,7 @@ class AsyncEngine:
         if engine.has_unfinished_requests():
             steps_before = engine.num_steps
             self._publish(engine.step())
-            if self.on_iteration is not None and engine.num_steps > steps_before:
+            if self.on_iteration is not None and engine.last_step_tokens is not None:
                 self.on_iteration(engine.last_step_tokens)
             if engine.num_steps == steps_before and engine.has_unfinished_requests():
                 with self._cond:  # nothing could be dispatched (pages, window): don't spin

@@ -162,7 +162,10 @@ class LLMEngine:
         self._trackers: dict[str, _Tracker] = {}
         self._inflight: tuple[SchedulerOutput, Inflight] | None = None
         self.num_steps = 0
-        self.last_step_tokens = 0  # the tokens the latest dispatched step was given
+        # the step whose results the latest step() read: its prompt tokens (of requests it gave
+        # their first token) plus the tokens it generated, as vLLM's iteration_tokens_total
+        # counts; None when that call read no step
+        self.last_step_tokens: int | None = None
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -270,7 +273,7 @@ class LLMEngine:
         flight = (out, self.runner.dispatch(out)) if out.chunks else None
         if flight is not None:
             self.num_steps += 1
-            self.last_step_tokens = out.num_batched_tokens
+        self.last_step_tokens = None
         previous, self._inflight = self._inflight, flight
         if previous is None:
             if flight is None:
@@ -291,7 +294,12 @@ class LLMEngine:
             samples = results.get(chunk.request.request_id)
             if tracker is not None and samples is not None and samples.prompt_logprobs is not None:
                 self._record_prompt_logprobs(tracker, samples)
+        before = [len(chunk.request.output_ids) for chunk in out.chunks]
         touched = self.scheduler.update(out, sampled)
+        self.last_step_tokens = sum(
+            len(chunk.request.output_ids) - n
+            + (len(chunk.request.prompt_ids) if n == 0 and chunk.request.output_ids else 0)
+            for chunk, n in zip(out.chunks, before, strict=True))
         outputs = []
         for request in touched:
             tracker = self._tracker(request)

@@ -135,12 +135,12 @@ def test_counts_per_request(http, server):
 
 
 def test_iteration_tokens_per_step(http, server):
-    """A request alone gives one step per token: its prompt in one chunk, then a decode step
-    per token but the last (sampled, never fed), so the steps take prompt + max_tokens - 1."""
+    """A request alone gives one step per token: its prompt in one chunk (counted with the first
+    token it gives), then a decode step per token: prompt + max_tokens over its steps, as vLLM."""
     k, max_tokens = 2, 5
     before, after, prompt = _one_at_a_time(http, server, k, max_tokens)
     assert _delta(before, after, "iteration_tokens_total_count") == k * max_tokens
-    assert _delta(before, after, "iteration_tokens_total_sum") == k * (prompt + max_tokens - 1)
+    assert _delta(before, after, "iteration_tokens_total_sum") == k * (prompt + max_tokens)
 
 
 def test_n_and_max_tokens_per_prompt_and_per_sample(http, server):

@@ -225,11 +225,9 @@ class Metrics:
         self.tpot.observe(decode / (generated - 1) if generated > 1 else 0.0)
 
     def observe_iteration(self, num_tokens: int) -> None:
-        """On the engine thread (`AsyncEngine.on_iteration`), after each dispatched step: the
-        tokens it was given. vLLM counts, per step, the tokens generated plus a prompt's tokens
-        in the step that gives its first token; jaxserve counts what the model is fed: the
-        prompt chunks and one token per decode row. Over a request that differs by the last
-        token, which is sampled but never fed."""
+        """On the engine thread (`AsyncEngine.on_iteration`), once per step whose results were
+        read: as vLLM counts, the tokens it generated plus the prompt tokens of the requests it
+        gave their first token (over a request: its prompt and its output)."""
         self.iteration_tokens.observe(num_tokens)
 
     def render(self) -> bytes:
