@@ -55,6 +55,16 @@ def server(stories_dir, reference):
         yield SimpleNamespace(url=url, engine=engine)
 
 
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """`jaxserve serve` on the built-in demo model, one subprocess for the whole session: the
+    server the port of vLLM's OpenAI-server tests (test_vllm_*.py) runs against."""
+    from demo_server import demo_server
+
+    with demo_server(tmp_path_factory.mktemp("demo") / "serve.log") as server:
+        yield server
+
+
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
