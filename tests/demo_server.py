@@ -1,8 +1,10 @@
 """What jaxserve's port of vLLM's OpenAI-server tests shares: one `jaxserve serve` on the demo
 model (a session fixture in conftest.py) and its helpers. The port (vllm-project/vllm,
 tests/entrypoints/openai/) is test_vllm_completions.py, test_vllm_chat.py and
-test_vllm_params_metrics.py, run with the official `openai` client and httpx against one `jaxserve serve` subprocess on the
-built-in demo model (byte-level tokenizer, served as "demo"). Same checks as vLLM's, our code;
+test_vllm_params_metrics.py, run with the official `openai` client and httpx against one
+`jaxserve serve` subprocess on the built-in demo model (byte-level tokenizer, served as "demo"),
+whose API key is the test server's (served.KEY), so conftest's `client` and `http` serve both.
+Same checks as vLLM's, our code;
 where vLLM's model does something the demo cannot (stop on its own, end samples at different
 lengths), the request gets a stop string so that the assertion keeps its meaning.
 
