@@ -123,6 +123,18 @@ def usage_is_sum(usage) -> bool:
             and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens)
 
 
+def usage_at_the_end(chunks, continuous: bool) -> None:
+    """A stream with include_usage: each chunk's usage None (or, `continuous`, the running
+    sums), then after the finishing chunk one with no choices and the whole usage."""
+    for chunk in chunks:
+        assert usage_is_sum(chunk.usage) if continuous else chunk.usage is None
+        if chunk.choices[0].finish_reason is not None:
+            final = next(chunks)
+            assert usage_is_sum(final.usage) and final.choices == []
+            return
+    raise AssertionError("no chunk finished")
+
+
 @contextlib.contextmanager
 def demo_server(log: Path):
     """`jaxserve serve` (the demo model) in a subprocess on a free port, with an API key and

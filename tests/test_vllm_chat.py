@@ -15,7 +15,7 @@ from demo_server import (
     bad_request,
     num_prompt_tokens,
     rendered,
-    usage_is_sum,
+    usage_at_the_end,
 )
 
 
@@ -122,15 +122,7 @@ def test_chat_completion_stream_options(client):
 
     assert all(chunk.usage is None for chunk in stream({"include_usage": False}))
 
-    chunks = stream({"include_usage": True, "continuous_usage_stats": False})
-    for chunk in chunks:
-        assert chunk.usage is None
-        if chunk.choices[0].finish_reason is not None:
-            final = next(chunks)
-            assert usage_is_sum(final.usage) and final.choices == []
-            break
-    else:
-        raise AssertionError("no chunk finished")
+    usage_at_the_end(stream({"include_usage": True, "continuous_usage_stats": False}), False)
 
     for options in ({"include_usage": None}, {"include_usage": True}):
         bad_request(lambda options=options: client.chat.completions.create(

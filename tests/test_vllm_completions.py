@@ -15,7 +15,7 @@ from demo_server import (
     VOCAB,
     bad_request,
     num_prompt_tokens,
-    usage_is_sum,
+    usage_at_the_end,
     wait_idle,
 )
 from served import KEY
@@ -197,25 +197,9 @@ def test_completion_stream_options(client):
                     {"include_usage": False, "continuous_usage_stats": True}, {}):
         assert all(chunk.usage is None for chunk in stream(options))
 
-    chunks = stream({"include_usage": True, "continuous_usage_stats": False})
-    for chunk in chunks:
-        assert chunk.usage is None
-        if chunk.choices[0].finish_reason is not None:
-            final = next(chunks)
-            assert usage_is_sum(final.usage) and final.choices == []
-            break
-    else:
-        raise AssertionError("no chunk finished")
+    usage_at_the_end(stream({"include_usage": True, "continuous_usage_stats": False}), False)
 
-    chunks = stream({"include_usage": True, "continuous_usage_stats": True})
-    for chunk in chunks:
-        assert usage_is_sum(chunk.usage)
-        if chunk.choices[0].finish_reason is not None:
-            final = next(chunks)
-            assert usage_is_sum(final.usage) and final.choices == []
-            break
-    else:
-        raise AssertionError("no chunk finished")
+    usage_at_the_end(stream({"include_usage": True, "continuous_usage_stats": True}), True)
 
     for options in ({"include_usage": None}, {"include_usage": True},
                     {"continuous_usage_stats": None}, {"continuous_usage_stats": True}):
