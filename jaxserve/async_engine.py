@@ -25,13 +25,14 @@ import itertools
 import logging
 import threading
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.engine import LLMEngine, PromptType
 from jaxserve.request import RequestOutput, SamplingParams
+from jaxserve.request_stream import RequestStream
 
 log = logging.getLogger("jaxserve")
 
@@ -60,88 +61,6 @@ class QueueFullError(RuntimeError):
 
 class RequestTimeoutError(RuntimeError):
     """The request ran past `request_timeout_s` and was aborted."""
-
-
-class RequestStream:
-    """One request's outputs, as an async iterator of cumulative `RequestOutput`s.
-
-    Outputs are cumulative, so a reader that falls behind gets the newest one (the ones between
-    are skipped, nothing is lost). Iteration ends after the finished output, raises the error
-    that ended the request, or ends at once after `abort()`.
-    """
-
-    def __init__(self, request_id: str, owner: "AsyncEngine", loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self.loop = loop
-        self.finished = False  # a finished output was yielded
-        self.inter_token_latencies: list[float] = []  # seconds between tokens, as they arrived
-        self._owner = owner
-        self._items: deque[RequestOutput | BaseException] = deque()
-        self._ready = asyncio.Event()
-        self._done = False
-        self._num_tokens = 0
-        self._last_token_time: float | None = None
-        # called on the event loop when an item arrives or iteration ends: one listener over
-        # many streams (streams.merge) needs no task per stream
-        self.on_ready: Callable[[], None] | None = None
-
-    @property
-    def ready(self) -> bool:
-        """Whether `__anext__` would return (or end) without waiting."""
-        return bool(self._items) or self._done
-
-    def _push(self, item: RequestOutput | BaseException, now: float) -> None:
-        """On the event loop: an output (stamped by the engine thread) or an error."""
-        if isinstance(item, RequestOutput):
-            new = len(item.outputs[0].token_ids) - self._num_tokens
-            if new > 0:
-                if self._last_token_time is not None:  # a multi-step output spreads its gap
-                    self.inter_token_latencies += [(now - self._last_token_time) / new] * new
-                self._last_token_time, self._num_tokens = now, self._num_tokens + new
-        if (isinstance(item, RequestOutput) and self._items
-                and isinstance(self._items[-1], RequestOutput)):
-            self._items[-1] = item  # cumulative: a reader that stopped reading holds one output
-        else:
-            self._items.append(item)
-        self._ready.set()
-        if self.on_ready is not None:
-            self.on_ready()
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while not self._items and not self._done:
-            self._ready.clear()
-            await self._ready.wait()
-        if self._done:
-            raise StopAsyncIteration
-        items = list(self._items)
-        self._items.clear()
-        for item in items:
-            if isinstance(item, BaseException):
-                self._done = True
-                self._owner._forget(self)
-                raise item
-        output = items[-1]
-        if output.finished:
-            self._done = self.finished = True
-            self._owner._forget(self)
-        return output
-
-    def abort(self) -> None:
-        """Abort the request unless it finished; iteration ends. Safe to call twice."""
-        self._owner.abort_streams([self])
-
-    def _close(self) -> bool:
-        """End iteration; True if the request was still open (it must be aborted)."""
-        if self._done:
-            return False
-        self._done = True
-        self._ready.set()
-        if self.on_ready is not None:
-            self.on_ready()
-        return True
 
 
 @dataclass

@@ -5,8 +5,8 @@ still gets the newest output and the end."""
 import asyncio
 from types import SimpleNamespace
 
-from jaxserve.async_engine import RequestStream
 from jaxserve.request import CompletionOutput, RequestOutput
+from jaxserve.request_stream import RequestStream
 from jaxserve.server.streams import merge
 
 

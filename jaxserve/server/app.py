@@ -37,11 +37,11 @@ from jaxserve.async_engine import (
     EngineDeadError,
     EngineStoppedError,
     QueueFullError,
-    RequestStream,
     RequestTimeoutError,
 )
 from jaxserve.engine import LLMEngine
 from jaxserve.request import RequestOutput
+from jaxserve.request_stream import RequestStream
 from jaxserve.server import protocol
 from jaxserve.server.body import SafeJSONResponse, read_json
 from jaxserve.server.config import ServerConfig
