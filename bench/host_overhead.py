@@ -141,7 +141,7 @@ def build(seqs: int, context: int, step_ms: float, long_tokens: int = 0):
 
 
 def measure(seqs: int, context: int, step_ms: float, steps: int, seed: int = 0) -> dict:
-    engine, device, timers = build(seqs, context, step_ms)
+    engine, device, timers = build(seqs, context, step_ms, long_tokens=steps + 40)
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     for i in range(seqs):
