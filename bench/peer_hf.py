@@ -163,7 +163,7 @@ def iteration_times(engine):
         outputs = step()
         if previous[0] is not None:
             times[previous[0]].append(time.perf_counter() - start)
-        flight = engine._inflight
+        flight = engine.core.inflight
         previous[0] = None if flight is None else (
             "prefill" if any(c.num_tokens > 1 for c in flight[0].chunks) else "decode")
         return outputs

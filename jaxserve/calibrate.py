@@ -193,7 +193,7 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
     def timed_step():
         start = time.perf_counter()
         outputs = step()
-        flight = engine._inflight
+        flight = engine.core.inflight
         starts.append((start, None if flight is None else flight[0],
                        not engine.has_unfinished_requests()))
         return outputs

@@ -18,7 +18,8 @@ from typing import Any
 
 from jaxserve.checks import is_int, show
 from jaxserve.config import EngineConfig
-from jaxserve.core.scheduler import SchedulerOutput, make_scheduler
+from jaxserve.core.scheduler import Scheduler, make_scheduler
+from jaxserve.engine_core import EngineCore, Step
 from jaxserve.model_config import ModelConfig
 from jaxserve.request import (
     CompletionOutput,
@@ -28,7 +29,7 @@ from jaxserve.request import (
     RequestStatus,
     SamplingParams,
 )
-from jaxserve.runner import Inflight, ModelRunner, Samples, TokenLogprobs
+from jaxserve.runner import ModelRunner, Samples, TokenLogprobs
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer, token_text
 
 log = logging.getLogger("jaxserve")
@@ -142,8 +143,8 @@ class LLMEngine:
                  cfg.num_params / 1e6, cfg.dtype)
         self.runner = ModelRunner(self.model_path, self.model_config, config)
         self.max_model_len = self.runner.max_model_len
-        self.scheduler = make_scheduler(config, self.runner.num_pages,
-                                        self.runner.chunk_buckets[-1])
+        self.core = EngineCore(make_scheduler(config, self.runner.num_pages,
+                                              self.runner.chunk_buckets[-1]), self.runner)
         log.info("KV pool: %d pages of %d tokens = %d tokens in flight at most, %.1f MiB (%s)",
                  self.runner.num_pages - 1, config.page_size,
                  (self.runner.num_pages - 1) * config.page_size,
@@ -160,8 +161,6 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._trackers: dict[str, _Tracker] = {}
-        self._inflight: tuple[SchedulerOutput, Inflight] | None = None
-        self.num_steps = 0
         # the step whose results the latest step() read: its prompt tokens (of requests it gave
         # their first token) plus the tokens it generated, as vLLM's iteration_tokens_total
         # counts; None when that call read no step
@@ -263,45 +262,54 @@ class LLMEngine:
         return request is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+        return self.core.has_unfinished_requests()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler: Scheduler) -> None:
+        """A new scheduler for the same compiled shapes (benchmarks sweep modes on one engine);
+        only while no request is unfinished."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("the engine still has requests; finish them before a new "
+                               "scheduler")
+        self.core.scheduler = scheduler
+
+    @property
+    def num_steps(self) -> int:
+        """Iterations dispatched."""
+        return self.core.num_steps
 
     # -- one iteration -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Dispatch one iteration, then read the previous one; returns the requests it advanced."""
-        out = self.scheduler.schedule()
-        flight = (out, self.runner.dispatch(out)) if out.chunks else None
-        if flight is not None:
-            self.num_steps += 1
-        self.last_step_tokens = None
-        previous, self._inflight = self._inflight, flight
-        if previous is None:
-            if flight is None:
+        step = self.core.step()
+        if step.done is None:
+            self.last_step_tokens = None
+            if not step.scheduled.chunks:
                 self._wait_for_window()
             return []
-        prev_out, prev_flight = previous
-        return self._process(prev_out, self.runner.collect(prev_flight))
+        self.last_step_tokens = step.num_tokens
+        return self._process(step)
 
     def _wait_for_window(self) -> None:
         wake = self.scheduler.next_wakeup()
         if wake is not None:
             time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
 
-    def _process(self, out: SchedulerOutput, results: dict[str, Samples]) -> list[RequestOutput]:
-        sampled = {rid: s.tokens for rid, s in results.items()}
-        for chunk in out.chunks:
+    def _process(self, step: Step) -> list[RequestOutput]:
+        """A read iteration's outputs: logprobs, text and stops of the requests it advanced."""
+        results = step.results
+        for chunk in step.done.chunks:
             tracker = self._tracker(chunk.request)
             samples = results.get(chunk.request.request_id)
             if tracker is not None and samples is not None and samples.prompt_logprobs is not None:
                 self._record_prompt_logprobs(tracker, samples)
-        before = [len(chunk.request.output_ids) for chunk in out.chunks]
-        touched = self.scheduler.update(out, sampled)
-        self.last_step_tokens = sum(
-            len(chunk.request.output_ids) - n
-            + (len(chunk.request.prompt_ids) if n == 0 and chunk.request.output_ids else 0)
-            for chunk, n in zip(out.chunks, before, strict=True))
         outputs = []
-        for request in touched:
+        for request in step.touched:
             tracker = self._tracker(request)
             if tracker is None:
                 continue

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.core.window import BatchingWindow
+from jaxserve.engine_core import EngineCore
 from jaxserve.request import Request, RequestStatus, SamplingParams
 
 
@@ -125,6 +126,14 @@ class FakeRunner:
         self.num_dispatches += 1
         return sampled
 
+    # the engine loop's runner interface: the fake computes at dispatch, hands out at collect
+    def dispatch(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        return self.execute(out)
+
+    @staticmethod
+    def collect(sampled: dict[str, list[int]]) -> dict[str, "Samples"]:
+        return {rid: Samples(tokens) for rid, tokens in sampled.items()}
+
     def check(self, out: SchedulerOutput) -> None:
         s = self.scheduler
         ids = [c.request.request_id for c in out.chunks]
@@ -203,8 +212,14 @@ class FakeRunner:
 
 
 @dataclass
+class Samples:
+    tokens: list[int]
+
+
+@dataclass
 class Driver:
-    """Drives schedule -> dispatch -> update as LLMEngine.step does, with one step in flight."""
+    """Drives the scheduler through the engine's own loop (EngineCore) on the fake runner,
+    logging each iteration and moving the fake clock."""
 
     scheduler: Scheduler
     overlap: bool = True
@@ -212,45 +227,51 @@ class Driver:
     step_ms: float = 1.0  # how far the clock moves per iteration
     advance: bool = True  # False: the test moves the clock itself
     runner: FakeRunner = field(init=False)
+    core: EngineCore = field(init=False)
     log: list[StepLog] = field(default_factory=list)
     finished: dict[str, Request] = field(default_factory=dict)
-    inflight: tuple[SchedulerOutput, dict[str, list[int]]] | None = None
 
     def __post_init__(self):
         self.runner = FakeRunner(self.scheduler)
+        self.core = EngineCore(self.scheduler, self.runner, self.overlap)
         if self.clock is None and isinstance(self.scheduler.clock, FakeClock):
             self.clock = self.scheduler.clock
+        self.core.on_schedule = self._log
+
+    def _log(self, out: SchedulerOutput) -> None:
+        """The iteration, and the scheduler's state right after schedule()."""
+        s = self.scheduler
+        self.log.append(StepLog(
+            rows=[Row(c.request.request_id, c.start, c.num_tokens, c.num_samples)
+                  for c in out.chunks],
+            decode_steps=out.decode_steps, batch_rows=out.batch_rows,
+            preempted=[r.request_id for r in out.preempted],
+            running=[r.request_id for r in s.running],
+            waiting=[r.request_id for r in s.waiting],
+            num_free_pages=s.kv.pool.num_free, time=s.clock()))
+
+    @property
+    def inflight(self):
+        """The iteration dispatched and not yet read (None: none)."""
+        return self.core.inflight
 
     def busy(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.inflight is not None
+        return self.core.has_unfinished_requests()
 
     def step(self) -> StepLog:
         s = self.scheduler
-        out = s.schedule()
-        entry = StepLog(
-            rows=[Row(c.request.request_id, c.start, c.num_tokens, c.num_samples)
-                  for c in out.chunks],
-            decode_steps=out.decode_steps, batch_rows=out.batch_rows, preempted=[r.request_id for r in out.preempted],
-            running=[r.request_id for r in s.running], waiting=[r.request_id for r in s.waiting],
-            num_free_pages=s.kv.pool.num_free, time=s.clock())
-        self.log.append(entry)
-        flight = (out, self.runner.execute(out)) if out.chunks else None
-        if self.overlap:
-            previous, self.inflight = self.inflight, flight
-        else:
-            previous = flight
-        if previous is not None:
-            for request in s.update(*previous):
-                if request.status.finished:
-                    self.finished[request.request_id] = request
+        step = self.core.step()
+        for request in step.touched:
+            if request.status.finished:
+                self.finished[request.request_id] = request
         self.runner.check_pages()
         if self.clock is not None and self.advance:
             wake = s.next_wakeup()
-            if not out.chunks and previous is None and wake is not None:
+            if not step.scheduled.chunks and step.done is None and wake is not None:
                 self.clock.now = max(self.clock.now, wake)  # the engine sleeps until the window
             else:
                 self.clock.advance_ms(self.step_ms)
-        return entry
+        return self.log[-1]
 
     def drain(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):

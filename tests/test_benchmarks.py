@@ -272,10 +272,11 @@ def test_peer_iteration_times_charge_each_step_to_the_iteration_before():
 
     class Engine:  # dispatches a prompt chunk, then two decode iterations, then nothing
         def __init__(self):
-            self.plan, self._inflight = [[Chunk(30), Chunk(1)], [Chunk(1)], [Chunk(1)]], None
+            self.plan = [[Chunk(30), Chunk(1)], [Chunk(1)], [Chunk(1)]]
+            self.core = SimpleNamespace(inflight=None)
 
         def step(self):
-            self._inflight = (SimpleNamespace(chunks=self.plan.pop(0)), None) if self.plan \
+            self.core.inflight = (SimpleNamespace(chunks=self.plan.pop(0)), None) if self.plan \
                 else None
             return []
 

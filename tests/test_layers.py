@@ -18,6 +18,9 @@ FORBIDDEN = {
     "jaxserve.model_config": ("jaxserve.",),
     "jaxserve.request": ("jaxserve.",),
     "jaxserve.sim": ("jaxserve.runner", "jaxserve.model", "jax"),
+    # the engine loop, shared with the simulator and the tests' fake: host only
+    "jaxserve.engine_core": ("jax", "flax", "jaxserve.model", "jaxserve.runner",
+                             "jaxserve.server", "pallas_kernels"),
     "jaxserve.server": ("jaxserve.runner", "jaxserve.model"),
     "pallas_kernels": ("jaxserve",),
 }

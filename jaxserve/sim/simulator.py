@@ -1,7 +1,8 @@
 """A discrete-event simulator: the real Scheduler, KVCacheManager and policies on a virtual clock.
 
-It mirrors `LLMEngine.step` with its overlap: iteration t+1 is scheduled and dispatched before
-iteration t's tokens are read, and the "device" runs iterations back to back:
+It runs the engine's own loop (`EngineCore`, with its overlap: iteration t+1 is scheduled and
+dispatched before iteration t's tokens are read) on a simulated device that runs iterations back
+to back:
 
     step:  arrivals <= now join | schedule() | dispatch: done = max(now, device_free) + cost
            | read the previous iteration: now = max(now, its done) | update() at now
@@ -23,10 +24,18 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.core.policies import Policy
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, make_scheduler
+from jaxserve.engine_core import EngineCore
 from jaxserve.request import Request, SamplingParams
 from jaxserve.sim.cost_model import StepCostModel, correlated_draws
 from jaxserve.sim.metrics import RequestRecord, compute_metrics
 from jaxserve.sim.workload import RequestSpec
+
+
+@dataclass
+class _Zeros:
+    """A simulated iteration's samples for one request."""
+
+    tokens: list[int]
 
 
 class VirtualClock:
@@ -95,57 +104,20 @@ class Simulator:
     def run(self, specs: list[RequestSpec]) -> SimResult:
         clock = VirtualClock()
         s = self.make_scheduler(clock)
+        device = _Device(self, s, clock)
+        core = EngineCore(s, device)  # the engine's own loop, on the simulated device
         specs = sorted(specs, key=lambda x: x.arrival)
         records: dict[str, RequestRecord] = {}
         seen: dict[str, int] = {}
-        timeline = Timeline()
-        device_free = 0.0
-        inflight: tuple[SchedulerOutput, float] | None = None
-        nxt, num_steps, last_token = 0, 0, 0.0
-        idle, since_wake = True, 0
-        rng = np.random.default_rng(self.seed)
-        share, memory = self.cost.noise_share, self.cost.noise_memory
-        state = rng.standard_normal() if share > 0 else 0.0
-
-        def more_draws():
-            nonlocal state
-            if share <= 0:
-                return rng.random(4096)
-            u, state = correlated_draws(rng, share, memory, 4096, state)
-            return u
-
-        draws, drawn = more_draws(), 0
-        while nxt < len(specs) or s.has_unfinished_requests() or inflight is not None:
+        nxt, last_token = 0, 0.0
+        while nxt < len(specs) or core.has_unfinished_requests():
             while nxt < len(specs) and specs[nxt].arrival <= clock.now:
                 self._add(s, str(nxt), specs[nxt], records, seen)
                 nxt += 1
-            out = s.schedule()
-            flight = None
-            if out.chunks:
-                if drawn == len(draws):
-                    draws, drawn = more_draws(), 0
-                since_wake = 0 if idle else since_wake + 1
-                done = max(clock.now, device_free) + self.cost.cost(out, draws[drawn],
-                                                                    since_wake)
-                drawn += 1
-                if idle:
-                    done += self.cost.idle_wakeup
-                    idle = False
-                device_free = done
-                flight = (out, done)
-                num_steps += 1
-                timeline.time.append(clock.now)
-                timeline.kv_usage.append(s.kv.usage)
-                timeline.running.append(len(s.running))
-                timeline.waiting.append(len(s.waiting))
-                timeline.preemptions.append(s.num_preemptions)
-                timeline.batched_tokens.append(out.num_batched_tokens)
-                if self.on_step is not None:
-                    self.on_step(s, out)
-            previous, inflight = inflight, flight
-            if previous is None:
-                if flight is None:  # idle: sleep until an arrival or the window opens
-                    idle = True
+            step = core.step()
+            if step.done is None:
+                if not step.scheduled.chunks:  # idle: sleep until an arrival or the window opens
+                    device.idle = True
                     wake = [t for t in (s.next_wakeup(),
                                         specs[nxt].arrival if nxt < len(specs) else None)
                             if t is not None and t > clock.now]
@@ -155,16 +127,13 @@ class Simulator:
                         break
                     clock.now = min(wake)
                 continue
-            prev_out, done = previous
-            clock.now = max(clock.now, done)
-            sampled = {c.request.request_id: [0] * c.num_samples for c in prev_out.chunks
-                       if c.num_samples}
-            for request in s.update(prev_out, sampled):
+            for request in step.touched:  # read at the iteration's end (collect moved the clock)
                 rid = request.request_id
                 n = len(request.output_ids)
                 records[rid].deliver(clock.now, n - seen[rid])
                 seen[rid] = n
                 last_token = clock.now
+        timeline, num_steps = device.timeline, core.num_steps
         return SimResult(list(records.values()), last_token, timeline, num_steps,
                          s.num_preemptions, s.kv.pool.num_free, s.kv.pool.num_usable)
 
@@ -182,3 +151,55 @@ class Simulator:
                               eos_token_ids=frozenset()))
         records[rid] = RequestRecord(spec.arrival, spec.prompt_len, spec.label, spec.slo_ms)
         seen[rid] = 0
+
+
+class _Device:
+    """The runner `EngineCore` drives in a simulation: an iteration dispatched at `now` is done
+    at max(now, the device's previous done) + its drawn cost (plus the wake-up after an idle
+    spell); reading it moves the virtual clock there. Sampled tokens are zeros."""
+
+    def __init__(self, sim: Simulator, scheduler: Scheduler, clock: VirtualClock):
+        self.sim, self.scheduler, self.clock = sim, scheduler, clock
+        self.timeline = Timeline()
+        self.idle, self.since_wake, self.free_at = True, 0, 0.0
+        self._rng = np.random.default_rng(sim.seed)
+        cost = sim.cost
+        self._state = self._rng.standard_normal() if cost.noise_share > 0 else 0.0
+        self._draws, self._drawn = self._more_draws(), 0
+
+    def _more_draws(self) -> np.ndarray:
+        cost = self.sim.cost
+        if cost.noise_share <= 0:
+            return self._rng.random(4096)
+        u, self._state = correlated_draws(self._rng, cost.noise_share, cost.noise_memory, 4096,
+                                          self._state)
+        return u
+
+    def dispatch(self, out: SchedulerOutput) -> tuple[SchedulerOutput, float]:
+        if self._drawn == len(self._draws):
+            self._draws, self._drawn = self._more_draws(), 0
+        self.since_wake = 0 if self.idle else self.since_wake + 1
+        now = self.clock.now
+        done = max(now, self.free_at) + self.sim.cost.cost(out, self._draws[self._drawn],
+                                                           self.since_wake)
+        self._drawn += 1
+        if self.idle:
+            done += self.sim.cost.idle_wakeup
+            self.idle = False
+        self.free_at = done
+        s, t = self.scheduler, self.timeline
+        t.time.append(now)
+        t.kv_usage.append(s.kv.usage)
+        t.running.append(len(s.running))
+        t.waiting.append(len(s.waiting))
+        t.preemptions.append(s.num_preemptions)
+        t.batched_tokens.append(out.num_batched_tokens)
+        if self.sim.on_step is not None:
+            self.sim.on_step(s, out)
+        return out, done
+
+    def collect(self, flight: tuple[SchedulerOutput, float]) -> dict[str, _Zeros]:
+        out, done = flight
+        self.clock.now = max(self.clock.now, done)
+        return {c.request.request_id: _Zeros([0] * c.num_samples) for c in out.chunks
+                if c.num_samples}
