@@ -186,8 +186,7 @@ class AsyncEngine:
         try:
             self._send(*adds)
         except BaseException:
-            for a in adds:
-                self._forget(a.stream)
+            self._forget(*(a.stream for a in adds))
             raise
         try:
             results = await asyncio.gather(*(a.ack for a in adds), return_exceptions=True)
@@ -209,11 +208,7 @@ class AsyncEngine:
     def abort_streams(self, streams: list[RequestStream]) -> None:
         """`RequestStream.abort` for many at once, as one command batch (a client with
         thousands of sequences that goes away takes one lock, not thousands)."""
-        with self._live_lock:
-            for stream in streams:
-                add = self._live.get(stream.request_id)
-                if add is not None and add.stream is stream:
-                    del self._live[stream.request_id]
+        self._forget(*streams)
         self._abort_ids([stream.request_id for stream in streams if stream._close()])
 
     def _abort_ids(self, request_ids: list[str]) -> None:
@@ -260,12 +255,13 @@ class AsyncEngine:
             self._reply(add, error)
             _hand_over(add.stream.loop, [(add.stream, error)], now)
 
-    def _forget(self, stream: RequestStream) -> None:
-        """The stream ended (or was never queued): not live any more."""
+    def _forget(self, *streams: RequestStream) -> None:
+        """The streams ended (or were never queued): not live any more."""
         with self._live_lock:
-            add = self._live.get(stream.request_id)
-            if add is not None and add.stream is stream:
-                del self._live[stream.request_id]
+            for stream in streams:
+                add = self._live.get(stream.request_id)
+                if add is not None and add.stream is stream:
+                    del self._live[stream.request_id]
 
     def _send(self, *commands: _Add) -> None:
         with self._cond:

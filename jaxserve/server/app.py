@@ -173,7 +173,6 @@ class _API:
         except Exception as error:  # the model's own template, fed what the client sent
             raise APIError(400, f"messages: the model's chat template failed on them: {error!r}",
                            param="messages") from None
-        self._check_text(text, "messages")
         ids = (self.tokenizer.chat_prompt_ids(text) if req.add_special_tokens is None
                else self.tokenizer.encode(text, req.add_special_tokens))
         kept = self._truncate(ids, req)
@@ -242,16 +241,7 @@ class _API:
     def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send prompt token ids", param=param)
-        self._check_text(text, param)
         return self.tokenizer.encode(text, add_special_tokens)
-
-    @staticmethod
-    def _check_text(text: str, param: str) -> None:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as error:  # valid JSON can carry a lone surrogate
-            raise APIError(400, f"{param} is not valid Unicode text: {error}",
-                           param=param) from None
 
     def _decode(self, ids: list[int]) -> str:
         """Prompt token ids as text for echo (the engine checks them against the vocabulary
