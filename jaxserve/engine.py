@@ -19,7 +19,7 @@ from typing import Any
 from jaxserve.checks import is_int, show
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler, make_scheduler
-from jaxserve.engine_core import EngineCore, Step
+from jaxserve.engine_core import EngineCore, Samples, Step, TokenLogprobs
 from jaxserve.model_config import ModelConfig
 from jaxserve.request import (
     CompletionOutput,
@@ -29,7 +29,7 @@ from jaxserve.request import (
     RequestStatus,
     SamplingParams,
 )
-from jaxserve.runner import ModelRunner, Samples, TokenLogprobs
+from jaxserve.runner import ModelRunner
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer, token_text
 
 log = logging.getLogger("jaxserve")

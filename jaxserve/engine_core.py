@@ -4,7 +4,7 @@
 
 A runner is anything with `dispatch(out) -> handle` (start the iteration's device work and
 return at once) and `collect(handle) -> {request id: samples}` (wait for it; each samples
-object has `.tokens`, the ids the request sampled). With `overlap`, an iteration is read one
+object is a `Samples`, or anything with its `.tokens`: the ids the request sampled). With `overlap`, an iteration is read one
 step later, while the device already runs the next one (the host never stalls the device);
 without it, at once. Host only: no jax here.
 """
@@ -13,14 +13,36 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.request import Request
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled (or prompt) token's logprob and rank, and the top-K ids and logprobs."""
+
+    logprob: float
+    rank: int
+    top_ids: np.ndarray  # [K] int32
+    top_logprobs: np.ndarray  # [K] float32
+
+
+@dataclass
+class Samples:
+    """What one request got from one iteration."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # when the request asked for logprobs
+    prompt_start: int = 0  # prompt_logprobs[j] is for the prompt token at prompt_start + 1 + j
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Runner(Protocol):
     def dispatch(self, out: SchedulerOutput) -> Any: ...
 
-    def collect(self, handle: Any) -> Mapping[str, Any]: ...
+    def collect(self, handle: Any) -> Mapping[str, Samples]: ...
 
 
 @dataclass
@@ -29,7 +51,7 @@ class Step:
 
     scheduled: SchedulerOutput  # no chunks: nothing was dispatched
     done: SchedulerOutput | None = None  # the iteration whose results were read
-    results: Mapping[str, Any] = field(default_factory=dict)  # request id -> samples
+    results: Mapping[str, Samples] = field(default_factory=dict)  # by request id
     touched: list[Request] = field(default_factory=list)  # requests update() advanced
     # done's prompt tokens (of requests it gave their first token) plus the tokens it
     # generated: what vLLM's iteration_tokens_total counts per step

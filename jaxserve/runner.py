@@ -43,6 +43,7 @@ from jaxserve.core.buckets import (
     ragged_token_buckets,
 )
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.engine_core import Samples, TokenLogprobs
 from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.linear import pack_weights, resolve_matmul_impl
@@ -78,14 +79,6 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-@dataclass(frozen=True)
-class TokenLogprobs:
-    logprob: float
-    rank: int
-    top_ids: np.ndarray  # [K] int32
-    top_logprobs: np.ndarray  # [K] float32
-
-
 def device_seed(seed: int) -> int:
     """A request's seed as the device's 32-bit key: a 64-bit seed (as vLLM takes) folded, its
     high word into its low, so seeds 2**32 apart still differ (seeds below 2**32 keep theirs)."""
@@ -98,16 +91,6 @@ def _unpack(packed: np.ndarray) -> TokenLogprobs:
     k = (packed.shape[-1] - 2) // 2
     return TokenLogprobs(float(packed[0:1].view(np.float32)[0]), int(packed[1]),
                          packed[2:2 + k], packed[2 + k:].view(np.float32))
-
-
-@dataclass
-class Samples:
-    """What one request got from one iteration."""
-
-    tokens: list[int]
-    logprobs: list[TokenLogprobs] | None = None  # when the request asked for logprobs
-    prompt_start: int = 0  # prompt_logprobs[j] is for the prompt token at prompt_start + 1 + j
-    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.core.window import BatchingWindow
-from jaxserve.engine_core import EngineCore
+from jaxserve.engine_core import EngineCore, Samples
 from jaxserve.request import Request, RequestStatus, SamplingParams
 
 
@@ -131,7 +131,7 @@ class FakeRunner:
         return self.execute(out)
 
     @staticmethod
-    def collect(sampled: dict[str, list[int]]) -> dict[str, "Samples"]:
+    def collect(sampled: dict[str, list[int]]) -> dict[str, Samples]:
         return {rid: Samples(tokens) for rid, tokens in sampled.items()}
 
     def check(self, out: SchedulerOutput) -> None:
@@ -209,11 +209,6 @@ class FakeRunner:
                 assert r.pages[:len(pages)] == pages, f"{r.request_id}: page table rewritten"
             tables[id(r)] = (r.metrics.num_preemptions, list(r.pages))
         self.tables = tables
-
-
-@dataclass
-class Samples:
-    tokens: list[int]
 
 
 @dataclass

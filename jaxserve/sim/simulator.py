@@ -24,18 +24,11 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.core.policies import Policy
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, make_scheduler
-from jaxserve.engine_core import EngineCore
+from jaxserve.engine_core import EngineCore, Samples
 from jaxserve.request import Request, SamplingParams
 from jaxserve.sim.cost_model import StepCostModel, correlated_draws
 from jaxserve.sim.metrics import RequestRecord, compute_metrics
 from jaxserve.sim.workload import RequestSpec
-
-
-@dataclass
-class _Zeros:
-    """A simulated iteration's samples for one request."""
-
-    tokens: list[int]
 
 
 class VirtualClock:
@@ -198,8 +191,8 @@ class _Device:
             self.sim.on_step(s, out)
         return out, done
 
-    def collect(self, flight: tuple[SchedulerOutput, float]) -> dict[str, _Zeros]:
+    def collect(self, flight: tuple[SchedulerOutput, float]) -> dict[str, Samples]:
         out, done = flight
         self.clock.now = max(self.clock.now, done)
-        return {c.request.request_id: _Zeros([0] * c.num_samples) for c in out.chunks
+        return {c.request.request_id: Samples([0] * c.num_samples) for c in out.chunks
                 if c.num_samples}
