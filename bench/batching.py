@@ -137,8 +137,8 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     print(f"model {args.model}: {engine.model_config.num_params / 1e6:.1f}M parameters, "
           f"{engine.runner.weight_bytes / 2**20:.0f} MiB weights, backend "
-          f"{engine.runner.backend}, attention {engine.runner.attention_impl}, matmul "
-          f"{engine.runner.matmul_name}, {engine.runner.kv_dtype_name} KV; "
+          f"{engine.runner.platform}, attention {engine.runner.attention_impl}, matmul "
+          f"{engine.runner.matmul_impl}, {engine.runner.kv_dtype_name} KV; "
           f"load + warm-up {time.perf_counter() - start:.1f} s")
     prompts, params = workload(args.num_prompts, vocab, args.seed)
     rows = [run_mode(llm, EngineConfig.from_overrides(**overrides, batching=mode), prompts, params)
@@ -147,7 +147,7 @@ def main() -> None:
     tps1 = batch1(llm, vocab)
     weight_bytes = engine.runner.weight_bytes
     roof = None
-    if engine.runner.backend == "cpu":
+    if engine.runner.platform == "cpu":
         roof = copy_bandwidth_gbs() * 1e9 / weight_bytes
     print(f"\n{args.num_prompts} requests, max {args.max_num_seqs} concurrent sequences")
     print(f"{'batching':<12}{'elapsed s':>10}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}"

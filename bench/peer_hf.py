@@ -115,8 +115,8 @@ def run_jaxserve(llm, samples: list[Sample], options: dict) -> dict:
           f"{sum(times['prefill']):.2f} s, {len(times['decode'])} decode-only iterations "
           f"{sum(times['decode']):.2f} s", flush=True)
     ids = [o.outputs[0].token_ids for o in outs]
-    matmul = {"amx": "amx (bf16x3)"}.get(llm.engine.runner.matmul_name,
-                                         llm.engine.runner.matmul_name)
+    matmul = {"amx": "amx (bf16x3)"}.get(llm.engine.runner.matmul_impl,
+                                         llm.engine.runner.matmul_impl)
     setting = (f"max_num_seqs {options['max_num_seqs']}, "
                f"{options['max_num_batched_tokens']} tok/step, "
                f"{llm.engine.runner.attention_impl} attention, {matmul} matmul"

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                                custom_call_names(hlo))
 
     print(f"{mc.num_params / 1e6:.1f}M parameters on {jax.default_backend()} "
-          f"({runner.attention_impl} attention, {runner.matmul_name} matmul, "
+          f"({runner.attention_impl} attention, {runner.matmul_impl} matmul, "
           f"{runner.kv_dtype_name} KV): {what}: median "
           f"{1e3 * np.median(times):.1f} ms, best {1e3 * min(times):.1f} ms")
     print(f"{'ms/step':>9} {'calls':>7}  op kind")

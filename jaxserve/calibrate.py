@@ -146,10 +146,10 @@ def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
     device = jax.devices()[0]
     runner = engine.runner
     fit = StepCostModel.fit(samples, runner.row_buckets, runner.chunk_buckets, info={
-        "model": str(model), "model_path": str(engine.model_path), "backend": runner.backend,
+        "model": str(model), "model_path": str(engine.model_path), "backend": runner.platform,
         "device": getattr(device, "device_kind", str(device)),
         "num_pages": runner.num_pages, "max_model_len": runner.max_model_len,
-        "attention_impl": runner.attention_impl, "matmul_impl": runner.matmul_name,
+        "attention_impl": runner.attention_impl, "matmul_impl": runner.matmul_impl,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "engine": cost_settings(config),
     })

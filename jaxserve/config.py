@@ -143,6 +143,9 @@ class EngineConfig:
     max_top_logprobs: int = 20
     enable_prompt_logprobs: bool = True  # False: no prompt-logprob step variants to compile
     compilation_cache_dir: str | None = None  # None: $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve/xla
+    # the decoder layers under jax.lax.scan: one layer compiled whatever the depth; false
+    # unrolls them (compile time grows with depth)
+    scan_layers: bool = True
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -164,7 +167,8 @@ class EngineConfig:
         if not is_int(self.max_top_logprobs) or self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs must be an integer >= 0, "
                              f"got {show(self.max_top_logprobs)}")
-        for name in ("adaptive_window", "length_bucketing", "enable_prompt_logprobs"):
+        for name in ("adaptive_window", "length_bucketing", "enable_prompt_logprobs",
+                     "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {show(getattr(self, name))}")
         if self.ragged_prefill is not None and not isinstance(self.ragged_prefill, bool):

@@ -63,7 +63,7 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     path = resolve_model(model)
     cfg = ModelConfig.from_hf_dir(path)
     device = device or this_device()
-    from jaxserve.model.attention import resolve_attention_impl
+    from jaxserve.backends import resolve_attention_impl
 
     dtype = compute_dtype(config.dtype, cfg.dtype, device.backend, cfg.num_params,
                           config.kv_cache_bytes_cpu)

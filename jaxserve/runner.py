@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
+from jaxserve.backends import select_backend
 from jaxserve.config import EngineConfig, compute_dtype, kv_cache_dtype
 from jaxserve.core.buckets import (
     bucket,
@@ -44,15 +45,12 @@ from jaxserve.core.buckets import (
 )
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.engine_core import Samples, TokenLogprobs
-from jaxserve.model.attention import resolve_attention_impl
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
-from jaxserve.model.linear import pack_weights, resolve_matmul_impl
-from jaxserve.model.llama import rope_tables
+from jaxserve.model.llama import rope_tables, stack_layers
 from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
 from jaxserve.model_config import ModelConfig
-from pallas_kernels.cpu_attention import BF16_BITS
 
 log = logging.getLogger("jaxserve")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -122,30 +120,29 @@ class ModelRunner:
             raise ValueError(f"max_top_logprobs {config.max_top_logprobs} exceeds the model's "
                              f"vocabulary of {model_config.vocab_size}")
         self.max_model_len = config.resolve_max_model_len(model_config)
-        self.backend = jax.default_backend()
-        dtype = compute_dtype(config.dtype, model_config.dtype, self.backend,
+        self.platform = jax.default_backend()
+        dtype = compute_dtype(config.dtype, model_config.dtype, self.platform,
                               model_config.num_params, config.kv_cache_bytes_cpu)
         if dtype != model_config.dtype and config.dtype == "auto":
             log.info("the checkpoint is %s; computing in %s on the CPU, where 16-bit matmuls "
                      "are slow (dtype=%s keeps it)", model_config.dtype, dtype,
                      model_config.dtype)
         self.dtype = DTYPES[dtype]
-        self.attention_impl = resolve_attention_impl(config.attention_impl, self.backend,
-                                                     model_config.head_dim, config.page_size)
-        self.kv_dtype_name = kv_cache_dtype(dtype, self.backend, self.attention_impl,
+        # the backend: chosen once, handed to the jitted steps as a static argument
+        self.backend = select_backend(config.attention_impl, config.matmul_impl, dtype,
+                                      model_config.head_dim, config.page_size, self.platform)
+        self.attention_impl = self.backend.attention.name
+        self.matmul_impl = self.backend.ops.name
+        self.kv_dtype_name = kv_cache_dtype(dtype, self.platform, self.attention_impl,
                                             config.kv_cache_dtype)
         # the pool's array dtype: a bfloat16 pool on the CPU is held as its bits (uint16)
-        self.kv_dtype = (BF16_BITS if self.backend == "cpu" and self.kv_dtype_name == "bfloat16"
-                         else DTYPES[self.kv_dtype_name])
-        self.matmul_impl = resolve_matmul_impl(config.matmul_impl, self.backend, dtype)
-        # what reports call it: amx runs as "cpu" (the kernels' other uses) on AMX-packed weights
-        self.matmul_name = "amx" if config.matmul_impl == "amx" else self.matmul_impl
+        self.kv_dtype = self.backend.attention.pool_dtype(self.kv_dtype_name)
         enable_compilation_cache(config.compilation_cache_dir)
         start = time.perf_counter()
         self.graphdef, self.state = load_state(model_path, model_config, self.dtype,
                                                config.load_format, config.seed)
-        self.graphdef, self.state = pack_weights(self.graphdef, self.state, self.matmul_impl,
-                                                 amx=self.matmul_name == "amx")
+        self.graphdef, self.state = self.backend.ops.pack_weights(self.graphdef, self.state)
+        self.graphdef, self.state = stack_layers(self.graphdef, self.state)
         log.info("weights: %.1f MiB (%s) in %.1f s", state_bytes(self.state) / 2**20,
                  jnp.dtype(self.dtype).name, time.perf_counter() - start)
         self.page_size = config.page_size
@@ -158,19 +155,21 @@ class ModelRunner:
                 "raise num_pages or lower max_model_len")
         m = model_config
         # committed, like the caches the steps return (see _zeros below)
-        self.kv = jax.device_put(KVCache.zeros(m.num_layers, self.num_pages, self.page_size,
-                                               m.num_kv_heads, m.head_dim, self.kv_dtype),
-                                 jax.devices()[0])
+        self.kv = jax.device_put(
+            self.backend.attention.zeros(m.num_layers, self.num_pages, self.page_size,
+                                         m.num_kv_heads, m.head_dim, self.kv_dtype_name),
+            jax.devices()[0])
         # Decode rows come in buckets from 2 (powers of two unless config.row_buckets): with a
         # single row, XLA may turn the one-token K/V write into a dynamic-update-slice fused
         # into the attention's read, and copy the pool.
         self.row_buckets = config.decode_row_buckets()
         self.prefill_row_buckets = prefill_row_buckets(self.row_buckets)
         self.chunk_buckets = config.chunk_buckets(self.max_model_len)
-        if config.ragged_prefill and self.attention_impl != "cpu":
+        ragged = self.backend.attention.ragged_calls
+        if config.ragged_prefill and not ragged:
             raise ValueError(f"ragged_prefill runs on the cpu attention, not "
                              f"{self.attention_impl!r}: leave it None (auto) or false")
-        self.ragged = config.ragged_prefill is not False and self.attention_impl == "cpu"
+        self.ragged = config.ragged_prefill is not False and ragged
         self.token_buckets = ragged_token_buckets(self.chunk_buckets,
                                                   config.max_num_batched_tokens)
         self.carry_size = self.row_buckets[-1]
@@ -179,9 +178,8 @@ class ModelRunner:
         self.weights = (jax.tree.leaves(self.state),
                         jax.device_put(rope_tables(model_config, self.max_model_len, self.dtype),
                                        jax.devices()[0]))
-        self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state),
-                                 self.attention_impl, self.matmul_impl, config.max_top_logprobs,
-                                 self.carry_size)
+        self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state), self.backend,
+                                 config.max_top_logprobs, self.carry_size, config.scan_layers)
         # committed to the device like the step outputs that replace it: jit keys its cache on
         # committedness, so an uncommitted zeros would compile every step a second time
         self._zeros = jax.device_put(jnp.zeros((self.carry_size,), jnp.int32), jax.devices()[0])
@@ -213,7 +211,7 @@ class ModelRunner:
                                       self.kv_dtype)
 
     def _pages_that_fit(self) -> int:
-        stats = jax.devices()[0].memory_stats() if self.backend == "gpu" else None
+        stats = jax.devices()[0].memory_stats() if self.platform == "gpu" else None
         free = stats["bytes_limit"] - stats["bytes_in_use"] if stats else (
             self.config.kv_cache_bytes_cpu)
         pages = int(free * self.config.kv_cache_memory_fraction) // self.kv_bytes_per_page

@@ -80,7 +80,7 @@ def http(server):
 def other_paths():
     """The CPU kernels' library built for AVX2 without AVX-512, and for no vector extensions at
     all (what other machines run), registered under their own target names (the suffixes)."""
-    from pallas_kernels import cpu_library
+    from cpu_kernels import library as cpu_library
 
     paths = {"_avx2": ("-mno-avx512f",), "_plain": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
     for suffix, flags in paths.items():
@@ -98,7 +98,7 @@ def pytest_collection_modifyitems(config, items):
     amx = [item for item in items if item.get_closest_marker("needs_amx")]
     if not amx:
         return
-    from pallas_kernels import cpu_library
+    from cpu_kernels import library as cpu_library
 
     if cpu_library.amx_ready():
         return

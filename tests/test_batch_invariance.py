@@ -15,12 +15,14 @@ from conftest import HF_FIXTURES
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
-from jaxserve.model.linear import pack_weights
-from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.backends import Backend
+from jaxserve.backends.cpu import CpuAttention, CpuOps
+from jaxserve.model.kv_cache import AttentionMetadata, RaggedMetadata
+from jaxserve.model.llama import LlamaForCausalLM, stack_layers
 from jaxserve.model_config import ModelConfig
 
 PAGE, PAGES_PER_ROW = 8, 8
+CPU = Backend("cpu", CpuAttention(), CpuOps())
 
 
 @pytest.fixture(scope="module", params=["llama", "tied"])
@@ -28,22 +30,22 @@ def model(request):
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / "llama")
     if request.param == "tied":  # the LM head is the embedding table: the transposed matmul
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
-    # the linear layers' kernels as the engine stores them for the CPU kernel (panels)
-    graphdef, state = pack_weights(*nnx.split(LlamaForCausalLM(cfg, jnp.float32, nnx.Rngs(3))),
-                                   "cpu")
+    # the weights as the engine holds them for the CPU kernels: panels, layers stacked
+    graphdef, state = stack_layers(*CPU.ops.pack_weights(
+        *nnx.split(LlamaForCausalLM(cfg, jnp.float32, nnx.Rngs(3)))))
     return cfg, graphdef, state
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, state, tokens, kv, md):
     m = nnx.merge(graphdef, state)
-    hidden, kv = m(tokens, kv, md, "cpu", "cpu")
-    return m.logits(hidden, "cpu"), kv
+    hidden, kv = m(tokens, kv, md, CPU)
+    return m.logits(hidden, CPU), kv
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward_kv(graphdef, state, tokens, kv, md):  # the program where the sum had varied
-    return nnx.merge(graphdef, state)(tokens, kv, md, "cpu", "cpu")[1]
+    return nnx.merge(graphdef, state)(tokens, kv, md, CPU)[1]
 
 
 def _run(model, rows, chunks, row=0, seed=0):
@@ -52,8 +54,8 @@ def _run(model, rows, chunks, row=0, seed=0):
     cfg, graphdef, state = model
     rng = np.random.default_rng(seed)
     ids = np.random.default_rng(99).integers(3, cfg.vocab_size, 40)
-    kv = KVCache.zeros(cfg.num_layers, rows * PAGES_PER_ROW + 1, PAGE, cfg.num_kv_heads,
-                       cfg.head_dim, jnp.float32)
+    kv = CPU.attention.zeros(cfg.num_layers, rows * PAGES_PER_ROW + 1, PAGE, cfg.num_kv_heads,
+                       cfg.head_dim, "float32")
     table = np.arange(1, rows * PAGES_PER_ROW + 1, dtype=np.int32).reshape(rows, -1)
     start = 0
     for n in chunks:
@@ -99,8 +101,8 @@ def test_a_ragged_calls_logits_are_the_padded_calls(model, lengths, row, tokens)
     rng = np.random.default_rng(len(lengths) + tokens)
     ids = np.random.default_rng(99).integers(3, cfg.vocab_size, 40)
     rows = len(lengths)
-    kv = KVCache.zeros(cfg.num_layers, rows * PAGES_PER_ROW + 1, PAGE, cfg.num_kv_heads,
-                       cfg.head_dim, jnp.float32)
+    kv = CPU.attention.zeros(cfg.num_layers, rows * PAGES_PER_ROW + 1, PAGE, cfg.num_kv_heads,
+                       cfg.head_dim, "float32")
     table = np.arange(1, rows * PAGES_PER_ROW + 1, dtype=np.int32).reshape(rows, -1)
     flat = rng.integers(3, cfg.vocab_size, (1, tokens)).astype(np.int32)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -217,8 +219,7 @@ def test_a_long_prompts_keys_do_not_depend_on_the_batch():
     ids = rng.integers(3, cfg.vocab_size, 183)
 
     def first_layer_keys(rows, row):
-        kv = KVCache.zeros(cfg.num_layers, 12 * rows + 1, 16, cfg.num_kv_heads, cfg.head_dim,
-                           jnp.float32)
+        kv = CPU.attention.zeros(cfg.num_layers, 12 * rows + 1, 16, cfg.num_kv_heads, cfg.head_dim, "float32")
         table = np.arange(1, 12 * rows + 1, dtype=np.int32).reshape(rows, 12)
         tokens = rng.integers(3, cfg.vocab_size, (rows, 192)).astype(np.int32)
         tokens[row, :183] = ids
@@ -227,7 +228,8 @@ def test_a_long_prompts_keys_do_not_depend_on_the_batch():
         md = AttentionMetadata(positions=np.tile(np.arange(192, dtype=np.int32), (rows, 1)),
                                query_lens=lens, seq_lens=lens, page_table=table)
         kv = _forward_kv(graphdef, state, tokens, kv, md)
-        return np.asarray(kv.k[0])[table[row]].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:183]
+        keys = np.asarray(kv.pools[0])  # the first layer's pages come first
+        return keys[table[row]].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:183]
 
     alone = first_layer_keys(1, 0)
     for rows, row in ((2, 1), (4, 2)):

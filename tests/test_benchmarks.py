@@ -15,6 +15,7 @@ import pytest
 import yaml
 from served import uvicorn_url
 
+from cpu_kernels import library as cpu_library
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.benchmarks.datasets import (
     Sample,
@@ -32,7 +33,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.server import ServerConfig, build_app
 from jaxserve.sim.metrics import RequestRecord, parse_slos, percentile_key
-from pallas_kernels import cpu_library
 
 # the server tests' engine shape: every step is already in the persistent compilation cache
 CONFIG = dict(max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_sizes=(32,),
@@ -289,8 +289,8 @@ def test_peer_iteration_times_charge_each_step_to_the_iteration_before():
 
 
 def test_cpu_kernels_bench_runs_at_tiny_size(capsys):
-    """bench/cpu_kernels.py compares each CPU kernel with XLA in its place."""
-    out = _load(ROOT / "bench" / "cpu_kernels.py").main(["--quick"])
+    """bench/cpu_kernel_speed.py compares each CPU kernel with XLA in its place."""
+    out = _load(ROOT / "bench" / "cpu_kernel_speed.py").main(["--quick"])
     assert [r["m"] for r in out["matmul"]] == [1, 8, 40]
     assert all(r[f"{k}_ms"] > 0 for r in out["matmul"] + out["prefill"] for k in ("xla", "cpu"))
     assert out["decode"]["gb_per_s"] > 0 and out["read_gb_per_s"] > 0
@@ -301,7 +301,7 @@ def test_cpu_kernels_bench_runs_at_tiny_size(capsys):
 def test_cpu_kernels_bench_runs_a_git_revisions_decode_kernel_beside_todays(capsys):
     """--baseline REV builds the kernels as they were at REV and alternates their decode and
     prefill attention and their matmuls (the amx one too, where it runs) with today's."""
-    bench = _load(ROOT / "bench" / "cpu_kernels.py")
+    bench = _load(ROOT / "bench" / "cpu_kernel_speed.py")
     out = bench.main(["--quick", "--parts", "matmul", "prefill", "decode", "--baseline", "HEAD",
                       "--dependent"])
     assert out["decode"]["ms"] > 0 and out["decode"]["baseline_ms"] > 0

@@ -1,4 +1,4 @@
-"""The AMX matmul (pallas_kernels/cpu_amx.cc, matmul_impl="amx"): bf16x3 on AMX tiles. The
+"""The AMX matmul (cpu_kernels/cpu_amx.cc, matmul_impl="amx"): bf16x3 on AMX tiles. The
 packing is checked everywhere; the kernel, where the CPU has AMX-BF16, against float64 numpy,
 for batch invariance, and end to end on the real stories260K weights against the C reference."""
 
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cpu_kernels import library as cpu_library
+from cpu_kernels.matmul import AMX_BLOCK, amx_packable, matmul_cpu_amx, pack_amx
 from jaxserve import LLM, SamplingParams
-from jaxserve.model.linear import pack_weights, project, resolve_matmul_impl
-from pallas_kernels import cpu_library
-from pallas_kernels.cpu_matmul import AMX_BLOCK, amx_packable, matmul_cpu_amx, pack_amx
+from jaxserve.backends import resolve_matmul_impl
+from jaxserve.backends.cpu import CpuOps
 
 # the kernel's own tests need AMX-BF16 hardware: elsewhere conftest.py deselects them (and says
 # so at the end of the run); the packing and the refusal are checked everywhere
@@ -59,7 +60,7 @@ def test_amx_packable_and_bad_inputs():
 
 def test_amx_resolves_to_the_cpu_kernels_or_says_why_not(monkeypatch):
     monkeypatch.setattr(cpu_library, "amx_ready", lambda: True)
-    assert resolve_matmul_impl("amx", "cpu", "float32") == "cpu"
+    assert resolve_matmul_impl("amx", "cpu", "float32") == "amx"
     with pytest.raises(ValueError, match="matmul_impl='amx' computes in float32"):
         resolve_matmul_impl("amx", "cpu", "bfloat16")
     with pytest.raises(ValueError, match="matmul_impl='amx' runs on the CPU backend"):
@@ -100,18 +101,19 @@ def test_a_row_gives_the_same_bits_whatever_the_other_rows():
 
 
 @needs_amx
-def test_pack_weights_for_amx_packs_what_it_can_and_project_takes_both():
+def test_pack_weights_for_amx_packs_what_it_can_and_linear_takes_both():
     wide = nnx.Linear(64, 40, use_bias=True, rngs=nnx.Rngs(0))  # k 64: AMX parts
     odd = nnx.Linear(40, 24, use_bias=False, rngs=nnx.Rngs(1))  # k 40: panels
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 64)), jnp.float32)
     want = (np.asarray(x) @ np.asarray(wide.kernel[...]) + np.asarray(wide.bias[...]))
     model = nnx.Sequential(wide, odd)
-    graphdef, state = pack_weights(*nnx.split(model), "cpu", amx=True)
+    ops = CpuOps(amx=True)
+    graphdef, state = ops.pack_weights(*nnx.split(model))
     packed = nnx.merge(graphdef, state)
     assert packed.layers[0].kernel[...].ndim == 4 and packed.layers[1].kernel[...].ndim == 3
-    y = project(packed.layers[0], x, "cpu")
+    y = ops.linear(packed.layers[0], x)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4)
-    assert project(packed.layers[1], y[:, :40], "cpu").shape == (3, 24)
+    assert ops.linear(packed.layers[1], y[:, :40]).shape == (3, 24)
 
 
 @needs_amx
@@ -119,7 +121,7 @@ def test_stories260k_greedy_ids_on_amx_match_the_c_reference(stories_dir):
     cases = json.loads((stories_dir / "reference_outputs.json").read_text())["cases"]
     llm = LLM(stories_dir, page_size=4, prefill_chunk_sizes=(8,), max_num_seqs=8,
               max_num_batched_tokens=32, num_pages=512, matmul_impl="amx")
-    assert llm.engine.runner.matmul_name == "amx"
+    assert llm.engine.runner.matmul_impl == "amx"
     params = [SamplingParams(max_tokens=len(c["generated_ids"]), temperature=0.0, ignore_eos=True)
               for c in cases]
     outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], params)

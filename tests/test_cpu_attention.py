@@ -1,4 +1,4 @@
-"""The C++ attention for the CPU (pallas_kernels/cpu_decode.cc and cpu_prefill.cc, through XLA's
+"""The C++ attention for the CPU (cpu_kernels/cpu_decode.cc and cpu_prefill.cc, through XLA's
 FFI) equals the gather-everything reference, and the engine picks it, or falls back, as it says."""
 
 import logging
@@ -8,10 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import kv_cache_dtype
-from jaxserve.model.attention import resolve_attention_impl
-from pallas_kernels import cpu_library, decode_attention_ref, prefill_attention_ref
-from pallas_kernels.cpu_attention import (
+from cpu_kernels import library as cpu_library
+from cpu_kernels.attention import (
     BF16_BITS,
     bf16_bits,
     decode_attention_cpu,
@@ -19,7 +17,10 @@ from pallas_kernels.cpu_attention import (
     prefill_attention_cpu,
     prefill_attention_cpu_ragged,
 )
-from pallas_kernels.cpu_library import KernelUnavailable
+from cpu_kernels.library import KernelUnavailable
+from jaxserve.backends import resolve_attention_impl
+from jaxserve.config import kv_cache_dtype
+from pallas_kernels import decode_attention_ref, prefill_attention_ref
 
 
 def _case(rng, slots, kv_heads, group, head_dim, page_size, pages_per_seq, num_pages,

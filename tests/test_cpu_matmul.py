@@ -1,4 +1,4 @@
-"""The CPU matmul kernel (pallas_kernels/cpu_matmul.cc through XLA's FFI): float64 numpy is the
+"""The CPU matmul kernel (cpu_kernels/cpu_matmul.cc through XLA's FFI): float64 numpy is the
 reference; a row's result is bitwise the same whatever the other rows, on every instruction-set
 path the kernel has; the engine picks it, or XLA's dot, as it says."""
 
@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.model.linear import pack_weights, project, resolve_matmul_impl
-from pallas_kernels import cpu_library
-from pallas_kernels.cpu_matmul import (
+from cpu_kernels import library as cpu_library
+from cpu_kernels.matmul import (
     PANEL,
     matmul_cpu,
     matmul_cpu_panels,
     pack_panels,
     row_sum_squares_cpu,
 )
+from jaxserve.backends import Ops, resolve_matmul_impl
+from jaxserve.backends.cpu import CpuOps
 
 # rows around the 6-row register tile and the 96-row work item, columns around the 64-column
 # panel (masked partial panels), k around the 256-long block (partial sums through the output)
@@ -56,18 +57,19 @@ def test_pack_panels_layout():
     assert (panels[1, :, 6:] == 0).all()  # the last panel is zero past N
 
 
-def test_pack_weights_packs_every_linear_kernel_and_project_takes_either():
+def test_pack_weights_packs_every_linear_kernel_and_linear_takes_either():
     layer = nnx.Linear(40, 130, use_bias=True, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((5, 40)), jnp.float32)
     want = np.asarray(layer(x))  # XLA's dot
-    in_place = np.asarray(project(layer, x, "cpu"))
+    ops = CpuOps()
+    in_place = np.asarray(ops.linear(layer, x))
     np.testing.assert_allclose(in_place, want, atol=1e-5)
     graphdef, state = nnx.split(layer)
-    assert pack_weights(graphdef, state, "xla")[1] is state  # XLA's dot keeps the layout
+    assert Ops().pack_weights(graphdef, state)[1] is state  # XLA's dot keeps the layout
     kernel = state["kernel"].get_value()
-    packed = nnx.merge(*pack_weights(graphdef, state, "cpu"))
+    packed = nnx.merge(*ops.pack_weights(graphdef, state))
     assert packed.kernel[...].shape == (3, 40, PANEL)
-    assert (np.asarray(project(packed, x, "cpu")) == in_place).all()
+    assert (np.asarray(ops.linear(packed, x)) == in_place).all()
     # packed in the state's own variables: the in-place kernel is no longer held
     assert state["kernel"].get_value().shape == (3, 40, PANEL)
     assert (np.asarray(packed.kernel[...]) == np.asarray(pack_panels(kernel))).all()

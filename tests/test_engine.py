@@ -79,20 +79,6 @@ def test_pallas_kernels_in_the_engine_match_the_reference(workload, alone):
     _all_pages_free(llm)
 
 
-def test_auto_attention_takes_the_kernels_only_where_they_can_run():
-    from jaxserve.model.attention import resolve_attention_impl
-
-    assert resolve_attention_impl("auto", "gpu", 128, 16) == "pallas"
-    assert resolve_attention_impl("auto", "cpu", 128, 16) == "cpu"  # where it builds
-    # Triton blocks are powers of two: a head_dim of 80 falls back on the GPU rather than fail
-    # while compiling the first step, and an explicit pallas says why at start-up
-    assert resolve_attention_impl("auto", "gpu", 80, 16) == "reference"
-    with pytest.raises(ValueError, match="attention_impl='pallas': head_dim 80 is not a power"):
-        resolve_attention_impl("pallas", "cpu", 80, 16)
-    with pytest.raises(ValueError, match="page_size 12 is not a power of two"):
-        resolve_attention_impl("pallas", "gpu", 64, 12)
-
-
 def test_a_16_bit_model_keeps_a_float32_kv_cache_on_the_cpu():
     """XLA on the CPU has no 16-bit float gather/scatter and would convert the whole pool every
     layer and step; kv_cache_dtype keeps the pool in float32 there, and only there."""
@@ -104,7 +90,7 @@ def test_a_16_bit_model_keeps_a_float32_kv_cache_on_the_cpu():
     assert kv_cache_dtype("bfloat16", "gpu", "reference") == "bfloat16"
     llm = LLM(MODEL, **(BASE | dict(dtype="bfloat16", max_num_seqs=2)))
     runner = llm.engine.runner
-    assert runner.kv.k[0].dtype == np.float32 and runner.dtype == jnp.bfloat16
+    assert runner.kv.pools[0].dtype == np.float32 and runner.dtype == jnp.bfloat16
     out = llm.generate({"prompt_token_ids": [5, 6, 7, 8]},
                        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6

@@ -10,9 +10,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # module prefix -> prefixes it must never import
 FORBIDDEN = {
     "jaxserve.core": ("jax", "flax", "optax", "jaxserve.model", "jaxserve.runner",
-                      "jaxserve.engine", "jaxserve.server", "pallas_kernels"),
+                      "jaxserve.engine", "jaxserve.server", "jaxserve.backends",
+                      "pallas_kernels", "cpu_kernels"),
+    # the model names no platform: the backend it is handed does the kernels
     "jaxserve.model": ("jaxserve.core", "jaxserve.runner", "jaxserve.engine",
-                       "jaxserve.async_engine", "jaxserve.server", "jaxserve.tokenizer"),
+                       "jaxserve.async_engine", "jaxserve.server", "jaxserve.tokenizer",
+                       "jaxserve.backends", "pallas_kernels", "cpu_kernels"),
+    "jaxserve.backends": ("jaxserve.core", "jaxserve.runner", "jaxserve.engine",
+                          "jaxserve.async_engine", "jaxserve.server"),
     "jaxserve.checks": ("jaxserve.",),
     "jaxserve.config": ("jaxserve.",),
     "jaxserve.model_config": ("jaxserve.",),
@@ -22,14 +27,15 @@ FORBIDDEN = {
     "jaxserve.engine_core": ("jax", "flax", "jaxserve.model", "jaxserve.runner",
                              "jaxserve.server", "pallas_kernels"),
     "jaxserve.server": ("jaxserve.runner", "jaxserve.model"),
-    "pallas_kernels": ("jaxserve",),
+    "pallas_kernels": ("jaxserve", "cpu_kernels"),
+    "cpu_kernels": ("jaxserve",),
 }
 # leaves the modules above may import all the same
 ALLOWED = ("jaxserve.checks", "jaxserve.model_config")
 
 
 def _modules():
-    for base in ("jaxserve", "pallas_kernels"):
+    for base in ("jaxserve", "pallas_kernels", "cpu_kernels"):
         for path in sorted((ROOT / base).rglob("*.py")):
             rel = path.relative_to(ROOT).with_suffix("")
             yield ".".join(p for p in rel.parts if p != "__init__"), path
@@ -51,3 +57,12 @@ def test_imports_point_the_right_way(module, path):
                    and any(name == f.rstrip(".") or name.startswith(f if f.endswith(".") else f + ".")
                           for f in forbidden)]
             assert not bad, f"{module} imports {bad}, against DESIGN.md section 1"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "jaxserve" / "model").glob("*.py")),
+                         ids=lambda p: p.name)
+def test_the_model_names_no_platform_or_kernel_option(path):
+    """The model reads as the model: kernels and platforms are the backend's (issue 29)."""
+    text = path.read_text()
+    for word in ("matmul_impl", "attention_impl", '"cpu"', '"gpu"', '"tpu"', "jax.default_backend"):
+        assert word not in text, f"{path.name} names {word}"

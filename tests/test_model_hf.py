@@ -12,8 +12,9 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model.kv_cache import AttentionMetadata, KVCache
-from jaxserve.model.llama import rope_tables
+from jaxserve.backends import REFERENCE
+from jaxserve.model.kv_cache import AttentionMetadata
+from jaxserve.model.llama import rope_tables, stack_layers
 from jaxserve.model.loader import load_state
 from jaxserve.model_config import ModelConfig
 
@@ -22,34 +23,42 @@ def _expected(name):
     return json.loads((HF_FIXTURES / name / "expected.json").read_text())
 
 
-def full_logits(graphdef, state, cfg: ModelConfig, ids: list[int], dtype=jnp.float32):
+def full_logits(graphdef, state, cfg: ModelConfig, ids: list[int], dtype=jnp.float32,
+                scan_layers=True):
     """All prompt logits [len, vocab] in one chunk through the paged path (page_size 4)."""
     n, page_size = len(ids), 4
     pages = -(-n // page_size)
-    kv = KVCache.zeros(cfg.num_layers, pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    kv = REFERENCE.attention.zeros(cfg.num_layers, pages + 1, page_size, cfg.num_kv_heads,
+                                   cfg.head_dim, jnp.dtype(dtype).name)
     md = AttentionMetadata(
         positions=jnp.arange(n, dtype=jnp.int32)[None],
         query_lens=jnp.array([n], jnp.int32),
         seq_lens=jnp.array([n], jnp.int32),
         page_table=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
     )
-    return np.asarray(_forward_logits(graphdef, state, kv, jnp.array([ids], jnp.int32), md)[0])
+    return np.asarray(_forward_logits(graphdef, state, kv, jnp.array([ids], jnp.int32), md,
+                                      scan_layers)[0])
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward_logits(graphdef, state, kv, tokens, md):
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _forward_logits(graphdef, state, kv, tokens, md, scan_layers):
     model = nnx.merge(graphdef, state)
-    hidden, _ = model(tokens, kv, md, "reference")
-    return model.logits(hidden)
+    hidden, _ = model(tokens, kv, md, REFERENCE, scan_layers=scan_layers)
+    return model.logits(hidden, REFERENCE)
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
-def test_prompt_logits_match_transformers(name):
+@pytest.mark.parametrize("layers", ["list", "scan", "unrolled"])
+def test_prompt_logits_match_transformers(name, layers):
+    """The layers as loaded (a list), stacked under jax.lax.scan (the engine's), and stacked
+    but unrolled."""
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / name)
     graphdef, state = load_state(HF_FIXTURES / name, cfg, jnp.float32)
+    if layers != "list":
+        graphdef, state = stack_layers(graphdef, state)
     expected = load_file(str(HF_FIXTURES / name / "reference" / "expected_logits.safetensors"))
     for i, ids in enumerate(_expected(name)["prompts"]):
-        ours = full_logits(graphdef, state, cfg, ids)
+        ours = full_logits(graphdef, state, cfg, ids, scan_layers=layers == "scan")
         np.testing.assert_allclose(ours, expected[f"prompt_{i}"], atol=1e-4, rtol=0)
 
 
@@ -60,8 +69,8 @@ def test_rope_tables_give_the_bits_computed_in_the_step(name):
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / name)
     graphdef, state = load_state(HF_FIXTURES / name, cfg, jnp.float32)
     n, page_size = 20, 4
-    kv = KVCache.zeros(cfg.num_layers, n // page_size + 1, page_size, cfg.num_kv_heads,
-                       cfg.head_dim, jnp.float32)
+    kv = REFERENCE.attention.zeros(cfg.num_layers, n // page_size + 1, page_size,
+                                   cfg.num_kv_heads, cfg.head_dim, "float32")
     md = AttentionMetadata(positions=jnp.arange(n, dtype=jnp.int32)[None],
                            query_lens=jnp.array([n], jnp.int32),
                            seq_lens=jnp.array([n], jnp.int32),
@@ -70,7 +79,7 @@ def test_rope_tables_give_the_bits_computed_in_the_step(name):
 
     @jax.jit
     def hidden(state, rope):
-        return nnx.merge(graphdef, state)(tokens, kv, md, "reference", rope=rope)[0]
+        return nnx.merge(graphdef, state)(tokens, kv, md, REFERENCE, rope=rope)[0]
 
     computed = hidden(state, None)
     tables = rope_tables(cfg, n, jnp.float32)

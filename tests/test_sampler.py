@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.backends import Ops
 from jaxserve.model.sampler import SamplingMetadata, first_argmax, sample
 
 VOCAB, ROWS, TOP = 16, 512, 4
-_sample = jax.jit(sample, static_argnums=2)
+_sample = jax.jit(lambda logits, sm, num_top: sample(logits, sm, num_top, Ops()),
+                  static_argnums=2)
 
 
 def _meta(temperature=1.0, top_k=VOCAB, top_p=1.0, seeds=None, positions=None, logprobs=True):

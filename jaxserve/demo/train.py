@@ -26,6 +26,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+from jaxserve.backends import REFERENCE
 from jaxserve.demo import CHECKPOINT_DIR
 from jaxserve.demo.data import (
     Corpus,
@@ -99,7 +100,7 @@ def causal_logits(model: LlamaForCausalLM, tokens: jax.Array) -> jax.Array:
     kv_heads, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     for layer in model.model.layers:
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
+        h = layer.input_layernorm(x, REFERENCE)
         q = apply_rope(attn.q_proj(h).reshape(b, t, cfg.num_heads, d), cos, sin)
         k = apply_rope(attn.k_proj(h).reshape(b, t, kv_heads, d), cos, sin)
         v = attn.v_proj(h).reshape(b, t, kv_heads, d)
@@ -109,8 +110,8 @@ def causal_logits(model: LlamaForCausalLM, tokens: jax.Array) -> jax.Array:
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, -1)
         x = x + attn.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.logits(model.model.norm(x))
+        x = x + layer.mlp(layer.post_attention_layernorm(x, REFERENCE), REFERENCE)
+    return model.logits(model.model.norm(x, REFERENCE), REFERENCE)
 
 
 def window_nll(graphdef: nnx.GraphDef, params: nnx.State,

@@ -1,4 +1,5 @@
-"""Device side: the Llama-family model, KV pages, attention dispatch, sampling, weight loading.
+"""Device side: the Llama-family model, KV pages, sampling, the jitted steps, weight loading.
 
-Never imports the host side (core, engine, server).
+Never imports the host side (core, engine, server) nor names a platform: the backend object
+(jaxserve/backends) it is handed does the kernels.
 """

@@ -4,32 +4,33 @@ Token j of the sequence in row b is stored at page ``page_table[b, j // page_siz
 ``j % page_size``. Page 0 is the null page: padding tokens write there and empty rows read it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
-
-from pallas_kernels.cpu_attention import BF16_BITS, bf16_bits
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    k: tuple[jax.Array, ...]  # per layer: [num_pages, page_size, num_kv_heads, head_dim]
-    v: tuple[jax.Array, ...]  # per layer: [num_pages, page_size, num_kv_heads, head_dim]
+    """All layers' KV pages: layer l's page p is row `l * num_pages + p` of each pool, so a
+    layer's kernels read and write the one pool through its own page table (`layer_pages`)
+    and a step run under `jax.lax.scan` copies no layer's pages. The pools' layout is the
+    backend's (jaxserve/backends): K and V apart, each
+    [num_layers * num_pages, page_size, num_kv_heads, head_dim], unless a backend says
+    otherwise."""
 
-    @classmethod
-    def zeros(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-              head_dim: int, dtype) -> "KVCache":
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-        )
+    pools: tuple[jax.Array, ...]
+    num_pages: int = field(metadata=dict(static=True))  # per layer, the null page 0 included
+
+    @property
+    def page_size(self) -> int:
+        return self.pools[0].shape[1]
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                        dtype) -> int:
+        """A page of every layer's keys and values."""
         return 2 * num_layers * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
@@ -42,6 +43,10 @@ class AttentionMetadata:
     query_lens: jax.Array  # [B] int32   real tokens in each row; the rest is padding (0: empty row)
     seq_lens: jax.Array  # [B] int32   tokens in the pages after this step (positions[:, 0] + query_lens)
     page_table: jax.Array  # [B, pages_per_seq] int32
+
+    def layer_pages(self, first: jax.Array) -> "AttentionMetadata":
+        """The metadata of the layer whose pages start at pool row `first`."""
+        return replace(self, page_table=self.page_table + first)
 
     def write_index(self, page_size: int) -> tuple[jax.Array, jax.Array]:  # 2 x [B * C] int32
         """(page, offset) each token's K/V goes to; padding tokens go to the null page."""
@@ -67,6 +72,10 @@ class RaggedMetadata:
     seq_lens: jax.Array  # [B] int32   tokens in the row's pages after this call
     page_table: jax.Array  # [B, pages_per_seq] int32
 
+    def layer_pages(self, first: jax.Array) -> "RaggedMetadata":
+        """The metadata of the layer whose pages start at pool row `first`."""
+        return replace(self, page_table=self.page_table + first)
+
     def write_index(self, page_size: int) -> tuple[jax.Array, jax.Array]:  # 2 x [T] int32
         """(page, offset) each token's K/V goes to; padding tokens go to the null page."""
         rows = self.page_table.shape[0]
@@ -75,17 +84,3 @@ class RaggedMetadata:
         page = self.page_table[jnp.minimum(self.token_rows, rows - 1),
                                jnp.minimum(positions // page_size, self.page_table.shape[1] - 1)]
         return jnp.where(real, page, 0), positions % page_size
-
-
-def write_kv(pages: jax.Array, new: jax.Array, index: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Scatter new K or V [B, C, kv_heads, head_dim] into the pages at (page, offset).
-
-    Indexing the 4-D pool directly (not a flattened view) lets XLA write in place; a reshape
-    around the scatter made it copy the whole pool every step.
-    """
-    _, _, kv_heads, head_dim = pages.shape
-    page, offset = index
-    new = new.reshape(-1, kv_heads, head_dim)
-    # a bfloat16 pool on the CPU holds its values' bits (cpu_attention.BF16_BITS)
-    new = bf16_bits(new) if pages.dtype == BF16_BITS else new.astype(pages.dtype)
-    return pages.at[page, offset].set(new)

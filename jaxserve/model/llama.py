@@ -2,7 +2,12 @@
 
 Attribute names mirror Hugging Face's parameter names (model.layers.0.self_attn.q_proj ...), so
 the loader maps a checkpoint mechanically. Callers split graph and state once and jit pure
-functions of the state (see model/step.py).
+functions of the state (see model/step.py). `backend` (jaxserve/backends) does every matmul,
+row sum and attention call: the model names no platform.
+
+A loaded model holds its layers as a list; `stack_layers` turns them into one layer whose
+weights carry a leading layer axis, which the forward runs under `jax.lax.scan` (one layer
+compiled, whatever the depth) or unrolled (`scan_layers=False`).
 """
 
 import math
@@ -12,12 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model.attention import paged_attention
-from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata, write_kv
-from jaxserve.model.linear import project
-from jaxserve.model.reductions import row_sum_squares
+from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model_config import ModelConfig
-from pallas_kernels.cpu_matmul import matmul_cpu
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [head_dim // 2] float32
@@ -70,10 +71,9 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x: jax.Array, matmul_impl: str = "xla") -> jax.Array:
+    def __call__(self, x: jax.Array, backend) -> jax.Array:
         xf = x.astype(jnp.float32)
-        # with the CPU kernels, the batch-invariant sum (reductions.py)
-        xf = xf * jax.lax.rsqrt(row_sum_squares(xf, matmul_impl) / x.shape[-1] + self.eps)
+        xf = xf * jax.lax.rsqrt(backend.ops.row_sum_squares(xf) / x.shape[-1] + self.eps)
         return self.weight[...] * xf.astype(x.dtype)
 
 
@@ -91,17 +91,20 @@ class Attention(nnx.Module):
         self.o_proj = _linear(cfg.num_heads * d, e, cfg.o_bias, dtype, rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
-    def __call__(self, x, cos, sin, k_pages, v_pages, md: AttentionMetadata, write_index,
-                 attention_impl: str, matmul_impl: str):
+    def __call__(self, x, cos, sin, kv: KVCache, md: AttentionMetadata | RaggedMetadata,
+                 write_index, backend):
+        """md and write_index address this layer's pages of kv."""
         b, c, _ = x.shape
-        q = project(self.q_proj, x, matmul_impl).reshape(b, c, self.num_heads, self.head_dim)
-        k = project(self.k_proj, x, matmul_impl).reshape(b, c, self.num_kv_heads, self.head_dim)
-        v = project(self.v_proj, x, matmul_impl).reshape(b, c, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_pages = write_kv(k_pages, k, write_index)
-        v_pages = write_kv(v_pages, v, write_index)
-        out = paged_attention(q, k_pages, v_pages, md, self.head_dim**-0.5, attention_impl)
-        return project(self.o_proj, out.reshape(b, c, -1), matmul_impl), k_pages, v_pages
+        linear = backend.ops.linear
+        q = linear(self.q_proj, x).reshape(b, c, self.num_heads, self.head_dim)
+        k = linear(self.k_proj, x).reshape(b * c, self.num_kv_heads, self.head_dim)
+        v = linear(self.v_proj, x).reshape(b * c, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k.reshape(b, c, self.num_kv_heads, self.head_dim), cos, sin)
+        kv = backend.attention.write(kv, k.reshape(b * c, self.num_kv_heads, self.head_dim), v,
+                                     write_index)
+        out = backend.attention(q, kv, md, self.head_dim**-0.5)
+        return linear(self.o_proj, out.reshape(b, c, -1)), kv
 
 
 class MLP(nnx.Module):
@@ -111,9 +114,9 @@ class MLP(nnx.Module):
         self.up_proj = _linear(e, i, False, dtype, rngs)
         self.down_proj = _linear(i, e, False, dtype, rngs)
 
-    def __call__(self, x, matmul_impl: str = "xla"):
-        gate, up = project(self.gate_proj, x, matmul_impl), project(self.up_proj, x, matmul_impl)
-        return project(self.down_proj, jax.nn.silu(gate) * up, matmul_impl)
+    def __call__(self, x, backend):
+        linear = backend.ops.linear
+        return linear(self.down_proj, jax.nn.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class DecoderLayer(nnx.Module):
@@ -123,14 +126,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, cos, sin, k_pages, v_pages, md, write_index, attention_impl,
-                 matmul_impl):
-        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x, matmul_impl), cos, sin,
-                                             k_pages, v_pages, md, write_index, attention_impl,
-                                             matmul_impl)
+    def __call__(self, x, cos, sin, kv, md, write_index, backend):
+        h, kv = self.self_attn(self.input_layernorm(x, backend), cos, sin, kv, md, write_index,
+                               backend)
         x = x + h
-        h = self.post_attention_layernorm(x, matmul_impl)
-        return x + self.mlp(h, matmul_impl), k_pages, v_pages
+        return x + self.mlp(self.post_attention_layernorm(x, backend), backend), kv
 
 
 class Decoder(nnx.Module):
@@ -153,10 +153,11 @@ class LlamaForCausalLM(nnx.Module):
         )
 
     def __call__(self, tokens: jax.Array, kv: KVCache, md: AttentionMetadata | RaggedMetadata,
-                 attention_impl: str, matmul_impl: str = "xla",
-                 rope: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, KVCache]:
+                 backend, rope: tuple[jax.Array, jax.Array] | None = None,
+                 scan_layers: bool = True) -> tuple[jax.Array, KVCache]:
         """`rope`: rope_tables' cos and sin (positions past them read the last row); without
-        them the step computes its positions' cos and sin itself, to the same bits."""
+        them the step computes its positions' cos and sin itself, to the same bits.
+        `scan_layers`: stacked layers (`stack_layers`) run under jax.lax.scan, else unrolled."""
         x = self.model.embed_tokens(tokens)  # [B, C, hidden]
         if rope is None:
             angles = rope_angles(self.config, md.positions)  # [B, C, head_dim]
@@ -164,20 +165,47 @@ class LlamaForCausalLM(nnx.Module):
         else:
             cos, sin = (jnp.take(t, md.positions, axis=0, mode="clip").astype(x.dtype)
                         for t in rope)
-        write_index = md.write_index(kv.k[0].shape[1])
-        new_k, new_v = [], []
-        for layer, k_pages, v_pages in zip(self.model.layers, kv.k, kv.v, strict=True):
-            x, k_pages, v_pages = layer(x, cos, sin, k_pages, v_pages, md, write_index,
-                                        attention_impl, matmul_impl)
-            new_k.append(k_pages)
-            new_v.append(v_pages)
-        return self.model.norm(x, matmul_impl), KVCache(k=tuple(new_k), v=tuple(new_v))
+        page, offset = md.write_index(kv.page_size)
 
-    def logits(self, hidden: jax.Array, matmul_impl: str = "xla") -> jax.Array:  # [..., vocab]
+        def run_layer(layer: DecoderLayer, x, kv: KVCache, index):
+            first = index * kv.num_pages  # the layer's pages start at this pool row
+            return layer(x, cos, sin, kv, md.layer_pages(first), (page + first, offset), backend)
+
+        layers = self.model.layers
+        if isinstance(layers, nnx.List):  # as loaded (and trained)
+            for index, layer in enumerate(layers):
+                x, kv = run_layer(layer, x, kv, index)
+        else:
+            graphdef, stacked = nnx.split(layers)
+            num_layers = jax.tree.leaves(stacked)[0].shape[0]
+
+            def body(carry, layer_state):
+                state, index = layer_state
+                return run_layer(nnx.merge(graphdef, state), *carry, index), None
+
+            indices = jnp.arange(num_layers, dtype=jnp.int32)
+            if scan_layers:
+                (x, kv), _ = jax.lax.scan(body, (x, kv), (stacked, indices))
+            else:
+                for index in range(num_layers):
+                    (x, kv), _ = body((x, kv), jax.tree.map(lambda a, i=index: a[i],
+                                                            (stacked, indices)))
+        return self.model.norm(x, backend), kv
+
+    def logits(self, hidden: jax.Array, backend) -> jax.Array:  # [..., vocab]
         """float32 logits; a tied head multiplies by the embedding table [vocab, hidden]."""
         if self.lm_head is not None:
-            return project(self.lm_head, hidden, matmul_impl).astype(jnp.float32)
-        table = self.model.embed_tokens.embedding[...]
-        if matmul_impl == "cpu":
-            return matmul_cpu(hidden, table, transposed=True)
-        return jnp.einsum("...e,ve->...v", hidden, table, preferred_element_type=jnp.float32)
+            return backend.ops.linear(self.lm_head, hidden).astype(jnp.float32)
+        return backend.ops.tied_logits(hidden, self.model.embed_tokens.embedding[...])
+
+
+def stack_layers(graphdef: nnx.GraphDef, state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model with its list of layers made one layer whose every weight has a leading layer
+    axis [num_layers, ...], for the forward's jax.lax.scan. The stacks are new arrays: while
+    the caller holds `state`, the layers' weights are in memory twice."""
+    model = nnx.merge(graphdef, state)
+    layers = list(model.model.layers)
+    layer_graphdef, _ = nnx.split(layers[0])
+    stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *(nnx.state(layer) for layer in layers))
+    model.model.layers = nnx.merge(layer_graphdef, stacked)
+    return nnx.split(model)

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model.reductions import log_softmax, softmax
-
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -47,7 +45,7 @@ def token_logprobs(logprobs: jax.Array, tokens: jax.Array, num_top: int) -> jax.
     return jnp.concatenate(parts, axis=1)
 
 
-def _sample_random(logits: jax.Array, sm: SamplingMetadata, impl: str) -> jax.Array:  # [B]
+def _sample_random(logits: jax.Array, sm: SamplingMetadata, ops) -> jax.Array:  # [B]
     vocab = logits.shape[-1]
     temperature = jnp.where(sm.temperature > 0, sm.temperature, 1.0)
     scaled = logits / temperature[:, None]
@@ -56,7 +54,7 @@ def _sample_random(logits: jax.Array, sm: SamplingMetadata, impl: str) -> jax.Ar
     # top-k keeps every token as likely as the k-th (a tie at the cut stays in, as vLLM's)
     kth = jnp.take_along_axis(ranked, jnp.clip(sm.top_k - 1, 0, vocab - 1)[:, None], axis=-1)
     keep = ranked >= kth
-    probs = softmax(jnp.where(keep, ranked, -jnp.inf), impl)
+    probs = ops.softmax(jnp.where(keep, ranked, -jnp.inf))
     # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays)
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < sm.top_p[:, None]
     masked = jnp.where(keep, ranked, -jnp.inf)
@@ -75,19 +73,18 @@ def first_argmax(logits: jax.Array) -> jax.Array:  # [B, V] -> [B] int32
     return jnp.minimum(jnp.min(jnp.where(logits == best, ids, vocab), axis=-1), vocab - 1)
 
 
-def sample(logits: jax.Array, sm: SamplingMetadata, num_top: int,
-           impl: str = "xla") -> jax.Array:
-    """logits [B, V] float32 -> packed [B, 3 + 2 * num_top] int32 (see module docstring); impl
-    "cpu" sums the softmaxes batch-invariantly (reductions.py)."""
+def sample(logits: jax.Array, sm: SamplingMetadata, num_top: int, ops) -> jax.Array:
+    """logits [B, V] float32 -> packed [B, 3 + 2 * num_top] int32 (see module docstring); `ops`
+    (the backend's) sums the softmaxes: batch invariantly on the CPU backend."""
     greedy = first_argmax(logits)
     tokens = jax.lax.cond(
         jnp.all(sm.temperature == 0),
         lambda: greedy,
-        lambda: jnp.where(sm.temperature == 0, greedy, _sample_random(logits, sm, impl)),
+        lambda: jnp.where(sm.temperature == 0, greedy, _sample_random(logits, sm, ops)),
     )
     stats = jax.lax.cond(
         jnp.any(sm.logprobs),
-        lambda: token_logprobs(log_softmax(logits, impl), tokens, num_top),
+        lambda: token_logprobs(ops.log_softmax(logits), tokens, num_top),
         lambda: jnp.zeros((tokens.shape[0], packed_width(num_top) - 1), jnp.int32),
     )
     return jnp.concatenate([tokens[:, None], stats], axis=1)

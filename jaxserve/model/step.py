@@ -1,7 +1,7 @@
 """The device step as pure functions of (weights, KV pages, step arrays).
 
-`make_step_fns` closes over the static parts (graph, attention and matmul impls, top-logprob
-count, carry size) and returns jitted functions with the KV cache donated: callers rebind the
+`make_step_fns` closes over the static parts (graph, backend, top-logprob count, carry size,
+whether the stacked layers run under scan) and returns jitted functions with the KV cache donated: callers rebind the
 returned cache.
 
 Every function also returns `next_tokens [M]`, the last token each row sampled (padded to the
@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
-from jaxserve.model.reductions import log_softmax
 from jaxserve.model.sampler import SamplingMetadata, sample, token_logprobs
 
 
@@ -52,8 +51,8 @@ class StepFns:
     ragged_head: Callable
 
 
-def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, matmul_impl: str,
-                  num_top: int, carry_size: int) -> StepFns:
+def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
+                  carry_size: int, scan_layers: bool = True) -> StepFns:
     """The functions take `weights` as (the state's flat list of arrays, rope_tables' cos and
     sin); `state_treedef` rebuilds the state from the list: flattening NNX variables on every
     call would cost the host a millisecond per step."""
@@ -67,10 +66,10 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, ma
     def chunk_forward(weights, kv: KVCache, tokens, md: AttentionMetadata,
                       sm: SamplingMetadata):
         model, rope = merge(weights)
-        hidden, kv = model(tokens, kv, md, attention_impl, matmul_impl, rope)
+        hidden, kv = model(tokens, kv, md, backend, rope, scan_layers)
         last = jnp.maximum(md.query_lens - 1, 0)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
-        packed = sample(model.logits(h, matmul_impl), sm, num_top, matmul_impl)
+        packed = sample(model.logits(h, backend), sm, num_top, backend.ops)
         return model, hidden, packed, kv
 
     def prefill(weights, kv, tokens, md, sm, carry, carry_index):
@@ -80,8 +79,8 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, ma
     def prefill_with_prompt_logprobs(weights, kv, tokens, md, sm, carry, carry_index, targets):
         model, hidden, packed, kv = chunk_forward(weights, kv, tokens, md, sm)
         b, c = tokens.shape
-        logits = model.logits(hidden, matmul_impl)
-        logprobs = log_softmax(logits, matmul_impl).reshape(b * c, -1)
+        logits = model.logits(hidden, backend)
+        logprobs = backend.ops.log_softmax(logits).reshape(b * c, -1)
         prompt = token_logprobs(logprobs, targets.reshape(-1), num_top).reshape(b, c, -1)
         return packed, prompt, carry.at[carry_index].set(packed[:, 0], mode="drop"), kv
 
@@ -92,8 +91,8 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, ma
 
         def one_step(carry, _):
             tokens, kv, md, sm = carry
-            hidden, kv = model(tokens[:, None], kv, md, attention_impl, matmul_impl, rope)
-            packed = sample(model.logits(hidden[:, 0], matmul_impl), sm, num_top, matmul_impl)
+            hidden, kv = model(tokens[:, None], kv, md, backend, rope, scan_layers)
+            packed = sample(model.logits(hidden[:, 0], backend), sm, num_top, backend.ops)
             md = replace(md, positions=md.positions + 1, seq_lens=md.seq_lens + md.query_lens)
             sm = replace(sm, positions=sm.positions + 1)
             return (packed[:, 0], kv, md, sm), packed
@@ -106,12 +105,12 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, attention_impl: str, ma
         carries = jnp.concatenate([carry0, carry1])
         tokens = jnp.where(src >= 0, carries[jnp.maximum(src, 0)], host_tokens[0])[None]
         model, rope = merge(weights)
-        hidden, kv = model(tokens, kv, md, attention_impl, matmul_impl, rope)  # [1, T, hidden]
+        hidden, kv = model(tokens, kv, md, backend, rope, scan_layers)  # [1, T, hidden]
         return hidden[0, jnp.maximum(md.query_starts[1:] - 1, 0)], kv
 
     def ragged_head(weights, last, sm, carry, carry_index, rows):
         model, _ = merge(weights)
-        packed = sample(model.logits(last[:rows], matmul_impl), sm, num_top, matmul_impl)
+        packed = sample(model.logits(last[:rows], backend), sm, num_top, backend.ops)
         return packed, carry.at[carry_index].set(packed[:, 0], mode="drop")
 
     return StepFns(

@@ -76,7 +76,8 @@ WAKE_STEPS = 5  # iterations after an idle wait that run at the wake factor
 # of pages are the simulator's to vary
 COST_FIELDS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                "page_size", "attention_impl", "matmul_impl", "kv_cache_dtype", "decode_steps",
-               "prefill_chunk_sizes", "max_top_logprobs", "enable_prompt_logprobs", "row_buckets")
+               "prefill_chunk_sizes", "max_top_logprobs", "enable_prompt_logprobs", "row_buckets",
+               "scan_layers")
 
 
 def cost_settings(config: EngineConfig) -> dict:

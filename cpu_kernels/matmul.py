@@ -3,7 +3,7 @@
 Batch invariant: each output element is one chain of fused multiply-adds over k in order, so a
 row's result does not depend on the other rows of the call or on their number (XLA's CPU dot
 sums a row differently for different M). It is also faster than XLA's dot for the few rows of a
-decode step (`cpu_matmul.cc`). Built with the other CPU kernels (`cpu_library`).
+decode step (`cpu_matmul.cc`). Built with the other CPU kernels (`library.py`).
 
 A weight the engine multiplies by every step is stored packed (`pack_panels`): panels of 64
 columns, each a contiguous [K, 64] block, which the kernel streams from memory in one run; the
@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_library import call
+from cpu_kernels.library import call
 
 PANEL = 64  # columns per packed panel (cpu_matmul.cc's kNC)
 

@@ -10,14 +10,14 @@ float32 pages or bfloat16 pages held as their bits in uint16 (`BF16_BITS`; see `
 `from_bf16_bits`): XLA on the CPU scatters a 16-bit integer pool in place (a 64-token write
 into 4096 pages: 0.04 ms), where a bfloat16 one took 35 ms. The kernels widen each bfloat16 key and
 value exactly as they load it, so a bfloat16 pool gives the bits a float32 pool holding the
-widened values gives. Built with the other CPU kernels (`cpu_library`).
+widened values gives. Built with the other CPU kernels (`library.py`).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_library import call
+from cpu_kernels.library import call
 from pallas_kernels.decode import check_lengths, check_paged_inputs
 
 BF16_BITS = jnp.uint16  # a bfloat16 pool's dtype: each element a bfloat16's bits

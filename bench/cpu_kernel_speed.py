@@ -1,15 +1,15 @@
 """The CPU kernels against what XLA does in their place, on this machine, in one process.
 
-    python bench/cpu_kernels.py            # the peer model's shapes (bench/peer_hf.py)
-    python bench/cpu_kernels.py --quick    # tiny shapes, seconds (the tests run this)
-    python bench/cpu_kernels.py --parts decode --baseline HEAD~1   # a change against before
-    python bench/cpu_kernels.py --parts prefill --baseline HEAD~1
-    python bench/cpu_kernels.py --parts matmul --baseline HEAD~1
+    python bench/cpu_kernel_speed.py            # the peer model's shapes (bench/peer_hf.py)
+    python bench/cpu_kernel_speed.py --quick    # tiny shapes, seconds (the tests run this)
+    python bench/cpu_kernel_speed.py --parts decode --baseline HEAD~1   # a change against before
+    python bench/cpu_kernel_speed.py --parts prefill --baseline HEAD~1
+    python bench/cpu_kernel_speed.py --parts matmul --baseline HEAD~1
 
     matmul   the peer model's 57 linear layers in a chain (8 layers + LM head), x of M rows
              (each layer reading x, which lets XLA run some side by side; with --dependent each
              reading the one before, as the engine's steps do):
-             XLA's dot against pallas_kernels/cpu_matmul.cc, ms and GFLOP/s per M (with
+             XLA's dot against cpu_kernels/cpu_matmul.cc, ms and GFLOP/s per M (with
              --baseline REV, the packed kernel as at REV too, alternating; on a CPU with
              AMX-BF16, the amx kernel too: matmul_impl="amx", and with --baseline, it as at REV)
     prefill  one layer's paged attention for prompt chunks: the plain-XLA block walk
@@ -39,10 +39,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels import cpu_library
-from pallas_kernels.blocked import prefill_attention_blocked
-from pallas_kernels.cpu_attention import bf16_bits, decode_attention_cpu, prefill_attention_cpu
-from pallas_kernels.cpu_matmul import (
+from cpu_kernels import library as cpu_library
+from cpu_kernels.attention import bf16_bits, decode_attention_cpu, prefill_attention_cpu
+from cpu_kernels.matmul import (
     AMX_BLOCK,
     PANEL,
     matmul_cpu,
@@ -51,6 +50,7 @@ from pallas_kernels.cpu_matmul import (
     pack_amx,
     pack_panels,
 )
+from pallas_kernels.blocked import prefill_attention_blocked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,8 +195,12 @@ def register_baseline(revision: str) -> str:
     under a suffix of their own, which it returns."""
     with tempfile.TemporaryDirectory() as tmp:
         for name in cpu_library.SOURCE_FILES:
-            text = subprocess.run(["git", "show", f"{revision}:pallas_kernels/{name}"],
-                                  cwd=ROOT, capture_output=True, text=True)
+            # the kernels lived in pallas_kernels/ before cpu_kernels/ had them
+            for folder in ("cpu_kernels", "pallas_kernels"):
+                text = subprocess.run(["git", "show", f"{revision}:{folder}/{name}"],
+                                      cwd=ROOT, capture_output=True, text=True)
+                if text.returncode == 0:
+                    break
             if text.returncode != 0:
                 raise SystemExit(f"--baseline {revision}: {text.stderr.strip()}")
             (Path(tmp) / name).write_text(text.stdout)

@@ -1,8 +1,8 @@
 """The C++ kernels for the CPU, called through XLA's FFI: their build, cache and registration.
 
-    cpu_decode.cc, cpu_prefill.cc   paged attention (wrapped by cpu_attention.py)
-    cpu_matmul.cc                   the linear layers' matmul (wrapped by cpu_matmul.py)
-    cpu_amx.cc                      the same on AMX tiles in three bf16 passes (cpu_matmul.py)
+    cpu_decode.cc, cpu_prefill.cc   paged attention (wrapped by attention.py)
+    cpu_matmul.cc                   the linear layers' matmul (wrapped by matmul.py)
+    cpu_amx.cc                      the same on AMX tiles in three bf16 passes (matmul.py)
     cpu_kernels.h                   what they share
 
 The kernels are compiled into one library on first use with the machine's C++ compiler ($CXX,
@@ -77,7 +77,7 @@ def _cache_dir() -> Path:
 def build(extra_flags: tuple[str, ...] = (), source_dir: Path | None = None) -> Path:
     """The compiled library's path, building it if this machine has none cached. `extra_flags`
     follow the usual ones (the tests build the AVX2 and plain paths with -mno-avx512f ...);
-    `source_dir` holds other versions of the same files (bench/cpu_kernels.py --baseline)."""
+    `source_dir` holds other versions of the same files (bench/cpu_kernel_speed.py --baseline)."""
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     files = [Path(source_dir or _HERE) / f.name for f in _SOURCES]

@@ -1,0 +1,28 @@
+"""The backend seam: one object, chosen once at start-up from the platform and the options,
+owns what differs between platforms (base.py says what). Backends:
+
+    gpu        Pallas attention kernels (gpu.py), XLA's dot
+    cpu        the C++ kernels through XLA's FFI (cpu.py, cpu_kernels/), batch invariant
+    reference  plain XLA on any platform (base.py)
+"""
+
+from jaxserve.backends.base import REFERENCE, Attention, Backend, Ops
+from jaxserve.backends.select import (
+    ATTENTION_IMPLS,
+    MATMUL_IMPLS,
+    resolve_attention_impl,
+    resolve_matmul_impl,
+    select_backend,
+)
+
+__all__ = [
+    "ATTENTION_IMPLS",
+    "MATMUL_IMPLS",
+    "REFERENCE",
+    "Attention",
+    "Backend",
+    "Ops",
+    "resolve_attention_impl",
+    "resolve_matmul_impl",
+    "select_backend",
+]

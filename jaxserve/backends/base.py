@@ -1,0 +1,118 @@
+"""The backend seam's two halves and the plain-XLA ("reference") versions of both.
+
+A `Backend` is chosen once at start-up (`select.select_backend`) and passed to the model as a
+static argument of the jitted steps: the model calls `backend.ops` for its linear layers and row
+reductions and `backend.attention` for the KV pool and paged attention, and names no platform.
+
+    Attention   the KV pool's layout and dtype, the write of a step's keys and values, and
+                paged attention over padded rows (decode, prefill chunks) and, where a backend
+                has it, over ragged rows (`ragged_calls`: the runner packs prompt chunks)
+    Ops         linear layers, the tied LM head, and the row sums of RMSNorm and the sampler
+
+Every pool holds all layers' pages in one array per pool, layer l's page p at
+`l * kv.num_pages + p` (`KVCache`): the model runs its layers under `jax.lax.scan` and hands
+each kernel the whole pool with the layer's page table, so no step copies a layer's pages.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
+from pallas_kernels.blocked import decode_attention_blocked, prefill_attention_blocked
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Plain XLA: the block walk of pallas_kernels/blocked.py over separate K and V pools."""
+
+    name = "reference"
+    ragged_calls = False  # whether `ragged` runs: the runner packs prompt chunks into one row
+
+    def pool_dtype(self, dtype: str):
+        """The pool array's dtype for a KV cache of dtype `dtype` ("float32", "bfloat16")."""
+        return jnp.dtype(dtype)
+
+    def zeros(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+              head_dim: int, dtype: str) -> KVCache:
+        shape = (num_layers * num_pages, page_size, num_kv_heads, head_dim)
+        pool = self.pool_dtype(dtype)
+        return KVCache(pools=(jnp.zeros(shape, pool), jnp.zeros(shape, pool)),
+                       num_pages=num_pages)
+
+    def write(self, kv: KVCache, k: jax.Array, v: jax.Array,
+              index: tuple[jax.Array, jax.Array]) -> KVCache:
+        """k, v [N, kv_heads, head_dim] into the pools at (page [N], offset [N]); indexing the
+        pool directly (no reshape around the scatter) lets XLA write in place."""
+        page, offset = index
+        k_pool, v_pool = kv.pools
+        return KVCache(pools=(k_pool.at[page, offset].set(k.astype(k_pool.dtype)),
+                              v_pool.at[page, offset].set(v.astype(v_pool.dtype))),
+                       num_pages=kv.num_pages)
+
+    def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata,
+               scale: float) -> jax.Array:
+        """q [B, C, heads, head_dim] -> the same shape; md's page table is the layer's."""
+        k_pool, v_pool = kv.pools
+        if q.shape[1] == 1:  # walks only the pages the longest sequence uses
+            return decode_attention_blocked(q[:, 0], k_pool, v_pool, md.page_table,
+                                            md.seq_lens, scale)[:, None]
+        return prefill_attention_blocked(q, k_pool, v_pool, md.page_table, md.positions,
+                                         md.seq_lens, scale=scale)
+
+    def ragged(self, q: jax.Array, kv: KVCache, md: RaggedMetadata, scale: float) -> jax.Array:
+        """q [1, T, heads, head_dim] packed rows -> the same shape."""
+        raise ValueError(f"a ragged call runs on the cpu attention, not {self.name!r}")
+
+    def __call__(self, q: jax.Array, kv: KVCache, md: AttentionMetadata | RaggedMetadata,
+                 scale: float) -> jax.Array:
+        if isinstance(md, RaggedMetadata):
+            return self.ragged(q, kv, md, scale)
+        return self.padded(q, kv, md, scale)
+
+
+@dataclass(frozen=True)
+class Ops:
+    """Plain XLA: the dot and reductions of any platform and dtype (the only ops that
+    differentiate, for training)."""
+
+    name = "xla"
+
+    def linear(self, layer: nnx.Linear, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+        return layer(x)
+
+    def tied_logits(self, hidden: jax.Array, table: jax.Array) -> jax.Array:
+        """hidden [..., e] against the embedding table [vocab, e] -> float32 [..., vocab]."""
+        return jnp.einsum("...e,ve->...v", hidden, table, preferred_element_type=jnp.float32)
+
+    def row_sum(self, x: jax.Array) -> jax.Array:  # [..., n] float32 -> [..., 1]
+        return jnp.sum(x, axis=-1, keepdims=True)
+
+    def row_sum_squares(self, x: jax.Array) -> jax.Array:  # [..., n] float32 -> [..., 1]
+        return self.row_sum(x * x)
+
+    def log_softmax(self, x: jax.Array) -> jax.Array:  # [..., n] float32
+        return jax.nn.log_softmax(x, axis=-1)
+
+    def softmax(self, x: jax.Array) -> jax.Array:  # [..., n] float32
+        return jax.nn.softmax(x, axis=-1)
+
+    def pack_weights(self, graphdef: nnx.GraphDef,
+                     state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+        """The weights in the layout `linear` reads fastest; XLA takes them as they are."""
+        return graphdef, state
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What differs between platforms, chosen once (`select.select_backend`); frozen and
+    hashable, so the jitted steps take it as a static argument."""
+
+    name: str  # "gpu" | "tpu" | "cpu" | "reference"
+    attention: Attention
+    ops: Ops
+
+
+REFERENCE = Backend("reference", Attention(), Ops())

@@ -1,0 +1,123 @@
+"""The CPU backend: the C++ kernels of `cpu_kernels` through XLA's FFI, batch invariant.
+
+With both halves, a token's logits are bitwise the same whatever else its step holds: the
+matmul, the attention and every row sum run one chain of additions fixed by the row alone
+(XLA's own CPU reductions sum a row of a [4, n] array differently from a row of a [2, n] one).
+
+    CpuAttention  decode and prefill chunks, padded or ragged (`ragged_calls`: the runner packs
+                  prompt chunks into one row); a bfloat16 pool is held as its bits (uint16),
+                  which XLA on the CPU scatters in place
+    CpuOps        float32 linear layers on packed panels (or AMX tiles), and the row sums as
+                  the kernel's products with a column of ones
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cpu_kernels.attention import (
+    BF16_BITS,
+    bf16_bits,
+    decode_attention_cpu,
+    prefill_attention_cpu,
+    prefill_attention_cpu_ragged,
+)
+from cpu_kernels.matmul import (
+    amx_packable,
+    matmul_cpu,
+    matmul_cpu_amx,
+    matmul_cpu_panels,
+    pack_amx,
+    pack_panels,
+    row_sum_squares_cpu,
+)
+from jaxserve.backends.base import Attention, Ops
+from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
+
+
+@dataclass(frozen=True)
+class CpuAttention(Attention):
+    name = "cpu"
+    ragged_calls = True
+
+    def pool_dtype(self, dtype: str):
+        return BF16_BITS if dtype == "bfloat16" else jnp.dtype(dtype)
+
+    def write(self, kv: KVCache, k: jax.Array, v: jax.Array,
+              index: tuple[jax.Array, jax.Array]) -> KVCache:
+        if kv.pools[0].dtype == BF16_BITS:
+            k, v = bf16_bits(k), bf16_bits(v)
+        return super().write(kv, k, v, index)
+
+    def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata,
+               scale: float) -> jax.Array:
+        k_pool, v_pool = kv.pools
+        if q.shape[1] == 1:
+            return decode_attention_cpu(q[:, 0], k_pool, v_pool, md.page_table, md.seq_lens,
+                                        scale)[:, None]
+        return prefill_attention_cpu(q, k_pool, v_pool, md.page_table, md.positions,
+                                     md.seq_lens, scale)
+
+    def ragged(self, q: jax.Array, kv: KVCache, md: RaggedMetadata, scale: float) -> jax.Array:
+        k_pool, v_pool = kv.pools
+        return prefill_attention_cpu_ragged(q[0], k_pool, v_pool, md.page_table,
+                                            md.positions[0], md.query_starts, md.seq_lens,
+                                            scale)[None]
+
+
+@dataclass(frozen=True)
+class CpuOps(Ops):
+    """float32 only. `amx`: kernels whose input size is a multiple of 32 packed as bf16 parts
+    for the AMX kernel (bf16x3: within about 1e-5 of float32, not its bits)."""
+
+    amx: bool = False
+
+    @property
+    def name(self) -> str:
+        return "amx" if self.amx else "cpu"
+
+    def linear(self, layer: nnx.Linear, x: jax.Array) -> jax.Array:
+        w = layer.kernel[...]
+        if w.ndim == 4:  # pack_amx's bf16 parts
+            y = matmul_cpu_amx(x, w, layer.out_features)
+        elif w.ndim == 3:  # pack_panels' panels
+            y = matmul_cpu_panels(x, w, layer.out_features)
+        else:
+            y = matmul_cpu(x, w)
+        return y if layer.bias is None else y + layer.bias[...]
+
+    def tied_logits(self, hidden: jax.Array, table: jax.Array) -> jax.Array:
+        return matmul_cpu(hidden, table, transposed=True)
+
+    def row_sum(self, x: jax.Array) -> jax.Array:
+        return matmul_cpu(x, jnp.ones((x.shape[-1], 1), jnp.float32))
+
+    def row_sum_squares(self, x: jax.Array) -> jax.Array:  # row_sum(x * x)'s bits, one kernel
+        return row_sum_squares_cpu(x)
+
+    def log_softmax(self, x: jax.Array) -> jax.Array:  # the max is exact anyway
+        shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+        return shifted - jnp.log(self.row_sum(jnp.exp(shifted)))
+
+    def softmax(self, x: jax.Array) -> jax.Array:
+        e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+        return e / self.row_sum(e)
+
+    def pack_weights(self, graphdef: nnx.GraphDef,
+                     state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+        """Every Linear's kernel [in, out] as panels [ceil(out / 64), in, 64] (pack_panels),
+        which the kernel streams from memory in one run (1.1-1.6x the in-place layout's speed
+        at a decode step's 2-64 rows, bench/cpu_kernel_speed.py); the same bits. With `amx`, a
+        kernel whose input size is a multiple of 32 becomes its bf16 parts instead. The
+        packing happens in `state`'s own variables, one kernel at a time, so each in-place
+        kernel is freed as its panels are made: the state passed in is the packed one
+        afterwards."""
+        model = nnx.merge(graphdef, state)  # shares state's variables
+        for _, module in nnx.iter_modules(model):
+            if isinstance(module, nnx.Linear) and module.kernel.get_value().ndim == 2:
+                w = module.kernel.get_value()
+                packed = pack_amx(w) if self.amx and amx_packable(w) else pack_panels(w)
+                module.kernel.set_value(packed)
+        return nnx.split(model)

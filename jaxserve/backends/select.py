@@ -1,0 +1,105 @@
+"""Choosing the backend once, from the platform and the attention_impl / matmul_impl options.
+
+    attention_impl   pallas     the Pallas kernels (Triton on the GPU; the interpreter elsewhere)
+                     cpu        the C++ kernels through XLA's FFI, built on first use
+                     reference  plain XLA, the block walk of pallas_kernels/blocked.py
+                     auto       pallas on the GPU where the kernels take the shape, cpu on the
+                                CPU where the kernels build, reference otherwise
+    matmul_impl      cpu        the C++ matmul, float32, batch invariant
+                     amx        the same on AMX tiles in three bf16 passes (opt-in: within about
+                                1e-5 of float32, not its bits)
+                     xla        XLA's dot (any platform and dtype)
+                     auto       cpu on the CPU for float32 weights where the kernel builds, else
+                                xla
+
+The backend's name says which kernels a platform runs: gpu (Pallas attention), cpu (any C++
+kernel), reference (plain XLA only).
+"""
+
+import logging
+
+import jax
+
+from cpu_kernels import library as cpu_library
+from jaxserve.backends.base import Attention, Backend, Ops
+from jaxserve.backends.cpu import CpuAttention, CpuOps
+from jaxserve.backends.gpu import PallasAttention
+from pallas_kernels.decode import kernel_shape_problem
+
+log = logging.getLogger(__name__)
+
+ATTENTION_IMPLS = ("auto", "pallas", "cpu", "reference")
+MATMUL_IMPLS = ("auto", "cpu", "amx", "xla")
+
+
+def resolve_attention_impl(impl: str, platform: str, head_dim: int | None = None,
+                           page_size: int | None = None) -> str:
+    """auto -> pallas on GPU, cpu on the CPU, and reference where the kernels cannot take the
+    model's head_dim or the page_size (Triton blocks are powers of two) or the CPU kernel
+    cannot be built; an explicit choice that cannot run is a ValueError saying why."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    problem = None if head_dim is None else kernel_shape_problem(head_dim, page_size or 1)
+    if impl == "pallas" and problem:
+        raise ValueError(f"attention_impl='pallas': {problem}; use attention_impl='reference'")
+    if impl == "cpu":
+        if platform != "cpu":
+            raise ValueError(f"attention_impl='cpu' runs on the CPU backend, not {platform!r}")
+        if reason := cpu_library.unavailable_reason():
+            raise ValueError(f"attention_impl='cpu': the kernel cannot be built here: {reason}")
+    if impl == "auto" and platform == "cpu":
+        if reason := cpu_library.unavailable_reason():
+            log.warning("the CPU attention kernel cannot be built (%s): using the reference "
+                        "attention, which is slower", reason)
+            return "reference"
+        return "cpu"
+    if impl == "auto":
+        if platform == "gpu" and problem:
+            log.warning("Pallas attention cannot run this model (%s): using the reference "
+                        "attention, which is slower", problem)
+        return "pallas" if platform == "gpu" and not problem else "reference"
+    return impl
+
+
+def resolve_matmul_impl(impl: str, platform: str, dtype: str) -> str:
+    """auto -> cpu on the CPU for float32 where the kernel builds, else xla; an explicit cpu
+    or amx that cannot run is a ValueError saying why."""
+    if impl not in MATMUL_IMPLS:
+        raise ValueError(f"matmul_impl must be one of {MATMUL_IMPLS}, got {impl!r}")
+    if impl == "xla" or (impl == "auto" and (platform != "cpu" or dtype != "float32")):
+        return "xla"
+    if platform != "cpu":
+        raise ValueError(f"matmul_impl={impl!r} runs on the CPU backend, not {platform!r}")
+    if dtype != "float32":
+        raise ValueError(f"matmul_impl={impl!r} computes in float32, not {dtype}: pass "
+                         "dtype='float32' or matmul_impl='xla'")
+    if reason := cpu_library.unavailable_reason():
+        if impl != "auto":
+            raise ValueError(f"matmul_impl={impl!r}: the kernel cannot be built here: {reason}")
+        log.warning("the CPU matmul kernel cannot be built (%s): using XLA's dot", reason)
+        return "xla"
+    if impl == "amx" and not cpu_library.amx_ready():
+        raise ValueError("matmul_impl='amx' needs a CPU with AMX-BF16 and AVX512-BF16 whose OS "
+                         "grants the tile state (Linux 5.16 on); this one has not: use 'cpu'")
+    return "amx" if impl == "amx" else "cpu"
+
+
+def select_backend(attention_impl: str, matmul_impl: str, dtype: str, head_dim: int,
+                   page_size: int, platform: str | None = None) -> Backend:
+    """The backend for this platform (jax.default_backend() unless given) and options."""
+    platform = platform or jax.default_backend()
+    attention_name = resolve_attention_impl(attention_impl, platform, head_dim, page_size)
+    matmul_name = resolve_matmul_impl(matmul_impl, platform, dtype)
+    attention = {
+        "pallas": PallasAttention(interpret=platform != "gpu"),
+        "cpu": CpuAttention(),
+        "reference": Attention(),
+    }[attention_name]
+    ops = Ops() if matmul_name == "xla" else CpuOps(amx=matmul_name == "amx")
+    if attention_name == "pallas":
+        name = "gpu"
+    elif "cpu" in (attention_name, matmul_name) or matmul_name == "amx":
+        name = "cpu"
+    else:
+        name = "reference"
+    return Backend(name, attention, ops)

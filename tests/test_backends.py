@@ -1,0 +1,121 @@
+"""The backend seam (jaxserve/backends): chosen once from the platform and the options, handed
+to the model whole; the KV pool holds every layer's pages in one array per pool; the stacked
+layers run under jax.lax.scan or unrolled to the same ids."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import HF_FIXTURES
+from flax import nnx
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.backends import REFERENCE, Ops, resolve_attention_impl, select_backend
+from jaxserve.backends.base import Attention
+from jaxserve.backends.cpu import CpuAttention, CpuOps
+from jaxserve.backends.gpu import PallasAttention
+from jaxserve.model.kv_cache import AttentionMetadata
+from jaxserve.model.llama import LlamaForCausalLM, stack_layers
+from jaxserve.model_config import ModelConfig
+
+MODEL = HF_FIXTURES / "llama"
+
+
+def test_auto_attention_takes_the_kernels_only_where_they_can_run():
+    assert resolve_attention_impl("auto", "gpu", 128, 16) == "pallas"
+    assert resolve_attention_impl("auto", "cpu", 128, 16) == "cpu"  # where it builds
+    # Triton blocks are powers of two: a head_dim of 80 falls back on the GPU rather than fail
+    # while compiling the first step, and an explicit pallas says why at start-up
+    assert resolve_attention_impl("auto", "gpu", 80, 16) == "reference"
+    with pytest.raises(ValueError, match="attention_impl='pallas': head_dim 80 is not a power"):
+        resolve_attention_impl("pallas", "cpu", 80, 16)
+    with pytest.raises(ValueError, match="page_size 12 is not a power of two"):
+        resolve_attention_impl("pallas", "gpu", 64, 12)
+
+
+def test_the_backend_is_chosen_from_the_platform_and_options():
+    cpu = select_backend("auto", "auto", "float32", 64, 16, "cpu")
+    assert (cpu.name, cpu.attention, cpu.ops) == ("cpu", CpuAttention(), CpuOps())
+    # a 16-bit model on the CPU: the C++ attention, XLA's dot (the matmul kernel is float32)
+    assert select_backend("auto", "auto", "bfloat16", 64, 16, "cpu").ops == Ops()
+    gpu = select_backend("auto", "auto", "bfloat16", 128, 16, "gpu")
+    assert (gpu.name, gpu.attention, gpu.ops) == ("gpu", PallasAttention(), Ops())
+    assert select_backend("auto", "auto", "bfloat16", 80, 16, "gpu") == REFERENCE
+    assert select_backend("reference", "xla", "float32", 64, 16, "cpu") == REFERENCE
+    # the Pallas kernels off the GPU run in the interpreter (the tests' way to check them)
+    assert select_backend("pallas", "xla", "float32", 64, 16, "cpu").attention.interpret
+    with pytest.raises(ValueError, match="matmul_impl='cpu' runs on the CPU backend"):
+        select_backend("auto", "cpu", "float32", 64, 16, "gpu")
+    # frozen and hashable: the jitted steps take it as a static argument
+    assert hash(cpu) == hash(select_backend("cpu", "cpu", "float32", 64, 16, "cpu"))
+
+
+def _tiny(num_layers=3):
+    cfg = dataclasses.replace(ModelConfig.from_hf_dir(MODEL), num_layers=num_layers)
+    return cfg, nnx.split(LlamaForCausalLM(cfg, jnp.float32, nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize("attention", [Attention(), CpuAttention()], ids=lambda a: a.name)
+def test_layer_ls_pages_sit_at_l_times_num_pages_of_the_one_pool(attention):
+    """Each layer writes its keys only into its own rows of the pool (l * num_pages + page),
+    and the null page of each layer stays untouched by real tokens."""
+    cfg, (graphdef, state) = _tiny()
+    graphdef, state = stack_layers(graphdef, state)
+    backend = dataclasses.replace(REFERENCE, attention=attention)
+    num_pages, page = 5, 4
+    kv = attention.zeros(cfg.num_layers, num_pages, page, cfg.num_kv_heads, cfg.head_dim,
+                         "float32")
+    assert kv.pools[0].shape == (cfg.num_layers * num_pages, page, cfg.num_kv_heads,
+                                 cfg.head_dim)
+    md = AttentionMetadata(positions=jnp.arange(6, dtype=jnp.int32)[None],
+                           query_lens=jnp.array([6], jnp.int32),
+                           seq_lens=jnp.array([6], jnp.int32),
+                           page_table=jnp.array([[3, 1, 0]], jnp.int32))
+
+    @jax.jit
+    def forward(state, kv):
+        return nnx.merge(graphdef, state)(jnp.arange(2, 8, dtype=jnp.int32)[None], kv, md,
+                                          backend)[1]
+
+    keys = np.asarray(forward(state, kv).pools[0]).reshape(cfg.num_layers, num_pages, page, -1)
+    for layer in range(cfg.num_layers):
+        written = np.abs(keys[layer]).sum(axis=(1, 2)) > 0
+        assert written.tolist() == [False, True, False, True, False]  # pages 3 and 1 only
+        assert (np.abs(keys[layer, 1, 2:]).sum() == 0)  # tokens 4-5 fill page 1's first half
+    assert not np.array_equal(keys[0], keys[1])  # each layer its own keys
+
+
+def test_scanned_and_unrolled_layers_give_the_same_logits():
+    cfg, (graphdef, state) = _tiny()
+    stacked = stack_layers(graphdef, state)
+    kv = REFERENCE.attention.zeros(cfg.num_layers, 4, 4, cfg.num_kv_heads, cfg.head_dim,
+                                   "float32")
+    md = AttentionMetadata(positions=jnp.arange(8, dtype=jnp.int32)[None],
+                           query_lens=jnp.array([8], jnp.int32),
+                           seq_lens=jnp.array([8], jnp.int32),
+                           page_table=jnp.array([[1, 2, 0]], jnp.int32))
+    tokens = jnp.arange(3, 11, dtype=jnp.int32)[None]
+
+    def logits(graphdef, state, scan):
+        model = nnx.merge(graphdef, state)
+        return np.asarray(model.logits(model(tokens, kv, md, REFERENCE, scan_layers=scan)[0],
+                                       REFERENCE))
+
+    listed = logits(graphdef, state, True)  # a list of layers always runs unrolled
+    np.testing.assert_allclose(logits(*stacked, True), listed, atol=1e-5)
+    np.testing.assert_allclose(logits(*stacked, False), listed, atol=1e-5)
+
+
+def test_the_engine_gives_the_same_greedy_ids_with_layers_scanned_or_unrolled():
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 30)]
+    base = dict(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_sizes=(16, 32),
+                num_pages=64, page_size=8)
+    ids = {}
+    for scan in (True, False):
+        llm = LLM(MODEL, scan_layers=scan, **base)
+        ids[scan] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.runner.num_compilations_after_warmup == 0
+    assert ids[True] == ids[False]
