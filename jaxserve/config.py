@@ -89,10 +89,10 @@ def compute_dtype(requested: str, checkpoint: str, backend: str, num_params: int
 
 
 Batching = Literal["static", "dynamic", "continuous"]
-AttentionImpl = Literal["auto", "pallas", "cpu", "reference"]
+AttentionImpl = Literal["auto", "pallas", "tpu", "cpu", "reference"]
 _CHOICES = {
     "batching": ("static", "dynamic", "continuous"),
-    "attention_impl": ("auto", "pallas", "cpu", "reference"),
+    "attention_impl": ("auto", "pallas", "tpu", "cpu", "reference"),
     "matmul_impl": ("auto", "cpu", "amx", "xla"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "dtype": ("auto", *SUPPORTED_DTYPES),

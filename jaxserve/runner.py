@@ -130,7 +130,8 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         # the backend: chosen once, handed to the jitted steps as a static argument
         self.backend = select_backend(config.attention_impl, config.matmul_impl, dtype,
-                                      model_config.head_dim, config.page_size, self.platform)
+                                      model_config.head_dim, config.page_size, self.platform,
+                                      model_config.num_heads, model_config.num_kv_heads)
         self.attention_impl = self.backend.attention.name
         self.matmul_impl = self.backend.ops.name
         self.kv_dtype_name = kv_cache_dtype(dtype, self.platform, self.attention_impl,

@@ -2,6 +2,7 @@
 owns what differs between platforms (base.py says what). Backends:
 
     gpu        Pallas attention kernels (gpu.py), XLA's dot
+    tpu        JAX's Pallas TPU ragged paged attention (tpu.py), XLA's dot
     cpu        the C++ kernels through XLA's FFI (cpu.py, cpu_kernels/), batch invariant
     reference  plain XLA on any platform (base.py)
 """

@@ -1,10 +1,13 @@
 """Choosing the backend once, from the platform and the attention_impl / matmul_impl options.
 
     attention_impl   pallas     the Pallas kernels (Triton on the GPU; the interpreter elsewhere)
+                     tpu        JAX's Pallas TPU ragged paged attention (the interpreter off a
+                                TPU)
                      cpu        the C++ kernels through XLA's FFI, built on first use
                      reference  plain XLA, the block walk of pallas_kernels/blocked.py
-                     auto       pallas on the GPU where the kernels take the shape, cpu on the
-                                CPU where the kernels build, reference otherwise
+                     auto       pallas on the GPU and tpu on a TPU where the kernels take the
+                                shape, cpu on the CPU where the kernels build, reference
+                                otherwise
     matmul_impl      cpu        the C++ matmul, float32, batch invariant
                      amx        the same on AMX tiles in three bf16 passes (opt-in: within about
                                 1e-5 of float32, not its bits)
@@ -12,8 +15,8 @@
                      auto       cpu on the CPU for float32 weights where the kernel builds, else
                                 xla
 
-The backend's name says which kernels a platform runs: gpu (Pallas attention), cpu (any C++
-kernel), reference (plain XLA only).
+The backend's name says which kernels a platform runs: gpu (Pallas attention), tpu (the TPU
+kernel), cpu (any C++ kernel), reference (plain XLA only).
 """
 
 import logging
@@ -24,21 +27,35 @@ from cpu_kernels import library as cpu_library
 from jaxserve.backends.base import Attention, Backend, Ops
 from jaxserve.backends.cpu import CpuAttention, CpuOps
 from jaxserve.backends.gpu import PallasAttention
+from jaxserve.backends.tpu import TpuAttention
+from pallas_kernels import tpu_attention
 from pallas_kernels.decode import kernel_shape_problem
 
 log = logging.getLogger(__name__)
 
-ATTENTION_IMPLS = ("auto", "pallas", "cpu", "reference")
+ATTENTION_IMPLS = ("auto", "pallas", "tpu", "cpu", "reference")
 MATMUL_IMPLS = ("auto", "cpu", "amx", "xla")
 
 
 def resolve_attention_impl(impl: str, platform: str, head_dim: int | None = None,
-                           page_size: int | None = None) -> str:
-    """auto -> pallas on GPU, cpu on the CPU, and reference where the kernels cannot take the
-    model's head_dim or the page_size (Triton blocks are powers of two) or the CPU kernel
-    cannot be built; an explicit choice that cannot run is a ValueError saying why."""
+                           page_size: int | None = None, num_heads: int | None = None,
+                           num_kv_heads: int | None = None, dtype: str = "float32") -> str:
+    """auto -> pallas on GPU, tpu on a TPU, cpu on the CPU, and reference where the kernels
+    cannot take the model's shape (Triton blocks are powers of two; the TPU kernel wants
+    head_dim a multiple of 128) or the CPU kernel cannot be built; an explicit choice that
+    cannot run is a ValueError saying why."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl == "tpu" or (impl == "auto" and platform == "tpu"):
+        tpu_problem = None if head_dim is None else tpu_attention.shape_problem(
+            num_heads or 1, num_kv_heads or 1, head_dim, page_size or 1, dtype)
+        if impl == "tpu" and tpu_problem:
+            raise ValueError(f"attention_impl='tpu': {tpu_problem}; use "
+                             "attention_impl='reference'")
+        if tpu_problem:
+            log.warning("the TPU attention kernel cannot run this model (%s): using the "
+                        "reference attention, which is slower", tpu_problem)
+        return "reference" if tpu_problem else "tpu"
     problem = None if head_dim is None else kernel_shape_problem(head_dim, page_size or 1)
     if impl == "pallas" and problem:
         raise ValueError(f"attention_impl='pallas': {problem}; use attention_impl='reference'")
@@ -85,19 +102,22 @@ def resolve_matmul_impl(impl: str, platform: str, dtype: str) -> str:
 
 
 def select_backend(attention_impl: str, matmul_impl: str, dtype: str, head_dim: int,
-                   page_size: int, platform: str | None = None) -> Backend:
+                   page_size: int, platform: str | None = None, num_heads: int = 1,
+                   num_kv_heads: int = 1) -> Backend:
     """The backend for this platform (jax.default_backend() unless given) and options."""
     platform = platform or jax.default_backend()
-    attention_name = resolve_attention_impl(attention_impl, platform, head_dim, page_size)
+    attention_name = resolve_attention_impl(attention_impl, platform, head_dim, page_size,
+                                            num_heads, num_kv_heads, dtype)
     matmul_name = resolve_matmul_impl(matmul_impl, platform, dtype)
     attention = {
         "pallas": PallasAttention(interpret=platform != "gpu"),
+        "tpu": TpuAttention(interpret=platform != "tpu"),
         "cpu": CpuAttention(),
         "reference": Attention(),
     }[attention_name]
     ops = Ops() if matmul_name == "xla" else CpuOps(amx=matmul_name == "amx")
-    if attention_name == "pallas":
-        name = "gpu"
+    if attention_name in ("pallas", "tpu"):
+        name = {"pallas": "gpu", "tpu": "tpu"}[attention_name]
     elif "cpu" in (attention_name, matmul_name) or matmul_name == "amx":
         name = "cpu"
     else:

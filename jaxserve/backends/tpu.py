@@ -1,0 +1,55 @@
+"""The TPU backend's attention: JAX's own Pallas TPU kernel, `ragged_paged_attention`
+(pallas_kernels/tpu_attention.py), in its own pool layout. Its linear layers and reductions
+are XLA's (`base.Ops`).
+
+The kernel reads K and V from one pool, interleaved over the head axis; the backend keeps its
+cache in that layout (adapting ours to it per step would copy the pool every layer), one pool
+for all layers like the others:
+
+    pools = (kv,)   kv: [num_layers * num_pages, page_size, 2 * num_kv_heads, head_dim]
+
+The kernel is ragged by nature: the runner packs prompt chunks (and a mixed iteration's decode
+rows) into one call (`ragged_calls`), as on the CPU backend.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.backends.base import Attention
+from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
+from pallas_kernels import tpu_attention
+
+
+@dataclass(frozen=True)
+class TpuAttention(Attention):
+    name = "tpu"
+    ragged_calls = True
+    interpret: bool = False  # run through the Pallas interpreter (the CPU; slow)
+
+    def zeros(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+              head_dim: int, dtype: str) -> KVCache:
+        pool = tpu_attention.kv_pages_zeros(num_layers * num_pages, page_size, num_kv_heads,
+                                            head_dim, self.pool_dtype(dtype))
+        return KVCache(pools=(pool,), num_pages=num_pages)
+
+    def write(self, kv: KVCache, k: jax.Array, v: jax.Array,
+              index: tuple[jax.Array, jax.Array]) -> KVCache:
+        (pool,) = kv.pools
+        page, offset = index
+        pool = tpu_attention.write_kv(pool, k.astype(pool.dtype), v.astype(pool.dtype), page,
+                                      offset)
+        return KVCache(pools=(pool,), num_pages=kv.num_pages)
+
+    def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata,
+               scale: float) -> jax.Array:
+        return tpu_attention.padded_attention(q, kv.pools[0], md.page_table, md.positions,
+                                              md.query_lens, md.seq_lens, scale,
+                                              interpret=self.interpret)
+
+    def ragged(self, q: jax.Array, kv: KVCache, md: RaggedMetadata, scale: float) -> jax.Array:
+        rows = md.page_table.shape[0]  # the metadata's rows past the call's are empty
+        return tpu_attention.ragged_attention(q[0], kv.pools[0], md.page_table, md.query_starts,
+                                              md.seq_lens, jnp.int32(rows), scale,
+                                              interpret=self.interpret)[None]
