@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.engine import LLMEngine, PromptType
-from jaxserve.request import RequestOutput, SamplingParams
+from jaxserve.request import RequestOutput, RequestOutputKind, SamplingParams
 from jaxserve.request_stream import RequestStream
 
 log = logging.getLogger("jaxserve")
@@ -179,8 +179,10 @@ class AsyncEngine:
                              f"{limit} (max_waiting_requests)")
         loop = asyncio.get_running_loop()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        adds = [_Add(rid, prompt, params, arrival, RequestStream(rid, self, loop),
-                     loop.create_future()) for rid, prompt, params in requests]
+        adds = [_Add(rid, prompt, params, arrival, RequestStream(
+            rid, self, loop, delta=params is not None
+            and params.output_kind is RequestOutputKind.DELTA),
+            loop.create_future()) for rid, prompt, params in requests]
         with self._live_lock:
             self._live.update((a.request_id, a) for a in adds)
         try:

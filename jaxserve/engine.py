@@ -1,5 +1,6 @@
-"""The engine: `LLMEngine.step()` = schedule -> dispatch -> (collect the previous step) -> update;
-and `LLM`, the offline API, as vLLM's.
+"""The engine: `LLMEngine.step()` = the engine loop's step (engine_core.py: schedule ->
+dispatch -> read the previous step -> stops) + the step's `RequestOutput`s (outputs.py); and
+`LLM`, the offline API, as vLLM's.
 
 Overlap: iteration t+1 is dispatched before iteration t's tokens are read, so the host's
 bookkeeping runs while the device computes. Tokens sampled past a stop are discarded.
@@ -12,43 +13,21 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jaxserve.checks import is_int, show
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler, make_scheduler
-from jaxserve.engine_core import EngineCore, Samples, Step, TokenLogprobs
+from jaxserve.engine_core import EngineCore, Runner, Step
 from jaxserve.model_config import ModelConfig
-from jaxserve.request import (
-    CompletionOutput,
-    Logprob,
-    Request,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-)
-from jaxserve.runner import ModelRunner
-from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer, token_text
+from jaxserve.outputs import OutputProcessor
+from jaxserve.request import Request, RequestOutput, RequestOutputKind, SamplingParams
+from jaxserve.tokenizer import load_tokenizer
 
 log = logging.getLogger("jaxserve")
 PromptType = str | dict[str, Any]
 DEMO = "demo"
-
-
-def _logprob_dict(lp: TokenLogprobs, token: int, num_top: int,
-                  name: Callable[[int], str] | None = None) -> dict[int, Logprob]:
-    """The token's logprob and the top `num_top`, each with its text when `name` gives it."""
-    def entry(tid: int, value: float, rank: int | None) -> Logprob:
-        return Logprob(value, rank, None if name is None else name(tid))
-
-    out = {token: entry(token, lp.logprob, lp.rank)}
-    for rank, (tid, value) in enumerate(zip(lp.top_ids[:num_top].tolist(),
-                                            lp.top_logprobs[:num_top].tolist(), strict=True), 1):
-        if tid not in out:
-            out[tid] = entry(tid, value, rank)
-    return out
 
 
 def freeze_gc() -> None:
@@ -111,24 +90,14 @@ def generation_defaults(path: str | Path) -> dict[str, Any]:
     return defaults
 
 
-class _Tracker:
-    """Per-request output state kept by the engine: text, logprobs, stop strings."""
-
-    def __init__(self, request: Request, tokenizer):
-        self.request = request
-        self.detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer,
-                                                                          request.prompt_ids)
-        self.text = ""
-        self.num_detokenized = 0
-        self.logprobs: list[dict[int, Logprob]] = []
-        n = len(request.prompt_ids)
-        self.prompt_logprobs: list[dict[int, Logprob] | None] = [None] * n
-
-
 class LLMEngine:
     """Requests in, RequestOutputs out, one `step()` at a time."""
 
-    def __init__(self, model: str | Path | None, config: EngineConfig, progress: bool = False):
+    def __init__(self, model: str | Path | None, config: EngineConfig, progress: bool = False,
+                 runner: Runner | None = None):
+        """`runner`: what runs the steps (engine_core.Runner); None builds the model runner
+        for `model` (the tests pass a fake one: no model is compiled then, and `model` gives
+        only its config.json and tokenizer)."""
         self.model_path = resolve_model(model)
         self.config = config
         self.model_config = ModelConfig.from_hf_dir(self.model_path)
@@ -141,16 +110,14 @@ class LLMEngine:
         cfg = self.model_config
         log.info("model: %s (%s, %.3gM parameters, %s)", self.model_path, cfg.architecture,
                  cfg.num_params / 1e6, cfg.dtype)
-        self.runner = ModelRunner(self.model_path, self.model_config, config)
-        self.max_model_len = self.runner.max_model_len
-        self.core = EngineCore(make_scheduler(config, self.runner.num_pages,
-                                              self.runner.chunk_buckets[-1]), self.runner)
-        log.info("KV pool: %d pages of %d tokens = %d tokens in flight at most, %.1f MiB (%s)",
-                 self.runner.num_pages - 1, config.page_size,
-                 (self.runner.num_pages - 1) * config.page_size,
-                 self.runner.num_pages * self.runner.kv_bytes_per_page / 2**20,
-                 self.runner.kv_dtype_name)
-        self.warmup_seconds = self.runner.warmup(progress=progress)
+        if runner is None:
+            runner = self._model_runner()
+        self.runner = runner
+        self.max_model_len = runner.max_model_len
+        self.processor = OutputProcessor(self.tokenizer)
+        self.core = EngineCore(make_scheduler(config, runner.num_pages, runner.chunk_buckets[-1]),
+                               runner, processor=self.processor)
+        self.warmup_seconds = runner.warmup(progress=progress)
         log.info("compiled every step shape in %.1f s", self.warmup_seconds)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
@@ -160,11 +127,20 @@ class LLMEngine:
         self.named_eos_ids = self.eos_token_ids - {own} if own is not None else frozenset()
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
-        self._trackers: dict[str, _Tracker] = {}
         # the step whose results the latest step() read: its prompt tokens (of requests it gave
         # their first token) plus the tokens it generated, as vLLM's iteration_tokens_total
         # counts; None when that call read no step
         self.last_step_tokens: int | None = None
+
+    def _model_runner(self) -> Runner:
+        from jaxserve.runner import ModelRunner  # jax: only when a model runs here
+
+        runner = ModelRunner(self.model_path, self.model_config, self.config)
+        log.info("KV pool: %d pages of %d tokens = %d tokens in flight at most, %.1f MiB (%s)",
+                 runner.num_pages - 1, self.config.page_size,
+                 (runner.num_pages - 1) * self.config.page_size,
+                 runner.num_pages * runner.kv_bytes_per_page / 2**20, runner.kv_dtype_name)
+        return runner
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -209,7 +185,6 @@ class LLMEngine:
                           else arrival_time, seed, max_len, self.eos_token_ids, prompt=text,
                           named_eos_ids=self.named_eos_ids)
         self.scheduler.add_request(request)
-        self._trackers[request_id] = _Tracker(request, self.tokenizer)
         return request
 
     def _whole_vocabulary(self, params: SamplingParams) -> SamplingParams:
@@ -257,9 +232,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Abort in any state; pages are free at once. False if unknown or already finished."""
-        request = self.scheduler.abort(request_id)
-        self._trackers.pop(request_id, None)
-        return request is not None
+        return self.scheduler.abort(request_id) is not None
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -301,133 +274,10 @@ class LLMEngine:
             time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
 
     def _process(self, step: Step) -> list[RequestOutput]:
-        """A read iteration's outputs: logprobs, text and stops of the requests it advanced."""
-        results = step.results
-        for chunk in step.done.chunks:
-            tracker = self._tracker(chunk.request)
-            samples = results.get(chunk.request.request_id)
-            if tracker is not None and samples is not None and samples.prompt_logprobs is not None:
-                self._record_prompt_logprobs(tracker, samples)
-        outputs = []
-        for request in step.touched:
-            tracker = self._tracker(request)
-            if tracker is None:
-                continue
-            self._record_logprobs(tracker, results[request.request_id])
-            self._detokenize(tracker)
-            outputs.append(self._output(tracker))
-            if request.status.finished:
-                del self._trackers[request.request_id]
-        return outputs
-
-    def _token_name(self, token_id: int) -> str | None:
-        """A token's text for Logprob.decoded_token (`tokenizer.token_text`)."""
-        return None if self.tokenizer is None else token_text(self.tokenizer, token_id)
-
-    def _tracker(self, request: Request) -> _Tracker | None:
-        """The request's tracker; None once it was aborted, even if a new request reuses its id
-        while its step is still in flight."""
-        tracker = self._trackers.get(request.request_id)
-        return tracker if tracker is not None and tracker.request is request else None
-
-    def _record_prompt_logprobs(self, tracker: _Tracker, samples: Samples) -> None:
-        request, num_top = tracker.request, tracker.request.params.prompt_logprobs
-        for j, lp in enumerate(samples.prompt_logprobs):
-            pos = samples.prompt_start + 1 + j
-            tracker.prompt_logprobs[pos] = _logprob_dict(lp, request.prompt_ids[pos], num_top,
-                                                         self._token_name)
-
-    def _record_logprobs(self, tracker: _Tracker, samples: Samples) -> None:
-        request = tracker.request
-        if samples.logprobs is None:
-            return
-        new = request.output_ids[len(tracker.logprobs):]
-        for token, lp in zip(new, samples.logprobs, strict=False):
-            tracker.logprobs.append(_logprob_dict(lp, token, request.params.logprobs,
-                                                  self._token_name))
-
-    def _detokenize(self, tracker: _Tracker) -> None:
-        """New text, and stop strings: the text ends before the stop string. The new tokens are
-        read one at a time (a multi-step decode delivers several at once): the first whose text
-        completes a stop string ends the output, and the tokens after it are dropped, as the
-        scheduler drops those after a stop token, so the output never depends on how tokens
-        were grouped into steps. A stop token's text (EOS or one of stop_token_ids) is left
-        out unless include_stop_str_in_output, as vLLM does."""
-        request = tracker.request
-        if tracker.detok is None:
-            return
-        ids = request.output_ids
-        first = tracker.num_detokenized
-        new_ids = ids[first:]
-        tracker.num_detokenized = len(ids)
-        if request.status == RequestStatus.FINISHED_STOPPED and not isinstance(
-                request.stop_reason, str) and not request.params.include_stop_str_in_output:
-            new_ids = new_ids[:-1]  # EOS or a stop token ended it: not text
-        stops = request.params.stop
-        if not stops:
-            tracker.text += tracker.detok.push(new_ids)
-            if request.status.finished:
-                tracker.text += tracker.detok.finish()
-            return
-        for j, token in enumerate(new_ids):
-            before = len(tracker.text)
-            tracker.text += tracker.detok.push([token])
-            # text the detokenizer holds back (it ends in an incomplete character, or a byte
-            # token could yet change it) counts where it would complete a stop string
-            if self._stop_string(tracker, before, keep=first + j + 1,
-                                 pending=tracker.detok.peek()):
-                return
-        if request.status.finished:  # what the detokenizer held back may complete one too
-            before = len(tracker.text)
-            tracker.text += tracker.detok.finish()
-            self._stop_string(tracker, before, keep=len(ids))
-
-    def _stop_string(self, tracker: _Tracker, before: int, keep: int, pending: str = "") -> bool:
-        """Whether text added past `before` (and `pending`, text the detokenizer still holds)
-        completed a stop string; if so, end the text before it (after it, with
-        include_stop_str_in_output), keep the first `keep` output
-        tokens (and their logprobs) and finish the request."""
-        request, stops = tracker.request, tracker.request.params.stop
-        text = tracker.text + pending
-        search_from = max(0, before - max(len(s) for s in stops) + 1)
-        hits = [(i, s) for s in stops if (i := text.find(s, search_from)) >= 0]
-        if not hits:
-            return False
-        index, stop = min(hits)
-        tracker.text = text[:index + (len(stop) if request.params.include_stop_str_in_output
-                                      else 0)]
-        del request.output_ids[keep:]
-        del tracker.logprobs[keep:]
-        tracker.num_detokenized = len(request.output_ids)
-        if not request.status.finished:
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, stop)
-        else:  # the tokens that finished it (length, a stop token) also completed a stop string
-            if request.status != RequestStatus.FINISHED_STOPPED:
-                request.set_status(RequestStatus.FINISHED_STOPPED)
-            request.stop_reason = stop
-        return True
-
-    def _output(self, tracker: _Tracker) -> RequestOutput:
-        request = tracker.request
-        finished = request.status.finished
-        text = tracker.text
-        if not finished and request.params.stop and not request.params.include_stop_str_in_output:
-            # hold back what could still become a stop string
-            text = text[:max(0, len(text) - max(len(s) for s in request.params.stop) + 1)]
-        wants = request.params.logprobs is not None
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(request.output_ids),
-            finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason,
-            logprobs=list(tracker.logprobs) if wants else None,
-            cumulative_logprob=sum(lp[token].logprob for token, lp in zip(
-                request.output_ids, tracker.logprobs, strict=False)) if wants else None)
-        return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt,
-            prompt_token_ids=request.prompt_ids, outputs=[completion], finished=finished,
-            prompt_logprobs=(list(tracker.prompt_logprobs)
-                             if request.params.prompt_logprobs is not None else None),
-            metrics=request.metrics)
+        """The outputs of the requests a read iteration advanced (their stops were applied in
+        the loop), as each one's output_kind asks."""
+        output = self.processor.output
+        return [out for request in step.touched if (out := output(request)) is not None]
 
     def stats(self) -> dict[str, Any]:
         return self.scheduler.stats() | {
@@ -488,11 +338,19 @@ class LLM:
                 self.engine.abort(rid)
             raise
         finished: dict[str, RequestOutput] = {}
+        deltas: dict[str, RequestOutput] = {}  # DELTA requests' outputs so far, merged
         with tqdm(total=sum(map(len, ids)), desc="generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
+                    rid = output.request_id
+                    if rid in deltas:
+                        deltas[rid].add(output)
+                        output = deltas[rid]
+                    elif (not output.finished and self.engine.scheduler.requests[rid]
+                          .params.output_kind is RequestOutputKind.DELTA):
+                        deltas[rid] = output
                     if output.finished:
-                        finished[output.request_id] = output
+                        finished[rid] = output
                         bar.update(1)
         results = []
         for group in ids:

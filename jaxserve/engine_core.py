@@ -1,12 +1,13 @@
 """The engine loop, once: the engine, the simulator and the tests' fake all step through it.
 
-    schedule -> dispatch this iteration -> read the previous one -> scheduler.update
+    schedule -> dispatch this iteration -> read the previous one -> outputs.update
+                                           (tokens kept, stops, finished requests)
 
-A runner is anything with `dispatch(out) -> handle` (start the iteration's device work and
-return at once) and `collect(handle) -> {request id: samples}` (wait for it; each samples
-object is a `Samples`, or anything with its `.tokens`: the ids the request sampled). With `overlap`, an iteration is read one
-step later, while the device already runs the next one (the host never stalls the device);
-without it, at once. Host only: no jax here.
+A runner (`Runner`) is what the loop and `LLMEngine` drive: `dispatch(out) -> handle` starts
+the iteration's device work and returns at once, `collect(handle) -> {request id: Samples}`
+waits for it. With `overlap`, an iteration is read one step later, while the device already
+runs the next one (the host never stalls the device); without it, at once. Host only: no jax
+here.
 """
 
 from collections.abc import Callable, Mapping
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.outputs import OutputProcessor
 from jaxserve.request import Request
 
 
@@ -40,9 +42,25 @@ class Samples:
 
 
 class Runner(Protocol):
-    def dispatch(self, out: SchedulerOutput) -> Any: ...
+    """What the engine needs of a runner (JetStream's engine API, vLLM's executor): the model
+    runner implements it, and so do the simulator's device and the tests' fake."""
 
-    def collect(self, handle: Any) -> Mapping[str, Samples]: ...
+    num_pages: int  # KV pages, the null page 0 included
+    max_model_len: int  # prompt + output tokens a request may reach
+    chunk_buckets: tuple[int, ...]  # the prompt chunk lengths a step takes, ascending
+    num_compilations_after_warmup: int  # each one is a bug
+
+    def warmup(self, progress: bool = False) -> float:
+        """Prepare every step shape; returns the seconds it took."""
+        ...
+
+    def dispatch(self, out: SchedulerOutput) -> Any:
+        """Start the iteration's device work; return at once with a handle to collect."""
+        ...
+
+    def collect(self, handle: Any) -> Mapping[str, Samples]:
+        """Wait for a dispatched iteration: by request id, what each sampling row got."""
+        ...
 
 
 @dataclass
@@ -52,17 +70,21 @@ class Step:
     scheduled: SchedulerOutput  # no chunks: nothing was dispatched
     done: SchedulerOutput | None = None  # the iteration whose results were read
     results: Mapping[str, Samples] = field(default_factory=dict)  # by request id
-    touched: list[Request] = field(default_factory=list)  # requests update() advanced
+    touched: list[Request] = field(default_factory=list)  # requests given tokens
     # done's prompt tokens (of requests it gave their first token) plus the tokens it
     # generated: what vLLM's iteration_tokens_total counts per step
     num_tokens: int = 0
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: Runner, overlap: bool = True):
+    """`processor`: the stops and text of requests (default: token stops only, no text)."""
+
+    def __init__(self, scheduler: Scheduler, runner: Runner, overlap: bool = True,
+                 processor: OutputProcessor | None = None):
         self.scheduler = scheduler
         self.runner = runner
         self.overlap = overlap
+        self.processor = OutputProcessor() if processor is None else processor
         self.inflight: tuple[SchedulerOutput, Any] | None = None  # dispatched, not yet read
         self.num_steps = 0  # iterations dispatched
         # called with each iteration's schedule before it is dispatched (the tests' log)
@@ -87,8 +109,7 @@ class EngineCore:
         done, handle = previous
         results = self.runner.collect(handle)
         before = [len(chunk.request.output_ids) for chunk in done.chunks]
-        touched = self.scheduler.update(
-            done, {rid: samples.tokens for rid, samples in results.items()})
+        touched = self.processor.update(self.scheduler, done, results)
         num_tokens = sum(
             len(chunk.request.output_ids) - n
             + (len(chunk.request.prompt_ids) if n == 0 and chunk.request.output_ids else 0)

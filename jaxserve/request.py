@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 
 from jaxserve.checks import is_finite, is_int, show
 
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request carries (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = 0  # everything so far, every step (LLM.generate's default)
+    DELTA = 1  # only what this step added (the server's streams)
+    FINAL_ONLY = 2  # one output, the whole of it, when the request finishes
+
+
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range, as vLLM's API takes it
 
@@ -29,6 +38,7 @@ class SamplingParams:
     priority: int = 0  # lower first; the priority policy treats <= 0 as realtime, > 0 as batch
     slo_ms: float | None = None  # time-to-first-token target; the edf policy's deadline
     n: int = 1  # samples per prompt (LLM.generate and the server run n requests: `for_sample`)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         stop = () if self.stop is None else self.stop
@@ -61,6 +71,8 @@ class SamplingParams:
                                           and INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be a 64-bit integer, in [-2**63, 2**63 - 1], "
                              f"got {show(self.seed)}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {show(self.output_kind)}")
         if not is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {show(self.priority)}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
@@ -102,13 +114,17 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
+    """One sample's text and tokens: all of them so far, or (`RequestOutputKind.DELTA`) what
+    one step added. A cumulative output's lists are the request's own, which grow as it runs:
+    copy them to keep a snapshot."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None  # the sum of token_ids' logprobs (when asked for)
+    cumulative_logprob: float | None = None  # the sum of the logprobs of every token so far
 
 
 @dataclass
@@ -131,6 +147,24 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
 
+    def add(self, later: "RequestOutput") -> None:
+        """Append a later delta of the same request to this one, in place (vLLM's
+        `RequestOutput.add` with aggregate): a reader that fell behind gets one output for
+        the steps it missed. Both must be deltas, and this one the reader's alone."""
+        for mine, new in zip(self.outputs, later.outputs, strict=True):
+            mine.text += new.text
+            mine.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                if mine.logprobs is None:
+                    mine.logprobs = []
+                mine.logprobs.extend(new.logprobs)
+            mine.cumulative_logprob = new.cumulative_logprob
+            mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished = later.finished
+        self.metrics = later.metrics
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, nothing computed (or preempted: everything to recompute)
@@ -150,8 +184,6 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
 _TRANSITIONS = {
     RequestStatus.WAITING: {RequestStatus.RUNNING, *_FINISHED},
     RequestStatus.RUNNING: {RequestStatus.WAITING, *_FINISHED},
-    # the last tokens of a request stopped by length can complete a stop string in its text
-    RequestStatus.FINISHED_LENGTH: {RequestStatus.FINISHED_STOPPED},
 }
 
 
@@ -190,6 +222,7 @@ class Request:
         self.pages: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.output_state = None  # what the output processor keeps of it (outputs.py)
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 
     @property

@@ -13,16 +13,19 @@ if TYPE_CHECKING:
 
 
 class RequestStream:
-    """One request's outputs, as an async iterator of cumulative `RequestOutput`s.
+    """One request's outputs, as an async iterator of `RequestOutput`s.
 
-    Outputs are cumulative, so a reader that falls behind gets the newest one (the ones between
-    are skipped, nothing is lost). Iteration ends after the finished output, raises the error
-    that ended the request, or ends at once after `abort()`.
+    A reader that falls behind holds one output however far behind it is, and loses nothing:
+    a cumulative output replaces the one it has not read, a delta (`delta`: the request's
+    output_kind is DELTA) is added to it (`RequestOutput.add`). Iteration ends after the
+    finished output, raises the error that ended the request, or ends at once after `abort()`.
     """
 
-    def __init__(self, request_id: str, owner: "AsyncEngine", loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, owner: "AsyncEngine", loop: asyncio.AbstractEventLoop,
+                 delta: bool = False):
         self.request_id = request_id
         self.loop = loop
+        self.delta = delta
         self.finished = False  # a finished output was yielded
         self.inter_token_latencies: list[float] = []  # seconds between tokens, as they arrived
         self._owner = owner
@@ -43,14 +46,18 @@ class RequestStream:
     def _push(self, item: RequestOutput | BaseException, now: float) -> None:
         """On the event loop: an output (stamped by the engine thread) or an error."""
         if isinstance(item, RequestOutput):
-            new = len(item.outputs[0].token_ids) - self._num_tokens
+            new = len(item.outputs[0].token_ids) - (0 if self.delta else self._num_tokens)
             if new > 0:
                 if self._last_token_time is not None:  # a multi-step output spreads its gap
                     self.inter_token_latencies += [(now - self._last_token_time) / new] * new
                 self._last_token_time, self._num_tokens = now, self._num_tokens + new
         if (isinstance(item, RequestOutput) and self._items
                 and isinstance(self._items[-1], RequestOutput)):
-            self._items[-1] = item  # cumulative: a reader that stopped reading holds one output
+            # a reader that stopped reading holds one output
+            if self.delta:
+                self._items[-1].add(item)
+            else:
+                self._items[-1] = item
         else:
             self._items.append(item)
         self._ready.set()

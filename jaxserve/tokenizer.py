@@ -430,6 +430,11 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
 
+def make_detokenizer(tokenizer: BaseTokenizer, prompt_ids: Sequence[int] = ()):
+    """The incremental detokenizer of a request's output (prompt_ids are context only)."""
+    return IncrementalDetokenizer(tokenizer, prompt_ids)
+
+
 def _open_final_message(text: str, final: str) -> str:
     """A rendered chat cut after its final message's content, as transformers'
     continue_final_message cuts it: after the content's last occurrence, its trailing spaces

@@ -5,24 +5,40 @@ The fake "model" samples, after position p of a request, the token
     token_after(prompt, p) = (sum(prompt) + p) % 97 + 3        (always in [3, 99])
 
 so a request's output depends only on its prompt, never on batching, chunking, preemption or
-overlap. The runner consumes a SchedulerOutput as the real runner does (decode rows are chunks of
-one token and run `decode_steps` steps; others are prompt chunks that sample once at their end)
-and checks the scheduler's invariants on every step. Its "device" keeps, like the real one, only
-the tokens the previous dispatch sampled (the carry), so a decode row whose input token is not on
-the host must find it there.
+overlap; the logprob it gives token t at any position is `fake_logprob(t)` = -t / 100, rank 1,
+and its top-K are t, t + 1, ... (logprobs -(t + k) / 100). The runner consumes a SchedulerOutput
+as the real runner does (decode rows are chunks of one token and run `decode_steps` steps;
+others are prompt chunks that sample once at their end) and checks the scheduler's invariants on
+every step. Its "device" keeps, like the real one, only the tokens the previous dispatch sampled
+(the carry), so a decode row whose input token is not on the host must find it there.
+
+It implements the engine's runner interface (engine_core.Runner): `LLMEngine(model_dir, config,
+runner=FakeRunner(...))` runs the real engine on it, with no model compiled.
 """
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.core.window import BatchingWindow
-from jaxserve.engine_core import EngineCore, Samples
+from jaxserve.engine_core import EngineCore, Samples, TokenLogprobs
 from jaxserve.request import Request, RequestStatus, SamplingParams
 
 
 def token_after(prompt_ids: list[int], position: int) -> int:
     """The token the fake model samples after `position` of a request with this prompt."""
     return (sum(prompt_ids) + position) % 97 + 3
+
+
+def fake_logprob(token: int) -> float:
+    return -token / 100
+
+
+def fake_logprobs(token: int, num_top: int = 20) -> TokenLogprobs:
+    """The fake model's logprobs of `token` at any position: rank 1, top-K from it upwards."""
+    top = np.arange(token, token + num_top, dtype=np.int32)
+    return TokenLogprobs(fake_logprob(token), 1, top, -top.astype(np.float32) / 100)
 
 
 def expected_token(request: Request, position: int) -> int:
@@ -101,38 +117,62 @@ class StepLog:
 
 
 class FakeRunner:
-    """Runs a SchedulerOutput on the fake model, checking invariants as it goes."""
+    """Runs a SchedulerOutput on the fake model, checking invariants as it goes (those about
+    the scheduler's state once `scheduler` is set: a Driver sets it, a test of LLMEngine sets
+    it to the engine's)."""
 
-    def __init__(self, scheduler: Scheduler):
+    num_compilations_after_warmup = 0
+
+    def __init__(self, scheduler: Scheduler | None = None, *, num_pages: int = 65,
+                 max_model_len: int = 64, chunk_buckets: tuple[int, ...] = (16,)):
         self.scheduler = scheduler
+        self.num_pages, self.max_model_len = num_pages, max_model_len
+        self.chunk_buckets = chunk_buckets
         self.carry: dict[str, tuple[int, int]] = {}  # request id -> (position, token) on "device"
         self.tables: dict[int, tuple[int, list[int]]] = {}  # id(request) -> (preemptions, pages)
         self.num_dispatches = 0
 
-    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        """Check the step, then return the tokens each sampling row samples."""
-        self.check(out)
-        sampled: dict[str, list[int]] = {}
+    def warmup(self, progress: bool = False) -> float:
+        return 0.0  # nothing to compile
+
+    def execute(self, out: SchedulerOutput) -> dict[str, Samples]:
+        """Check the step, then return what each row samples (and its logprobs, and the
+        prompt's when the request asks)."""
+        if self.scheduler is not None:
+            self.check(out)
+        sampled: dict[str, Samples] = {}
         carry = {}
         for chunk in out.chunks:
-            if not chunk.num_samples:
-                continue
             request = chunk.request
-            last = chunk.start + chunk.num_tokens - 1  # the position the first sample follows
-            tokens = [token_after(request.prompt_ids, last + j) for j in range(chunk.num_samples)]
-            sampled[request.request_id] = tokens
-            carry[request.request_id] = (last + chunk.num_samples, tokens[-1])
+            params = request.params
+            samples = Samples([])
+            if params.prompt_logprobs is not None:  # this chunk's logits score prompt tokens
+                n = min(chunk.num_tokens, len(request.prompt_ids) - 1 - chunk.start)
+                if n > 0:
+                    samples.prompt_start = chunk.start
+                    samples.prompt_logprobs = [
+                        fake_logprobs(request.prompt_ids[chunk.start + 1 + j])
+                        for j in range(n)]
+            if chunk.num_samples:
+                last = chunk.start + chunk.num_tokens - 1  # the first sample follows it
+                samples.tokens = [token_after(request.prompt_ids, last + j)
+                                  for j in range(chunk.num_samples)]
+                if params.logprobs is not None:
+                    samples.logprobs = [fake_logprobs(t) for t in samples.tokens]
+                carry[request.request_id] = (last + chunk.num_samples, samples.tokens[-1])
+            if samples.tokens or samples.prompt_logprobs is not None:
+                sampled[request.request_id] = samples
         self.carry = carry  # the device holds only the latest dispatch's samples
         self.num_dispatches += 1
         return sampled
 
     # the engine loop's runner interface: the fake computes at dispatch, hands out at collect
-    def dispatch(self, out: SchedulerOutput) -> dict[str, list[int]]:
+    def dispatch(self, out: SchedulerOutput) -> dict[str, Samples]:
         return self.execute(out)
 
     @staticmethod
-    def collect(sampled: dict[str, list[int]]) -> dict[str, Samples]:
-        return {rid: Samples(tokens) for rid, tokens in sampled.items()}
+    def collect(sampled: dict[str, Samples]) -> dict[str, Samples]:
+        return sampled
 
     def check(self, out: SchedulerOutput) -> None:
         s = self.scheduler

@@ -1,6 +1,6 @@
 """Request streams on the event loop, without an engine: a reader that stops reading holds one
-output per choice however long the engine keeps producing (outputs are cumulative), and it
-still gets the newest output and the end."""
+output per choice however long the engine keeps producing (the newest cumulative output, or the
+deltas added together), and it still gets everything and the end."""
 
 import asyncio
 from types import SimpleNamespace
@@ -48,5 +48,27 @@ def test_merged_streams_hold_one_output_per_choice():
         got += [item async for item in merged]
         sizes = [(i, len(out.outputs[0].token_ids)) for i, out in got]
         assert sizes[0] == (0, 1) and sorted(sizes[1:]) == [(0, 500), (1, 500)]
+
+    asyncio.run(main())
+
+
+def test_a_stalled_reader_of_deltas_gets_them_added_together():
+    """Deltas (the server's outputs) are added to the one the reader has not taken: nothing
+    is lost, and the reader still holds one output."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        stream = RequestStream("a", SimpleNamespace(abort=lambda request_id: None,
+                                                    _forget=lambda stream: None), loop,
+                               delta=True)
+        for n in range(1, 501):
+            out = RequestOutput("a", None, [1, 2], [CompletionOutput(0, chr(64 + n % 26), [n])],
+                                finished=n == 500)
+            stream._push(out, float(n))
+        assert len(stream._items) == 1
+        outs = [out async for out in stream]
+        assert len(outs) == 1 and outs[0].finished and stream.finished
+        assert outs[0].outputs[0].token_ids == list(range(1, 501))
+        assert outs[0].outputs[0].text == "".join(chr(64 + n % 26) for n in range(1, 501))
+        assert len(stream.inter_token_latencies) == 499
 
     asyncio.run(main())

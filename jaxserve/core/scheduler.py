@@ -295,31 +295,12 @@ class Scheduler:
             return None
         return self.window.opens_at(min(r.arrival_time for r in arrivals))
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Append the tokens a step sampled and apply token stops; returns the requests touched.
-
-        Tokens past a stop (from multi-step decode) are discarded; so are the tokens of requests
-        that finished or were aborted while their step was in flight.
-        """
-        touched = []
+    def update(self, out: SchedulerOutput) -> None:
+        """A dispatched iteration was read: the tokens it sampled are pending no more. The
+        output processor (outputs.py) appends those each request keeps, applies the stops and
+        calls `finish` for the requests they end."""
         for chunk in out.chunks:
-            request = chunk.request
-            request.num_pending -= chunk.num_samples
-            if request.status.finished or not chunk.num_samples:
-                continue
-            for token in sampled[request.request_id]:
-                request.output_ids.append(token)
-                if request.metrics.first_token_time is None:
-                    request.metrics.first_token_time = self.clock()
-                if token in request.stop_ids:
-                    reason = token if token in request.named_stop_ids else None
-                    self.finish(request, RequestStatus.FINISHED_STOPPED, reason)
-                    break
-                if len(request.prompt_ids) + len(request.output_ids) >= request.max_len:
-                    self.finish(request, RequestStatus.FINISHED_LENGTH)
-                    break
-            touched.append(request)
-        return touched
+            chunk.request.num_pending -= chunk.num_samples
 
     def stats(self) -> dict[str, float]:
         return {

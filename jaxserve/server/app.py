@@ -291,9 +291,12 @@ class _API:
         last: list[RequestOutput | None] = [None] * len(streams)
         seen = [Seen(req.params.max_tokens) for _ in streams]
 
-        def progress(i: int, out: RequestOutput) -> None:
-            last[i] = out
+        def progress(i: int, out: RequestOutput) -> None:  # a delta: gather the choice's
             self.metrics.progress(seen[i], out, streams[i].inter_token_latencies)
+            if last[i] is None:
+                last[i] = out
+            else:
+                last[i].add(out)
 
         try:
             done = await until_disconnect(request, follow(streams, progress))
@@ -336,7 +339,7 @@ class _API:
         self.metrics.observe(seen, last, streams, n)
         outs = [o for o in last if o is not None]
         info["prompt_tokens"] = sum(len(o.prompt_token_ids) for o in last[::n] if o is not None)
-        info["completion_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
+        info["completion_tokens"] = sum(s.tokens for s in seen)
         finishes = collections.Counter(o.outputs[0].finish_reason if s.finished and o else "abort"
                                        for s, o in zip(streams, last, strict=True))
         info["finish"] = ",".join(reason if count == 1 else f"{reason}x{count}"

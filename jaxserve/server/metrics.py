@@ -159,27 +159,28 @@ class Metrics:
 
     def progress(self, seen: Seen, output: RequestOutput | None,
                  inter_token_latencies: list[float]) -> None:
-        """A sequence's newest output: count what it adds (its prompt once, new tokens, the
-        first token's latency, new inter-token gaps)."""
+        """A sequence's next output, a delta (None: none, only new gaps): count what it adds
+        (its prompt once, its tokens, the first token's latency, new inter-token gaps)."""
         if output is not None:
             if not seen.prompt:
                 seen.prompt = True
                 self.prompt_tokens.inc(len(output.prompt_token_ids))
-            tokens = len(output.outputs[0].token_ids)
-            if tokens > seen.tokens:
+            new = len(output.outputs[0].token_ids)
+            if new:
                 m = output.metrics
                 if seen.tokens == 0 and m is not None and m.first_token_time is not None:
                     self.ttft.observe(m.first_token_time - m.arrival_time)
-                self.generation_tokens.inc(tokens - seen.tokens)
-                seen.tokens = tokens
+                self.generation_tokens.inc(new)
+                seen.tokens += new
         for gap in inter_token_latencies[seen.gaps:]:
             self.itl.observe(gap)
         seen.gaps = max(seen.gaps, len(inter_token_latencies))
 
     def observe(self, seen: list[Seen], outputs: list[RequestOutput | None],
                 streams: list[RequestStream], n: int) -> None:
-        """An HTTP request ended: each of its sequences (sample j of prompt i at i * n + j)
-        finished, with its last output, or was aborted (client gone, timeout). An aborted
+        """An HTTP request ended: each of its sequences (sample j of prompt i at i * n + j,
+        every output of it counted by `progress`) finished, with its last output, or was
+        aborted (client gone, timeout). An aborted
         sequence's tokens and latencies count too (it is often one of the slow ones), and its
         finish reason; the per-request histograms take finished sequences, and n and the most
         tokens generated a prompt whose n samples all finished (as vLLM, once per prompt)."""
@@ -190,7 +191,7 @@ class Metrics:
                 reasons["abort"] = reasons.get("abort", 0) + 1  # token (a mass abort's many)
                 done.append(None)
                 continue
-            self.progress(counted, output, stream.inter_token_latencies)
+            self.progress(counted, None, stream.inter_token_latencies)
             finished = stream.finished and output is not None and output.finished
             done.append(output if finished else None)
             reason = output.outputs[0].finish_reason if finished else "abort"
@@ -203,11 +204,10 @@ class Metrics:
             group = done[start:start + n]
             if group[0] is not None and all(output is not None for output in group):
                 self.params_n.observe(n)
-                self.max_generation_tokens.observe(
-                    max(len(output.outputs[0].token_ids) for output in group))
+                self.max_generation_tokens.observe(max(s.tokens for s in seen[start:start + n]))
 
     def _finished(self, seen: Seen, output: RequestOutput) -> None:
-        prompt, generated = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+        prompt, generated = len(output.prompt_token_ids), seen.tokens
         self.request_prompt_tokens.observe(prompt)
         self.request_generation_tokens.observe(generated)
         room = self.max_model_len - prompt  # what vLLM's server sets when max_tokens is unset

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.checks import is_finite, is_int, show
-from jaxserve.request import SamplingParams
+from jaxserve.request import RequestOutputKind, SamplingParams
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 408: "RequestTimeoutError",
@@ -281,6 +281,7 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
         prompt_logprobs=named_prompt_lps if named_prompt_lps is not None else prompt_logprobs,
         priority=_get(body, "priority", is_int, "an integer", 0),
         n=n,
+        output_kind=RequestOutputKind.DELTA,  # the server streams and gathers deltas
     )
     if body.get("slo_ms") is not None:  # the edf policy's time-to-first-token target
         kwargs["slo_ms"] = _get(body, "slo_ms", is_finite, "a number")

@@ -21,7 +21,6 @@ class _Sent:
     """What a stream already sent of one choice."""
 
     num_tokens: int = 0
-    text_len: int = 0
     started: bool = False
     offsets: "_Offsets" = field(default_factory=lambda: _Offsets())
 
@@ -59,7 +58,9 @@ class Formatter:
     """Builds the response bodies (or SSE chunks) of one request: `kind` "completion" or "chat".
 
     `prompt_texts[i]` is choice i's prompt text, echoed when `echo`. With n samples per
-    prompt, choice i is sample i % n of prompt i // n (OpenAI's numbering).
+    prompt, choice i is sample i % n of prompt i // n (OpenAI's numbering). The engine's
+    outputs are deltas (RequestOutputKind.DELTA): `chunk` sends each as it comes; `response`
+    takes each choice's deltas added together.
     """
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, tokenizer,
@@ -87,7 +88,7 @@ class Formatter:
         choices = []
         for i, out in enumerate(outputs):
             c = out.outputs[0]
-            lps = self._logprobs(out, 0, _Offsets(), echo=self.req.echo, index=i)
+            lps = self._logprobs(out, _Offsets(), echo=self.req.echo, index=i)
             if self.kind == "chat":
                 message = {"role": self.req.role, "content": self._chat_echo + c.text}
                 choices.append({"index": i, "message": message, "logprobs": lps,
@@ -99,7 +100,9 @@ class Formatter:
                 if self.req.prompt_logprobs:
                     choices[-1]["prompt_logprobs"] = self._prompt_logprobs(out)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        body = self._head(obj) | {"choices": choices, "usage": usage(outputs, self.req.params.n)}
+        body = self._head(obj) | {"choices": choices, "usage": usage(
+            [len(o.prompt_token_ids) for o in outputs],
+            [len(o.outputs[0].token_ids) for o in outputs], self.req.params.n)}
         if self.req.prompt_logprobs and self.kind == "chat":  # vLLM's place for a chat's
             body["prompt_logprobs"] = self._prompt_logprobs(outputs[0])
         return body
@@ -126,17 +129,17 @@ class Formatter:
             for d in out.prompt_logprobs]
 
     def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
-        """The SSE chunk carrying what `out` adds to choice `index` (None: nothing new)."""
+        """The SSE chunk carrying `out`, a delta of choice `index` (None: nothing new)."""
         out = self._shown(out)
         sent, c = self._sent[index], out.outputs[0]
-        text = c.text[sent.text_len:]
-        new_tokens = len(c.token_ids) > sent.num_tokens
+        text = c.text
         first = not sent.started
-        if not (text or new_tokens or out.finished or first):
+        if not (text or c.token_ids or out.finished or first):
             return None
         echo = first and self.req.echo and self.kind == "completion"
-        lps = self._logprobs(out, sent.num_tokens, sent.offsets, echo=echo, index=index)
-        sent.num_tokens, sent.text_len, sent.started = len(c.token_ids), len(c.text), True
+        lps = self._logprobs(out, sent.offsets, echo=echo, index=index)
+        sent.num_tokens += len(c.token_ids)
+        sent.started = True
         finish = c.finish_reason if out.finished else None
         stop_reason = c.stop_reason if out.finished else None
         if self.kind == "chat":
@@ -150,13 +153,17 @@ class Formatter:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         body = self._head(obj) | {"choices": [choice]}
         if self.req.include_usage:  # vLLM's continuous_usage_stats: this choice's so far
-            body["usage"] = usage([out]) if self.req.continuous_usage else None
+            body["usage"] = (usage([len(out.prompt_token_ids)], [sent.num_tokens])
+                             if self.req.continuous_usage else None)
         return body
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """The final usage chunk: `outputs` are each choice's last delta (`chunk` counted the
+        tokens sent)."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return self._head(obj) | {"choices": [], "usage": usage(
-            [self._shown(out) for out in outputs], self.req.params.n)}
+            [len(out.prompt_token_ids) for out in outputs],
+            [sent.num_tokens for sent in self._sent], self.req.params.n)}
 
     # -- logprobs ----------------------------------------------------------------------------
 
@@ -181,14 +188,13 @@ class Formatter:
             return b""
         return self._bytes(token_id)
 
-    def _logprobs(self, out: RequestOutput, start: int, offsets: _Offsets,
-                  echo: bool = False, index: int = 0) -> dict[str, Any] | None:
-        """Choice `index`'s logprobs of tokens from `start`; with `echo`, its prompt's first."""
+    def _logprobs(self, out: RequestOutput, offsets: _Offsets, echo: bool = False,
+                  index: int = 0) -> dict[str, Any] | None:
+        """Choice `index`'s logprobs of `out`'s tokens; with `echo`, its prompt's first."""
         c = out.outputs[0]
         if c.logprobs is None:
             return None
-        ids = c.token_ids[start:]
-        entries = c.logprobs[start:start + len(ids)]
+        ids, entries = c.token_ids, c.logprobs
         if self.kind == "chat":
             return {"content": [self._chat_entry(t, d) for t, d in zip(ids, entries, strict=False)]}
         tokens, token_lps, tops, text_offsets = [], [], [], []
@@ -223,10 +229,10 @@ class Formatter:
                 "bytes": list(self._bytes(token_id)) if self.tokenizer is not None else None}
 
 
-def usage(outputs: list[RequestOutput], n: int = 1) -> dict[str, int]:
-    """Token counts of a response: `outputs` holds n samples per prompt, prompt by prompt, and
+def usage(prompt_tokens: list[int], completion_tokens: list[int], n: int = 1) -> dict[str, int]:
+    """Token counts of a response, per choice: n samples per prompt, prompt by prompt, and
     each prompt counts once (as in vLLM and OpenAI)."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt = sum(prompt_tokens[::n])
+    completion = sum(completion_tokens)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}

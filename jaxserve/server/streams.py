@@ -18,10 +18,10 @@ def sse_event(body: dict[str, Any]) -> str:
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) from several streams as they come: the newest output of each
-    (outputs are cumulative: a slow reader skips the ones between, and holds one output per
-    choice however far it falls behind). One listener, no task per stream: a request may have
-    thousands. Raises the first error a stream ends with."""
+    """(choice index, output) from several streams as they come: what each stream holds
+    (a slow reader holds one output per choice however far it falls behind: the deltas it
+    missed added together, see RequestStream). One listener, no task per stream: a request
+    may have thousands. Raises the first error a stream ends with."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
