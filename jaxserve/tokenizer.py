@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from jaxserve.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
@@ -147,6 +148,8 @@ class Tokenizer(BaseTokenizer):
         self._added_ids = frozenset(added)
         decoders = _decoder_types(hf_tokenizer)
         self._byte_level = "ByteLevel" in decoders
+        # the text is the UTF-8 of the tokens' bytes, whatever came before: DecodeStream's case
+        self.byte_level_only = self._byte_level and decoders <= {"ByteLevel", "Sequence"}
         self._metaspace = bool(decoders & {"Metaspace", "Replace"})
         self.byte_fallback_ids = frozenset()
         if "ByteFallback" in decoders:
@@ -430,8 +433,82 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
 
+class StreamDetokenizer:
+    """`IncrementalDetokenizer`'s interface over `tokenizers.decoders.DecodeStream` (Rust: one
+    call per token), for Hugging Face tokenizers whose decoder is byte-level BPE alone (GPT-2,
+    Llama 3, Qwen, ...): their text is the UTF-8 of the tokens' bytes, with no context, and
+    DecodeStream gives the same text as ours (tests/test_tokenizer.py checks it). It returns
+    text once it does not end in U+FFFD; `peek` and `finish` decode the ids it still holds.
+    The prompt's last ids are stepped only where they begin a character they do not finish
+    (as ours: the generated ids that complete it make it output text)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # ids stepped since the stream last returned text
+        self._finished = False
+        self.text = ""  # everything returned so far
+        special = tokenizer.all_special_ids if skip_special_tokens else frozenset()
+        tail = [int(i) for i in prompt_ids[-4:] if int(i) not in special]
+        pieces = [tokenizer.token_bytes(i) for i in tail]
+        missing, count = _incomplete_utf8_tail(b"".join(pieces)), 0
+        while missing > 0 and count < len(pieces):
+            count += 1
+            missing -= len(pieces[-count])
+        for i in tail[len(tail) - count:]:
+            self._step(i)
+        self._num_prompt_held = len(self._held)  # held ids of the prompt: no output text alone
+
+    def push(self, token_ids: Iterable[int]) -> str:
+        """Append generated ids; return the text they complete ("" while it is incomplete)."""
+        if self._finished:
+            raise RuntimeError("push() after finish()")
+        delta = "".join([self._step(int(i)) for i in token_ids])
+        self.text += delta
+        return delta
+
+    def peek(self) -> str:
+        """The text the held ids would add if none followed them ("" while that ends in an
+        incomplete character)."""
+        text = self._held_text()
+        return "" if text.endswith("\ufffd") else text
+
+    def finish(self) -> str:
+        """Return the text still held back (an incomplete character shows as U+FFFD)."""
+        if self._finished:
+            return ""
+        self._finished = True
+        delta = self._held_text()
+        self.text += delta
+        return delta
+
+    def _step(self, token_id: int) -> str:
+        self._held.append(token_id)
+        delta = self._stream.step(self._tokenizer._tk, token_id)
+        if delta is None:
+            return ""
+        self._held, self._num_prompt_held = [], 0
+        return delta
+
+    def _held_text(self) -> str:
+        if len(self._held) <= self._num_prompt_held:
+            return ""
+        return self._tokenizer.decode(self._held, self._skip)
+
+
 def make_detokenizer(tokenizer: BaseTokenizer, prompt_ids: Sequence[int] = ()):
-    """The incremental detokenizer of a request's output (prompt_ids are context only)."""
+    """The incremental detokenizer of a request's output (prompt_ids are context only):
+    `StreamDetokenizer` (DecodeStream) for a byte-level BPE tokenizer, and ours otherwise.
+    Ours stays for the decoders whose text depends on context (SentencePiece's "▁" is no space
+    at the start of a text: a window of earlier ids must be decoded with the new ones), and
+    DecodeStream fails the byte-fallback tokenizers (SentencePiece's <0xNN>
+    pieces, stories260K's): it returns a byte run's text as soon as it decodes, so a later
+    byte that turns the run into U+FFFD makes it raise (InvalidPrefix), and it has no way to
+    hold a run back; the demo's ByteTokenizer is not a `tokenizers` tokenizer at all."""
+    if isinstance(tokenizer, Tokenizer) and tokenizer.byte_level_only:
+        return StreamDetokenizer(tokenizer, prompt_ids)
     return IncrementalDetokenizer(tokenizer, prompt_ids)
 
 

@@ -10,6 +10,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from bpe_tokenizer import byte_level_bpe_hf
 from fake_runner import FakeRunner, expected_output, fake_logprob, token_after
 
 from jaxserve.config import EngineConfig
@@ -18,7 +19,7 @@ from jaxserve.engine import LLM, LLMEngine
 from jaxserve.engine_core import Samples
 from jaxserve.outputs import OutputProcessor
 from jaxserve.request import Request, RequestOutputKind, RequestStatus, SamplingParams
-from jaxserve.tokenizer import ByteTokenizer, Tokenizer
+from jaxserve.tokenizer import ByteTokenizer, StreamDetokenizer, Tokenizer, make_detokenizer
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": ByteTokenizer.VOCAB_SIZE,
           "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -255,3 +256,27 @@ def test_a_stop_string_ending_in_byte_tokens_stops_at_its_last_byte(stories_dir)
             break
     assert request.stop_reason == "日" and request.output_ids == generated[:4]
     assert processor.output(request).outputs[0].text == " "
+
+
+def test_text_through_decode_stream_on_a_byte_level_bpe_model(tmp_path):
+    """A byte-level BPE tokenizer's text comes from DecodeStream: the deltas add up to the
+    decode of the kept ids, and a stop string cuts it there, whatever the output kind."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG | {"vocab_size": 400}))
+    byte_level_bpe_hf().save(str(tmp_path / "tokenizer.json"))
+    prompt = prompt_for("A", 4)
+    tokenizer = make_engine(tmp_path).tokenizer
+    assert isinstance(make_detokenizer(tokenizer), StreamDetokenizer)
+    full = expected_output(prompt["prompt_token_ids"], 30)
+    text = tokenizer.decode(full)
+    stop = text[12:15]
+    cut = text.index(stop)
+    for kind in KINDS:
+        engine = make_engine(tmp_path, decode_steps=3)
+        outs = run(engine, {"all": (prompt, SamplingParams(max_tokens=30, output_kind=kind)),
+                            "stop": (prompt, SamplingParams(max_tokens=30, stop=[stop],
+                                                            output_kind=kind))})
+        whole, stopped = (gathered(outs[rid]).outputs[0] for rid in ("all", "stop"))
+        assert (whole.text, whole.token_ids) == (text, full)
+        assert stopped.text == text[:cut] and stopped.stop_reason == stop
+        ids = stopped.token_ids  # up to the first token whose text completes the stop string
+        assert stop in tokenizer.decode(ids) and stop not in tokenizer.decode(ids[:-1])

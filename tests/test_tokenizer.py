@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from bpe_tokenizer import MIXED_TEXT, byte_level_bpe
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from jinja2.exceptions import SecurityError
@@ -15,12 +16,13 @@ from jaxserve.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     ByteTokenizer,
     IncrementalDetokenizer,
+    StreamDetokenizer,
     Tokenizer,
     load_tokenizer,
+    make_detokenizer,
     token_text,
 )
 
-MIXED_TEXT = "Héllo wörld 😀 naïve café, 日本語のテキスト 🎉🧠 Ωμέγα ﬁn."
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -53,11 +55,17 @@ def cut_run(tokenizer, ids) -> int:
     return 0
 
 
-def stream(tokenizer, prompt_ids, ids, chunk=1, skip_special_tokens=True) -> tuple[str, str]:
+@pytest.fixture(scope="session")
+def bpe() -> Tokenizer:
+    return byte_level_bpe()
+
+
+def stream(tokenizer, prompt_ids, ids, chunk=1, skip_special_tokens=True,
+           detokenizer=IncrementalDetokenizer) -> tuple[str, str]:
     """Feed `ids` `chunk` at a time, checking the text so far is always a prefix of the final
     text; return (streamed text, decode of prompt + ids past the decode of the prompt, where
     ids that end inside a character end in one U+FFFD instead)."""
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    detok = detokenizer(tokenizer, prompt_ids, skip_special_tokens)
     prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens)
     kept = [i for i in ids if not (skip_special_tokens and i in tokenizer.all_special_ids)]
     cut = cut_run(tokenizer, kept)  # a run of byte tokens spans the skipped ones
@@ -247,6 +255,71 @@ def test_detokenizer_push_after_finish(stories: Tokenizer) -> None:
     detok.finish()
     with pytest.raises(RuntimeError, match="after finish"):
         detok.push([403])
+
+
+# --- DecodeStream (StreamDetokenizer) on a byte-level BPE tokenizer -----------------------------
+
+
+def test_make_detokenizer_takes_decode_stream_where_it_gives_our_text(stories, bpe) -> None:
+    assert bpe.byte_level_only and not stories.byte_level_only
+    assert isinstance(make_detokenizer(bpe, [1]), StreamDetokenizer)
+    # byte fallback (DecodeStream raises when a later byte spoils a run) and SentencePiece's
+    # context-dependent "▁", and the demo's own byte tokenizer: ours
+    assert isinstance(make_detokenizer(stories, [1]), IncrementalDetokenizer)
+    assert isinstance(make_detokenizer(ByteTokenizer(), [256]), IncrementalDetokenizer)
+
+
+@FAST
+@given(
+    prompt=st.text(max_size=12),
+    ids=st.lists(st.integers(0, 399), max_size=40),
+    chunk=st.integers(1, 4),
+    skip=st.booleans(),
+)
+def test_decode_stream_gives_our_text_on_random_ids(bpe: Tokenizer, prompt, ids, chunk,
+                                                    skip) -> None:
+    ids = [i % bpe.vocab_size for i in ids]
+    prompt_ids = bpe.encode(prompt)
+    assume(bpe.decode(prompt_ids + ids, skip).startswith(bpe.decode(prompt_ids, skip)))
+    theirs = stream(bpe, prompt_ids, ids, chunk, skip, detokenizer=StreamDetokenizer)
+    ours = stream(bpe, prompt_ids, ids, chunk, skip)
+    assert theirs[0] == theirs[1] == ours[0] == ours[1]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_decode_stream_mixed_text_in_context(bpe: Tokenizer, chunk: int) -> None:
+    prompt = bpe.encode("Lily said:")
+    ids = bpe.encode(" " + MIXED_TEXT + " The end.", add_special_tokens=False)
+    out, expected = stream(bpe, prompt, ids, chunk, detokenizer=StreamDetokenizer)
+    assert out == expected == " " + MIXED_TEXT + " The end."
+
+
+def test_decode_stream_holds_back_partial_characters(bpe: Tokenizer) -> None:
+    ids = bpe.encode("🧠!", add_special_tokens=False)  # 🧠 is rare: its bytes stay apart
+    assert len(ids) > 2
+    detok, ours = StreamDetokenizer(bpe, [0]), IncrementalDetokenizer(bpe, [0])
+    peeks, deltas = [], []
+    for i in ids:
+        deltas.append(detok.push([i]))
+        assert deltas[-1] == ours.push([i])
+        peeks.append(detok.peek())
+    assert "".join(deltas) == "🧠!" and "" in deltas[:-1] and peeks[-1] == ""
+    cut = StreamDetokenizer(bpe, [0])  # the generation ends inside the character
+    assert cut.push(ids[:-2]) == "" and cut.finish() == "\ufffd" == cut.text
+    with pytest.raises(RuntimeError, match="after finish"):
+        cut.push([5])
+
+
+def test_decode_stream_prompt_ending_inside_a_character(bpe: Tokenizer) -> None:
+    """As ours: the character a prompt of ids leaves unfinished is output text once the
+    generated ids complete it."""
+    ni = bpe.encode("🧠 ok", add_special_tokens=False)
+    assert [len(bpe.token_bytes(i)) for i in ni[:2]] == [2, 2]  # 🧠's four bytes
+    for k, want in [(1, "🧠 ok"), (2, " ok")]:
+        for detokenizer in (StreamDetokenizer, IncrementalDetokenizer):
+            detok = detokenizer(bpe, bpe.encode("Hi") + ni[:k])
+            assert "".join(detok.push([i]) for i in ni[k:]) + detok.finish() == want
+    assert StreamDetokenizer(bpe, bpe.encode("Hi") + ni[:1]).finish() == ""
 
 
 # --- ByteTokenizer -------------------------------------------------------------------------------
