@@ -143,7 +143,8 @@ class ModelRunner:
         self.graphdef, self.state = load_state(model_path, model_config, self.dtype,
                                                config.load_format, config.seed)
         self.graphdef, self.state = self.backend.ops.pack_weights(self.graphdef, self.state)
-        self.graphdef, self.state = stack_layers(self.graphdef, self.state)
+        if config.scan_layers:  # one layer compiled, whatever the depth
+            self.graphdef, self.state = stack_layers(self.graphdef, self.state)
         log.info("weights: %.1f MiB (%s) in %.1f s", state_bytes(self.state) / 2**20,
                  jnp.dtype(self.dtype).name, time.perf_counter() - start)
         self.page_size = config.page_size
@@ -180,7 +181,7 @@ class ModelRunner:
                         jax.device_put(rope_tables(model_config, self.max_model_len, self.dtype),
                                        jax.devices()[0]))
         self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state), self.backend,
-                                 config.max_top_logprobs, self.carry_size, config.scan_layers)
+                                 config.max_top_logprobs, self.carry_size)
         # committed to the device like the step outputs that replace it: jit keys its cache on
         # committedness, so an uncommitted zeros would compile every step a second time
         self._zeros = jax.device_put(jnp.zeros((self.carry_size,), jnp.int32), jax.devices()[0])

@@ -1,6 +1,6 @@
 """The backend seam (jaxserve/backends): chosen once from the platform and the options, handed
-to the model whole; the KV pool holds every layer's pages in one array per pool; the stacked
-layers run under jax.lax.scan or unrolled to the same ids."""
+to the model whole; the KV pool holds every layer's pages in one array per pool; layers
+stacked under jax.lax.scan or a list unrolled give the same ids."""
 
 import dataclasses
 import json
@@ -99,14 +99,11 @@ def test_scanned_and_unrolled_layers_give_the_same_logits():
                            page_table=jnp.array([[1, 2, 0]], jnp.int32))
     tokens = jnp.arange(3, 11, dtype=jnp.int32)[None]
 
-    def logits(graphdef, state, scan):
+    def logits(graphdef, state):
         model = nnx.merge(graphdef, state)
-        return np.asarray(model.logits(model(tokens, kv, md, REFERENCE, scan_layers=scan)[0],
-                                       REFERENCE))
+        return np.asarray(model.logits(model(tokens, kv, md, REFERENCE)[0], REFERENCE))
 
-    listed = logits(graphdef, state, True)  # a list of layers always runs unrolled
-    np.testing.assert_allclose(logits(*stacked, True), listed, atol=1e-5)
-    np.testing.assert_allclose(logits(*stacked, False), listed, atol=1e-5)
+    np.testing.assert_allclose(logits(*stacked), logits(graphdef, state), atol=1e-5)
 
 
 def test_the_engine_gives_the_same_greedy_ids_with_layers_scanned_or_unrolled():

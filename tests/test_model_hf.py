@@ -23,8 +23,7 @@ def _expected(name):
     return json.loads((HF_FIXTURES / name / "expected.json").read_text())
 
 
-def full_logits(graphdef, state, cfg: ModelConfig, ids: list[int], dtype=jnp.float32,
-                scan_layers=True):
+def full_logits(graphdef, state, cfg: ModelConfig, ids: list[int], dtype=jnp.float32):
     """All prompt logits [len, vocab] in one chunk through the paged path (page_size 4)."""
     n, page_size = len(ids), 4
     pages = -(-n // page_size)
@@ -36,29 +35,27 @@ def full_logits(graphdef, state, cfg: ModelConfig, ids: list[int], dtype=jnp.flo
         seq_lens=jnp.array([n], jnp.int32),
         page_table=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
     )
-    return np.asarray(_forward_logits(graphdef, state, kv, jnp.array([ids], jnp.int32), md,
-                                      scan_layers)[0])
+    return np.asarray(_forward_logits(graphdef, state, kv, jnp.array([ids], jnp.int32), md)[0])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _forward_logits(graphdef, state, kv, tokens, md, scan_layers):
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_logits(graphdef, state, kv, tokens, md):
     model = nnx.merge(graphdef, state)
-    hidden, _ = model(tokens, kv, md, REFERENCE, scan_layers=scan_layers)
+    hidden, _ = model(tokens, kv, md, REFERENCE)
     return model.logits(hidden, REFERENCE)
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
-@pytest.mark.parametrize("layers", ["list", "scan", "unrolled"])
+@pytest.mark.parametrize("layers", ["list", "stacked"])
 def test_prompt_logits_match_transformers(name, layers):
-    """The layers as loaded (a list), stacked under jax.lax.scan (the engine's), and stacked
-    but unrolled."""
+    """The layers as loaded (a list, unrolled) and stacked under jax.lax.scan (the engine's)."""
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / name)
     graphdef, state = load_state(HF_FIXTURES / name, cfg, jnp.float32)
-    if layers != "list":
+    if layers == "stacked":
         graphdef, state = stack_layers(graphdef, state)
     expected = load_file(str(HF_FIXTURES / name / "reference" / "expected_logits.safetensors"))
     for i, ids in enumerate(_expected(name)["prompts"]):
-        ours = full_logits(graphdef, state, cfg, ids, scan_layers=layers == "scan")
+        ours = full_logits(graphdef, state, cfg, ids)
         np.testing.assert_allclose(ours, expected[f"prompt_{i}"], atol=1e-4, rtol=0)
 
 

@@ -5,9 +5,9 @@ the loader maps a checkpoint mechanically. Callers split graph and state once an
 functions of the state (see model/step.py). `backend` (jaxserve/backends) does every matmul,
 row sum and attention call: the model names no platform.
 
-A loaded model holds its layers as a list; `stack_layers` turns them into one layer whose
-weights carry a leading layer axis, which the forward runs under `jax.lax.scan` (one layer
-compiled, whatever the depth) or unrolled (`scan_layers=False`).
+A loaded model holds its layers as a list, which the forward runs unrolled; `stack_layers`
+turns them into one layer whose weights carry a leading layer axis, which it runs under
+`jax.lax.scan`: one layer compiled, whatever the depth.
 """
 
 import math
@@ -154,10 +154,10 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, tokens: jax.Array, kv: KVCache, md: AttentionMetadata | RaggedMetadata,
                  backend, rope: tuple[jax.Array, jax.Array] | None = None,
-                 scan_layers: bool = True) -> tuple[jax.Array, KVCache]:
+                 ) -> tuple[jax.Array, KVCache]:
         """`rope`: rope_tables' cos and sin (positions past them read the last row); without
-        them the step computes its positions' cos and sin itself, to the same bits.
-        `scan_layers`: stacked layers (`stack_layers`) run under jax.lax.scan, else unrolled."""
+        them the step computes its positions' cos and sin itself, to the same bits. A list of
+        layers runs unrolled, stacked layers (`stack_layers`) under jax.lax.scan."""
         x = self.model.embed_tokens(tokens)  # [B, C, hidden]
         if rope is None:
             angles = rope_angles(self.config, md.positions)  # [B, C, head_dim]
@@ -183,13 +183,8 @@ class LlamaForCausalLM(nnx.Module):
                 state, index = layer_state
                 return run_layer(nnx.merge(graphdef, state), *carry, index), None
 
-            indices = jnp.arange(num_layers, dtype=jnp.int32)
-            if scan_layers:
-                (x, kv), _ = jax.lax.scan(body, (x, kv), (stacked, indices))
-            else:
-                for index in range(num_layers):
-                    (x, kv), _ = body((x, kv), jax.tree.map(lambda a, i=index: a[i],
-                                                            (stacked, indices)))
+            (x, kv), _ = jax.lax.scan(body, (x, kv),
+                                      (stacked, jnp.arange(num_layers, dtype=jnp.int32)))
         return self.model.norm(x, backend), kv
 
     def logits(self, hidden: jax.Array, backend) -> jax.Array:  # [..., vocab]

@@ -1,7 +1,6 @@
 """The device step as pure functions of (weights, KV pages, step arrays).
 
-`make_step_fns` closes over the static parts (graph, backend, top-logprob count, carry size,
-whether the stacked layers run under scan) and returns jitted functions with the KV cache donated: callers rebind the
+`make_step_fns` closes over the static parts (graph, backend, top-logprob count, carry size) and returns jitted functions with the KV cache donated: callers rebind the
 returned cache.
 
 Every function also returns `next_tokens [M]`, the last token each row sampled (padded to the
@@ -52,7 +51,7 @@ class StepFns:
 
 
 def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
-                  carry_size: int, scan_layers: bool = True) -> StepFns:
+                  carry_size: int) -> StepFns:
     """The functions take `weights` as (the state's flat list of arrays, rope_tables' cos and
     sin); `state_treedef` rebuilds the state from the list: flattening NNX variables on every
     call would cost the host a millisecond per step."""
@@ -66,7 +65,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
     def chunk_forward(weights, kv: KVCache, tokens, md: AttentionMetadata,
                       sm: SamplingMetadata):
         model, rope = merge(weights)
-        hidden, kv = model(tokens, kv, md, backend, rope, scan_layers)
+        hidden, kv = model(tokens, kv, md, backend, rope)
         last = jnp.maximum(md.query_lens - 1, 0)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
         packed = sample(model.logits(h, backend), sm, num_top, backend.ops)
@@ -91,7 +90,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
 
         def one_step(carry, _):
             tokens, kv, md, sm = carry
-            hidden, kv = model(tokens[:, None], kv, md, backend, rope, scan_layers)
+            hidden, kv = model(tokens[:, None], kv, md, backend, rope)
             packed = sample(model.logits(hidden[:, 0], backend), sm, num_top, backend.ops)
             md = replace(md, positions=md.positions + 1, seq_lens=md.seq_lens + md.query_lens)
             sm = replace(sm, positions=sm.positions + 1)
@@ -105,7 +104,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
         carries = jnp.concatenate([carry0, carry1])
         tokens = jnp.where(src >= 0, carries[jnp.maximum(src, 0)], host_tokens[0])[None]
         model, rope = merge(weights)
-        hidden, kv = model(tokens, kv, md, backend, rope, scan_layers)  # [1, T, hidden]
+        hidden, kv = model(tokens, kv, md, backend, rope)  # [1, T, hidden]
         return hidden[0, jnp.maximum(md.query_starts[1:] - 1, 0)], kv
 
     def ragged_head(weights, last, sm, carry, carry_index, rows):
