@@ -1,7 +1,7 @@
 """The engine loop, once: the engine, the simulator and the tests' fake all step through it.
 
-    schedule -> dispatch this iteration -> read the previous one -> outputs.update
-                                           (tokens kept, stops, finished requests)
+    schedule -> dispatch this iteration -> read the previous one -> OutputProcessor.update
+                                           (the tokens kept, every stop, finished requests)
 
 A runner (`Runner`) is what the loop and `LLMEngine` drive: `dispatch(out) -> handle` starts
 the iteration's device work and returns at once, `collect(handle) -> {request id: Samples}`
@@ -109,6 +109,7 @@ class EngineCore:
         done, handle = previous
         results = self.runner.collect(handle)
         before = [len(chunk.request.output_ids) for chunk in done.chunks]
+        self.scheduler.update(done)  # its samples are pending no more
         touched = self.processor.update(self.scheduler, done, results)
         num_tokens = sum(
             len(chunk.request.output_ids) - n

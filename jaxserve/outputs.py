@@ -8,6 +8,8 @@ at a time and applies every stop in one place:
     prompt + output reach max_len (max_tokens or max_model_len)  -> "length"
     the text completes a stop string               -> "stop", reason: the string
 
+and no stop but the length before min_tokens tokens (vLLM's counting: a stop token may be
+the min_tokens-th, a stop string must end past it).
 A token past a stop is never appended (a multi-step decode samples several per step), so the
 output never depends on how tokens were grouped into steps. The scheduler learns only that a
 request finished, and how (`Scheduler.finish`, which frees its pages).
@@ -58,7 +60,7 @@ def logprob_dict(lp: "TokenLogprobs", token: int, num_top: int,
 class _State:
     """What the processor keeps of one request (on `Request.output_state`)."""
 
-    __slots__ = ("context", "detok", "held", "logprob_sum", "logprobs", "num_sent",
+    __slots__ = ("context", "detok", "held", "logprob_sum", "logprobs", "num_sent", "parts",
                  "prompt_logprobs", "prompt_sent", "text")
 
     def __init__(self, request: Request, tokenizer: BaseTokenizer | None):
@@ -66,12 +68,14 @@ class _State:
                                                                      request.prompt_ids)
         self.held = ""  # text decoded, not handed out yet (it may begin a stop string)
         self.context = ""  # the last text handed out, where a stop string kept in may begin
-        self.text = ""  # all text handed out (not kept for DELTA)
+        self.text = ""  # all text handed out (CUMULATIVE)
+        self.parts: list[str] = []  # the text released so far, in pieces (FINAL_ONLY)
         self.num_sent = 0  # output ids handed out (DELTA)
         # logprobs of the kept tokens: all of them, or (DELTA) those not handed out yet
         self.logprobs: list[dict[int, Logprob]] = []
         self.logprob_sum = 0.0
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            None if request.params.prompt_logprobs is None else [None] * len(request.prompt_ids))
         self.prompt_sent = False
 
 
@@ -89,7 +93,6 @@ class OutputProcessor:
         """Take a read iteration's samples: append the tokens each request keeps, apply the
         stops, finish the requests they end. Returns the requests given tokens. Samples of
         requests that finished (or were aborted) while their step was in flight are dropped."""
-        scheduler.update(done)
         touched = []
         for chunk in done.chunks:
             request = chunk.request
@@ -118,7 +121,7 @@ class OutputProcessor:
         stops = params.stop if state.detok is not None else ()
         for token in samples.tokens:
             out.append(token)
-            if token in request.stop_ids:
+            if token in request.stop_ids and len(out) >= params.min_tokens:
                 status = RequestStatus.FINISHED_STOPPED
                 reason = token if token in request.named_stop_ids else None
             elif len(out) >= limit:
@@ -126,7 +129,8 @@ class OutputProcessor:
             if stops:  # token by token: the first to complete a stop string ends the output
                 text_ids = [] if status is RequestStatus.FINISHED_STOPPED and not (
                     params.include_stop_str_in_output) else [token]
-                hit = self._push(state, params, text_ids, final=False)
+                hit = self._push(state, params, text_ids, final=False,
+                                 search=len(out) > params.min_tokens)
                 if hit is not None:
                     status, reason = RequestStatus.FINISHED_STOPPED, hit
                     break
@@ -140,7 +144,8 @@ class OutputProcessor:
         if status is not None and state.detok is not None and not isinstance(reason, str):
             # what the detokenizer held back (an unfinished character) is text now, and may
             # complete a stop string too
-            hit = self._push(state, params, [], final=True)
+            hit = self._push(state, params, [], final=True,
+                             search=len(out) > params.min_tokens)
             if hit is not None:
                 status, reason = RequestStatus.FINISHED_STOPPED, hit
         if params.logprobs is not None and samples.logprobs is not None:
@@ -151,15 +156,17 @@ class OutputProcessor:
         if status is not None:
             scheduler.finish(request, status, reason)
 
-    def _push(self, state: _State, params, ids: list[int], final: bool) -> str | None:
-        """Detokenize `ids` (with `final`, flush what the detokenizer holds) and look for a
-        stop string in what they add; on a hit, cut the text there and return the string.
+    def _push(self, state: _State, params, ids: list[int], final: bool,
+              search: bool = True) -> str | None:
+        """Detokenize `ids` (with `final`, flush what the detokenizer holds) and look (if
+        `search`: min_tokens are out, as vLLM counts them) for a stop string in what they add;
+        on a hit, cut the text there and return the string.
         Text the detokenizer holds back (an unfinished character, a byte run) counts where it
         would complete one: a stop found there ends the ids, which makes it final."""
         stops = params.stop
         before = len(state.context) + len(state.held)
         state.held += state.detok.finish() if final else state.detok.push(ids)
-        if not stops:
+        if not (stops and search):
             return None
         text = state.context + state.held + ("" if final else state.detok.peek())
         if len(text) == before:
@@ -174,8 +181,6 @@ class OutputProcessor:
         return stop
 
     def _prompt_logprobs(self, request: Request, state: _State, samples: "Samples") -> None:
-        if state.prompt_logprobs is None:
-            state.prompt_logprobs = [None] * len(request.prompt_ids)
         num_top = request.params.prompt_logprobs
         for j, lp in enumerate(samples.prompt_logprobs):
             pos = samples.prompt_start + 1 + j
@@ -190,9 +195,12 @@ class OutputProcessor:
         state, params = request.output_state, request.params
         finished = request.status.finished
         kind = params.output_kind
-        if kind is FINAL_ONLY and not finished:
-            return None
-        text = self._release(state, params, finished)
+        text = self._release(state, params, finished)  # the text held stays short
+        if kind is FINAL_ONLY:
+            state.parts.append(text)
+            if not finished:
+                return None
+            text, state.parts = "".join(state.parts), []
         wants = params.logprobs is not None
         logprobs = state.logprobs if wants else None
         prompt_logprobs = (state.prompt_logprobs if params.prompt_logprobs is not None
@@ -205,7 +213,7 @@ class OutputProcessor:
             if state.prompt_sent:
                 prompt_logprobs = None
             state.prompt_sent = True
-        else:
+        else:  # CUMULATIVE, or FINAL_ONLY's one output
             state.text += text
             text, token_ids = state.text, request.output_ids
         completion = CompletionOutput(

@@ -24,6 +24,9 @@ class SamplingParams:
     """How to generate, as vLLM's SamplingParams. temperature 0 means greedy."""
 
     max_tokens: int | None = 16  # None: up to max_model_len
+    # no stop (EOS, stop_token_ids, stop strings) ends the output before this many tokens (the
+    # host's half of vLLM's min_tokens: the sampler does not mask the stop ids meanwhile)
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None  # None (or -1/0 as in vLLM's API): no top-k cut
@@ -54,6 +57,10 @@ class SamplingParams:
             object.__setattr__(self, "top_k", None)
         if self.max_tokens is not None and not (is_int(self.max_tokens) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be a positive integer, got {show(self.max_tokens)}")
+        if not (is_int(self.min_tokens) and 0 <= self.min_tokens
+                <= (self.min_tokens if self.max_tokens is None else self.max_tokens)):
+            raise ValueError("min_tokens must be an integer from 0 to max_tokens, "
+                             f"got {show(self.min_tokens)}")
         if not (is_finite(self.temperature) and self.temperature >= 0.0):
             raise ValueError("temperature must be a finite number >= 0, "
                              f"got {show(self.temperature)}")

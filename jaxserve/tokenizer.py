@@ -355,7 +355,12 @@ class IncrementalDetokenizer:
             self._prefix -= 1
         self._prefix_text = self._decode(self._prefix, self._read)
         self._finished = False
-        self.text = ""  # everything returned so far
+        self._returned: list[str] = []  # everything returned so far, in pieces
+
+    @property
+    def text(self) -> str:
+        """Everything returned so far (kept in pieces: no copy of the whole text per token)."""
+        return "".join(self._returned)
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Append generated ids; return the text they complete ("" while it is incomplete)."""
@@ -391,7 +396,7 @@ class IncrementalDetokenizer:
         # characters would turn into U+FFFD too
         delta = self._advance(len(self._ids) - tail, final=True) + "\ufffd"
         self._read = len(self._ids)
-        self.text += "\ufffd"
+        self._returned.append("\ufffd")
         return delta
 
     def _byte_run_tail(self) -> int:
@@ -422,7 +427,7 @@ class IncrementalDetokenizer:
         delta = new_text[len(self._prefix_text) :]
         self._prefix, self._read = self._read, end
         self._prefix_text = self._decode(self._prefix, self._read)
-        self.text += delta
+        self._returned.append(delta)
         return delta
 
     def _kept(self, ids: Iterable[int]) -> list[int]:
@@ -449,7 +454,7 @@ class StreamDetokenizer:
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._held: list[int] = []  # ids stepped since the stream last returned text
         self._finished = False
-        self.text = ""  # everything returned so far
+        self._returned: list[str] = []  # everything returned so far, in pieces
         special = tokenizer.all_special_ids if skip_special_tokens else frozenset()
         tail = [int(i) for i in prompt_ids[-4:] if int(i) not in special]
         pieces = [tokenizer.token_bytes(i) for i in tail]
@@ -461,12 +466,17 @@ class StreamDetokenizer:
             self._step(i)
         self._num_prompt_held = len(self._held)  # held ids of the prompt: no output text alone
 
+    @property
+    def text(self) -> str:
+        """Everything returned so far (kept in pieces: no copy of the whole text per token)."""
+        return "".join(self._returned)
+
     def push(self, token_ids: Iterable[int]) -> str:
         """Append generated ids; return the text they complete ("" while it is incomplete)."""
         if self._finished:
             raise RuntimeError("push() after finish()")
         delta = "".join([self._step(int(i)) for i in token_ids])
-        self.text += delta
+        self._returned.append(delta)
         return delta
 
     def peek(self) -> str:
@@ -481,7 +491,7 @@ class StreamDetokenizer:
             return ""
         self._finished = True
         delta = self._held_text()
-        self.text += delta
+        self._returned.append(delta)
         return delta
 
     def _step(self, token_id: int) -> str:

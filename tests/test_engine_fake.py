@@ -245,7 +245,7 @@ def test_a_stop_string_ending_in_byte_tokens_stops_at_its_last_byte(stories_dir)
                       seed=0, max_len=64, eos_token_ids=tokenizer.eos_token_ids)
     request.set_status(RequestStatus.RUNNING)  # as the scheduler runs it; never queued here
     scheduler = SimpleNamespace(
-        update=lambda done: None, clock=lambda: 0.0,
+        clock=lambda: 0.0,
         finish=lambda r, status, reason=None: (r.set_status(status),
                                                setattr(r, "stop_reason", reason)))
     processor = OutputProcessor(tokenizer)
@@ -280,3 +280,43 @@ def test_text_through_decode_stream_on_a_byte_level_bpe_model(tmp_path):
         assert stopped.text == text[:cut] and stopped.stop_reason == stop
         ids = stopped.token_ids  # up to the first token whose text completes the stop string
         assert stop in tokenizer.decode(ids) and stop not in tokenizer.decode(ids[:-1])
+
+
+def test_min_tokens_hold_off_every_stop_but_the_length(model_dir):
+    """As vLLM counts: a stop token may be the min_tokens-th token, a stop string must end
+    past it; the length limit still ends the output."""
+    engine = make_engine(model_dir)
+    outs = run(engine, {
+        "token-early": (prompt_for("A"), SamplingParams(max_tokens=8, min_tokens=3,
+                                                       stop_token_ids=[ord("B"), ord("F")])),
+        "token-at-min": (prompt_for("A"), SamplingParams(max_tokens=8, min_tokens=2,
+                                                        stop_token_ids=[ord("B")])),
+        "string": (prompt_for("A"), SamplingParams(max_tokens=8, min_tokens=2,
+                                                  stop=["AB", "BC", "CD"])),
+        "length": (prompt_for("A"), SamplingParams(max_tokens=4, min_tokens=4,
+                                                  stop_token_ids=[ord("C")])),
+    })
+    final = {rid: o[-1].outputs[0] for rid, o in outs.items()}
+    assert (final["token-early"].text, final["token-early"].stop_reason) == ("ABCDE", ord("F"))
+    assert (final["token-at-min"].text, final["token-at-min"].stop_reason) == ("A", ord("B"))
+    assert (final["string"].text, final["string"].stop_reason) == ("A", "BC")  # not "AB"
+    assert (final["length"].text, final["length"].finish_reason) == ("ABCD", "length")
+    with pytest.raises(ValueError, match="min_tokens must be an integer from 0 to max_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_text_held_back_stays_short_whatever_the_output_length(model_dir, kind):
+    """What a step costs the host per token does not grow with the output: the text searched
+    for stop strings is what may still begin one, plus the step's new text."""
+    engine = make_engine(model_dir, max_model_len=400, num_pages=120, decode_steps=2)
+    params = SamplingParams(max_tokens=390, stop=["never", "zzz"], output_kind=kind)
+    request = engine.add_request("a", prompt_for("A", 2), params)
+    longest = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if kind is DELTA:
+                assert len(out.outputs[0].token_ids) <= 2
+        if request.output_state is not None:
+            longest = max(longest, len(request.output_state.held))
+    assert len(request.output_ids) == 390 and longest <= len("never") - 1 + 2
