@@ -69,7 +69,6 @@ class Step:
 
     scheduled: SchedulerOutput  # no chunks: nothing was dispatched
     done: SchedulerOutput | None = None  # the iteration whose results were read
-    results: Mapping[str, Samples] = field(default_factory=dict)  # by request id
     touched: list[Request] = field(default_factory=list)  # requests given tokens
     # done's prompt tokens (of requests it gave their first token) plus the tokens it
     # generated: what vLLM's iteration_tokens_total counts per step
@@ -115,4 +114,4 @@ class EngineCore:
             len(chunk.request.output_ids) - n
             + (len(chunk.request.prompt_ids) if n == 0 and chunk.request.output_ids else 0)
             for chunk, n in zip(done.chunks, before, strict=True))
-        return Step(out, done, results, touched, num_tokens)
+        return Step(out, done, touched, num_tokens)
