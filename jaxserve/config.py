@@ -143,9 +143,10 @@ class EngineConfig:
     max_top_logprobs: int = 20
     enable_prompt_logprobs: bool = True  # False: no prompt-logprob step variants to compile
     compilation_cache_dir: str | None = None  # None: $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve/xla
-    # the decoder layers under jax.lax.scan: one layer compiled whatever the depth; false
-    # unrolls them (compile time grows with depth)
-    scan_layers: bool = True
+    # the decoder layers stacked under jax.lax.scan: one layer compiled whatever the depth;
+    # false unrolls them (compile time grows with depth). None: the backend's choice (scan,
+    # except the CPU's matmul kernels, which run faster unrolled)
+    scan_layers: bool | None = None
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -167,13 +168,13 @@ class EngineConfig:
         if not is_int(self.max_top_logprobs) or self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs must be an integer >= 0, "
                              f"got {show(self.max_top_logprobs)}")
-        for name in ("adaptive_window", "length_bucketing", "enable_prompt_logprobs",
-                     "scan_layers"):
+        for name in ("adaptive_window", "length_bucketing", "enable_prompt_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {show(getattr(self, name))}")
-        if self.ragged_prefill is not None and not isinstance(self.ragged_prefill, bool):
-            raise ValueError(f"ragged_prefill must be true, false or None, "
-                             f"got {show(self.ragged_prefill)}")
+        for name in ("ragged_prefill", "scan_layers"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true, false or None, "
+                                 f"got {show(getattr(self, name))}")
         for name in ("kv_cache_memory_fraction", "window_ms", "window_ms_min", "window_ms_max",
                      "slo_ms"):  # NaN or inf would stall the window or the edf order
             if not is_finite(getattr(self, name)):

@@ -143,7 +143,9 @@ class ModelRunner:
         self.graphdef, self.state = load_state(model_path, model_config, self.dtype,
                                                config.load_format, config.seed)
         self.graphdef, self.state = self.backend.ops.pack_weights(self.graphdef, self.state)
-        if config.scan_layers:  # one layer compiled, whatever the depth
+        self.scan_layers = (self.backend.ops.scan_layers if config.scan_layers is None
+                            else config.scan_layers)
+        if self.scan_layers:  # one layer compiled, whatever the depth
             self.graphdef, self.state = stack_layers(self.graphdef, self.state)
         log.info("weights: %.1f MiB (%s) in %.1f s", state_bytes(self.state) / 2**20,
                  jnp.dtype(self.dtype).name, time.perf_counter() - start)

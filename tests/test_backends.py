@@ -19,6 +19,8 @@ from jaxserve.backends.cpu import CpuAttention, CpuOps
 from jaxserve.backends.gpu import PallasAttention
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.llama import LlamaForCausalLM, stack_layers
+from jaxserve.model.sampler import SamplingMetadata
+from jaxserve.model.step import make_step_fns
 from jaxserve.model_config import ModelConfig
 
 MODEL = HF_FIXTURES / "llama"
@@ -144,3 +146,57 @@ def test_the_tpu_backend_in_interpret_mode_gives_the_references_greedy_ids(tmp_p
     assert got == [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
     with pytest.raises(ValueError, match="attention_impl='tpu': head_dim 64"):
         select_backend("tpu", "xla", "float32", 64, 16, "cpu", 4, 2)
+
+
+@pytest.mark.parametrize("attention", ["cpu", "reference"])
+def test_no_step_copies_the_kv_pool(attention):
+    """The layers' scan carries the one pool and each layer writes its pages in place: the
+    compiled decode and prefill steps hold no copy of the pool (XLA would add one where it
+    could not alias the carry)."""
+    cfg = dataclasses.replace(ModelConfig.from_hf_dir(MODEL), num_layers=3)
+    backend = select_backend(attention, "auto", "float32", cfg.head_dim, 8, "cpu",
+                             cfg.num_heads, cfg.num_kv_heads)
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: LlamaForCausalLM(cfg, jnp.float32, nnx.Rngs(0))))
+    out = {}
+
+    def prepare(state):
+        out["graphdef"], state = stack_layers(*backend.ops.pack_weights(graphdef, state))
+        return state
+
+    state = jax.eval_shape(prepare, abstract)
+    kv = jax.eval_shape(lambda: backend.attention.zeros(cfg.num_layers, 50, 8, cfg.num_kv_heads,
+                                                        cfg.head_dim, "float32"))
+    fns = make_step_fns(out["graphdef"], jax.tree.structure(state), backend, 0, 4)
+    spec = jax.ShapeDtypeStruct
+    weights = (jax.tree.leaves(state), None)
+    pool = f"f32[{cfg.num_layers * 50},8,{cfg.num_kv_heads},{cfg.head_dim}]"
+    for rows, chunk in ((4, 1), (2, 16)):
+        md = AttentionMetadata(spec((rows, chunk), jnp.int32), spec((rows,), jnp.int32),
+                               spec((rows,), jnp.int32), spec((rows, 6), jnp.int32))
+        sm = SamplingMetadata(spec((rows,), jnp.float32), spec((rows,), jnp.int32),
+                              spec((rows,), jnp.float32), spec((rows,), jnp.uint32),
+                              spec((rows,), jnp.int32), spec((rows,), jnp.bool_))
+        carry = spec((4,), jnp.int32)
+        if chunk == 1:
+            lowered = fns.decode.lower(weights, kv, spec((rows,), jnp.int32),
+                                       spec((rows,), jnp.int32), carry, carry, md, sm, steps=1)
+        else:
+            lowered = fns.prefill.lower(weights, kv, spec((rows, chunk), jnp.int32), md, sm,
+                                        carry, spec((rows,), jnp.int32))
+        lines = lowered.compile().as_text().splitlines()
+        assert any(pool in line for line in lines)  # the pool's shape as XLA writes it
+        copies = [line for line in lines if pool in line and " copy(" in line]
+        assert not copies, copies[:3]
+
+
+def test_scan_layers_is_the_backends_choice_unless_set(tmp_path):
+    """None: scanned, except with the CPU's matmul kernels (faster unrolled); an explicit
+    value wins; anything else is a ValueError naming the option."""
+    base = dict(max_num_seqs=2, num_pages=40, page_size=8, enable_prompt_logprobs=False,
+                prefill_chunk_sizes=(16,), max_num_batched_tokens=16)
+    assert not LLM(MODEL, **base).engine.runner.scan_layers  # the CPU kernels
+    assert LLM(MODEL, matmul_impl="xla", **base).engine.runner.scan_layers
+    assert LLM(MODEL, scan_layers=True, **base).engine.runner.scan_layers
+    with pytest.raises(ValueError, match="scan_layers must be true, false or None"):
+        LLM(MODEL, scan_layers="yes", **base)

@@ -79,6 +79,10 @@ class Ops:
     differentiate, for training)."""
 
     name = "xla"
+    # whether the engine stacks the layers under jax.lax.scan (config.scan_layers None): one
+    # layer compiled whatever the depth, and as fast as unrolled where XLA reads a scanned
+    # layer's weights in place
+    scan_layers = True
 
     def linear(self, layer: nnx.Linear, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
         return layer(x)

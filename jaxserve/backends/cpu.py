@@ -73,6 +73,10 @@ class CpuOps(Ops):
     for the AMX kernel (bf16x3: within about 1e-5 of float32, not its bits)."""
 
     amx: bool = False
+    # The kernels take a layer's weights as whole buffers: under scan XLA slices each layer's
+    # out of the stack into a copy every step (bench/compile_time.py, 32 layers: a decode step
+    # 2.2x the unrolled one's), so the CPU backend keeps its layers unrolled
+    scan_layers = False
 
     @property
     def name(self) -> str:
