@@ -148,11 +148,12 @@ def test_the_tpu_backend_in_interpret_mode_gives_the_references_greedy_ids(tmp_p
         select_backend("tpu", "xla", "float32", 64, 16, "cpu", 4, 2)
 
 
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
 @pytest.mark.parametrize("attention", ["cpu", "reference"])
-def test_no_step_copies_the_kv_pool(attention):
-    """The layers' scan carries the one pool and each layer writes its pages in place: the
-    compiled decode and prefill steps hold no copy of the pool (XLA would add one where it
-    could not alias the carry)."""
+def test_no_step_copies_the_kv_pool(attention, scan):
+    """The layers' scan carries the one pool (or the unrolled layers pass it on) and each
+    layer writes its pages in place: the compiled decode and prefill steps hold no copy of
+    the pool (XLA would add one where it could not alias the buffer)."""
     cfg = dataclasses.replace(ModelConfig.from_hf_dir(MODEL), num_layers=3)
     backend = select_backend(attention, "auto", "float32", cfg.head_dim, 8, "cpu",
                              cfg.num_heads, cfg.num_kv_heads)
@@ -161,7 +162,9 @@ def test_no_step_copies_the_kv_pool(attention):
     out = {}
 
     def prepare(state):
-        out["graphdef"], state = stack_layers(*backend.ops.pack_weights(graphdef, state))
+        out["graphdef"], state = backend.ops.pack_weights(graphdef, state)
+        if scan:
+            out["graphdef"], state = stack_layers(out["graphdef"], state)
         return state
 
     state = jax.eval_shape(prepare, abstract)
