@@ -195,7 +195,7 @@ class OutputProcessor:
         state, params = request.output_state, request.params
         finished = request.status.finished
         kind = params.output_kind
-        text = self._release(state, params, finished)  # the text held stays short
+        text = self._release(state, params, finished) if state.held else ""
         if kind is FINAL_ONLY:
             state.parts.append(text)
             if not finished:
