@@ -485,3 +485,16 @@ def test_bench_sweep_server(server, stories_dir, tmp_path):
     rows = json.loads((tmp_path / "concurrency.json").read_text())
     assert [(r["batching"], r["completed"]) for r in rows] == [("server", 6)] * 3
     assert (tmp_path / "latency_vs_concurrency.png").is_file()
+
+
+def test_compile_time_bench_lowers_from_abstract_shapes_and_times_both_layer_forms(capsys):
+    """bench/compile_time.py compiles the steps from abstract shapes, layers scanned and
+    unrolled, and (--run-steps) times both forms' decode step on real weights."""
+    out = _load(ROOT / "bench" / "compile_time.py").main(["--quick", "--run-steps", "2",
+                                                          "--layers", "1,3"])
+    for form in ("scan", "unrolled"):
+        for layers in (1, 3):
+            row = out[f"llama-20m x{layers} {form}"]
+            assert row["decode_s"] > 0 and row["prefill_s"] > 0 and row["decode_ms"] > 0
+        assert out[f"ratio {form}"] > 0
+    assert "3 layers compile" in capsys.readouterr().out
