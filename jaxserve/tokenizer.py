@@ -313,7 +313,25 @@ def load_tokenizer(path: str | Path) -> Tokenizer | ByteTokenizer:
     )
 
 
-class IncrementalDetokenizer:
+class _Detokenizer:
+    """What the output processor reads a request's text with: `push(ids)` returns the text
+    they complete, `peek()` what held ids would add if none followed, `finish()` the rest;
+    `text` is everything returned."""
+
+    def __init__(self) -> None:
+        self._finished = False
+        self._returned: list[str] = []  # in pieces: no copy of the whole text per token
+
+    @property
+    def text(self) -> str:
+        return "".join(self._returned)
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise RuntimeError("push() after finish()")
+
+
+class IncrementalDetokenizer(_Detokenizer):
     """Turns generated token ids, fed a few at a time, into new text.
 
     Each call decodes a window that starts a few tokens back, so context-dependent pieces (the
@@ -341,10 +359,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         """`prompt_ids` are context only: their text is never returned."""
+        super().__init__()
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids = self._kept(prompt_ids)
-        self._read = len(self._ids) - self._incomplete_tail(self._ids[-4:])
+        self._read = len(self._ids) - _unfinished_tail(tokenizer, self._ids[-4:])
         self._prefix = max(self._read - _CONTEXT_TOKENS, 0)
         # Never start the window inside a run of byte tokens.
         in_run = tokenizer.byte_fallback_ids
@@ -354,18 +373,10 @@ class IncrementalDetokenizer:
         ):
             self._prefix -= 1
         self._prefix_text = self._decode(self._prefix, self._read)
-        self._finished = False
-        self._returned: list[str] = []  # everything returned so far, in pieces
-
-    @property
-    def text(self) -> str:
-        """Everything returned so far (kept in pieces: no copy of the whole text per token)."""
-        return "".join(self._returned)
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Append generated ids; return the text they complete ("" while it is incomplete)."""
-        if self._finished:
-            raise RuntimeError("push() after finish()")
+        self._check_open()
         self._ids += self._kept(token_ids)
         end = len(self._ids)
         while end > self._read and self._ids[end - 1] in self._tokenizer.byte_fallback_ids:
@@ -406,17 +417,7 @@ class IncrementalDetokenizer:
         start = len(self._ids)
         while start > max(self._read, len(self._ids) - 4) and self._ids[start - 1] in run:
             start -= 1
-        return self._incomplete_tail(self._ids[start:])
-
-    def _incomplete_tail(self, ids: Sequence[int]) -> int:
-        """How many of `ids`' last tokens hold the bytes of a character they begin but do not
-        finish (0 when their bytes end on a character boundary)."""
-        pieces = [self._tokenizer.token_bytes(i) for i in ids]
-        missing, count = _incomplete_utf8_tail(b"".join(pieces)), 0
-        while missing > 0 and count < len(pieces):
-            count += 1
-            missing -= len(pieces[-count])
-        return count
+        return _unfinished_tail(self._tokenizer, self._ids[start:])
 
     def _advance(self, end: int, final: bool) -> str:
         if end <= self._read:
@@ -438,7 +439,7 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
 
-class StreamDetokenizer:
+class StreamDetokenizer(_Detokenizer):
     """`IncrementalDetokenizer`'s interface over `tokenizers.decoders.DecodeStream` (Rust: one
     call per token), for Hugging Face tokenizers whose decoder is byte-level BPE alone (GPT-2,
     Llama 3, Qwen, ...): their text is the UTF-8 of the tokens' bytes, with no context, and
@@ -449,32 +450,20 @@ class StreamDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
                  skip_special_tokens: bool = True) -> None:
+        super().__init__()
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._held: list[int] = []  # ids stepped since the stream last returned text
-        self._finished = False
-        self._returned: list[str] = []  # everything returned so far, in pieces
         special = tokenizer.all_special_ids if skip_special_tokens else frozenset()
         tail = [int(i) for i in prompt_ids[-4:] if int(i) not in special]
-        pieces = [tokenizer.token_bytes(i) for i in tail]
-        missing, count = _incomplete_utf8_tail(b"".join(pieces)), 0
-        while missing > 0 and count < len(pieces):
-            count += 1
-            missing -= len(pieces[-count])
-        for i in tail[len(tail) - count:]:
+        for i in tail[len(tail) - _unfinished_tail(tokenizer, tail):]:
             self._step(i)
         self._num_prompt_held = len(self._held)  # held ids of the prompt: no output text alone
 
-    @property
-    def text(self) -> str:
-        """Everything returned so far (kept in pieces: no copy of the whole text per token)."""
-        return "".join(self._returned)
-
     def push(self, token_ids: Iterable[int]) -> str:
         """Append generated ids; return the text they complete ("" while it is incomplete)."""
-        if self._finished:
-            raise RuntimeError("push() after finish()")
+        self._check_open()
         delta = "".join([self._step(int(i)) for i in token_ids])
         self._returned.append(delta)
         return delta
@@ -533,6 +522,17 @@ def _open_final_message(text: str, final: str) -> str:
     at = text.rindex(stripped)
     whole = len(final.lstrip())
     return text[:at + (whole if text[at:at + whole] == final else len(stripped))]
+
+
+def _unfinished_tail(tokenizer: BaseTokenizer, ids: Sequence[int]) -> int:
+    """How many of `ids`' last tokens hold the bytes of a character they begin but do not
+    finish (0 when their bytes end on a character boundary)."""
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    missing, count = _incomplete_utf8_tail(b"".join(pieces)), 0
+    while missing > 0 and count < len(pieces):
+        count += 1
+        missing -= len(pieces[-count])
+    return count
 
 
 def _incomplete_utf8_tail(data: bytes) -> int:
