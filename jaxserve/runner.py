@@ -146,9 +146,11 @@ class ModelRunner:
         self.scan_layers = (self.backend.ops.scan_layers if config.scan_layers is None
                             else config.scan_layers)
         if self.scan_layers:  # one layer compiled, whatever the depth
-            self.graphdef, self.state = stack_layers(self.graphdef, self.state)
-        log.info("weights: %.1f MiB (%s) in %.1f s", state_bytes(self.state) / 2**20,
-                 jnp.dtype(self.dtype).name, time.perf_counter() - start)
+            self.graphdef, self.state = stack_layers(self.graphdef, self.state, consume=True)
+        log.info("weights: %.1f MiB (%s) in %.1f s; backend %s (attention %s, matmul %s, "
+                 "layers %s)", state_bytes(self.state) / 2**20, jnp.dtype(self.dtype).name,
+                 time.perf_counter() - start, self.backend.name, self.attention_impl,
+                 self.matmul_impl, "scanned" if self.scan_layers else "unrolled")
         self.page_size = config.page_size
         self.pages_per_seq = config.pages_per_seq(self.max_model_len)
         self.num_pages = config.num_pages or self._pages_that_fit()
