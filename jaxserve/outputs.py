@@ -26,6 +26,7 @@ per step; the text searched for stop strings is what is held back plus the new t
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from jaxserve.detokenizer import make_detokenizer
 from jaxserve.request import (
     CompletionOutput,
     Logprob,
@@ -34,7 +35,7 @@ from jaxserve.request import (
     RequestOutputKind,
     RequestStatus,
 )
-from jaxserve.tokenizer import BaseTokenizer, make_detokenizer, token_text
+from jaxserve.tokenizer import BaseTokenizer, token_text
 
 if TYPE_CHECKING:
     from jaxserve.core.scheduler import Scheduler, SchedulerOutput

@@ -15,11 +15,12 @@ from fake_runner import FakeRunner, expected_output, fake_logprob, token_after
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.detokenizer import StreamDetokenizer, make_detokenizer
 from jaxserve.engine import LLM, LLMEngine
 from jaxserve.engine_core import Samples
 from jaxserve.outputs import OutputProcessor
 from jaxserve.request import Request, RequestOutputKind, RequestStatus, SamplingParams
-from jaxserve.tokenizer import ByteTokenizer, StreamDetokenizer, Tokenizer, make_detokenizer
+from jaxserve.tokenizer import ByteTokenizer, Tokenizer
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": ByteTokenizer.VOCAB_SIZE,
           "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,

@@ -1,4 +1,4 @@
-"""Tokenizer, ByteTokenizer, chat templates and the incremental detokenizer."""
+"""Tokenizer, ByteTokenizer, chat templates and the detokenizers (ours and DecodeStream)."""
 
 import json
 import random
@@ -12,14 +12,12 @@ from hypothesis import strategies as st
 from jinja2.exceptions import SecurityError
 from tokenizers import Tokenizer as HFTokenizer
 
+from jaxserve.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
 from jaxserve.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     ByteTokenizer,
-    IncrementalDetokenizer,
-    StreamDetokenizer,
     Tokenizer,
     load_tokenizer,
-    make_detokenizer,
     token_text,
 )
 
