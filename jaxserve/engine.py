@@ -19,7 +19,7 @@ from typing import Any
 from jaxserve.checks import is_int, show
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler, make_scheduler
-from jaxserve.engine_core import EngineCore, Runner, Step
+from jaxserve.engine_core import RUNNER_MEMBERS, EngineCore, Runner, Step
 from jaxserve.model_config import ModelConfig
 from jaxserve.outputs import OutputProcessor
 from jaxserve.request import Request, RequestOutput, RequestOutputKind, SamplingParams
@@ -112,6 +112,10 @@ class LLMEngine:
                  cfg.num_params / 1e6, cfg.dtype)
         if runner is None:
             runner = self._model_runner()
+        missing = [name for name in RUNNER_MEMBERS if not hasattr(runner, name)]
+        if missing:
+            raise TypeError(f"runner {type(runner).__name__} lacks {', '.join(missing)} of the "
+                            "engine's runner interface (engine_core.Runner)")
         self.runner = runner
         self.max_model_len = runner.max_model_len
         self.processor = OutputProcessor(self.tokenizer)

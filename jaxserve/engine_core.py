@@ -63,6 +63,10 @@ class Runner(Protocol):
         ...
 
 
+RUNNER_MEMBERS = ("num_pages", "max_model_len", "chunk_buckets", "num_compilations_after_warmup",
+                  "warmup", "dispatch", "collect")
+
+
 @dataclass
 class Step:
     """One pass of the loop: what it dispatched, and the iteration it read (if any)."""

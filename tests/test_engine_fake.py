@@ -224,6 +224,17 @@ def test_preemption_changes_no_output(model_dir):
         assert "".join(o.outputs[0].text for o in outs[rid]) == bytes(ids).decode()
 
 
+def test_a_runner_without_the_interface_is_named(model_dir):
+    class Partial:
+        num_pages, max_model_len = 9, 64
+
+        def dispatch(self, out): ...
+
+    with pytest.raises(TypeError, match=r"runner Partial lacks chunk_buckets, "
+                       r"num_compilations_after_warmup, warmup, collect of the engine's"):
+        LLMEngine(model_dir, EngineConfig(), runner=Partial())
+
+
 def test_n_samples_through_llm_generate(model_dir):
     llm = LLM.__new__(LLM)
     llm.engine = make_engine(model_dir)
