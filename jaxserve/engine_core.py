@@ -42,8 +42,9 @@ class Samples:
 
 
 class Runner(Protocol):
-    """What the engine needs of a runner (JetStream's engine API, vLLM's executor): the model
-    runner implements it, and so do the simulator's device and the tests' fake."""
+    """What LLMEngine needs of a runner (JetStream's engine API, vLLM's executor): the model
+    runner and the tests' fake implement it. The loop itself (EngineCore) calls only dispatch
+    and collect, all the simulator's device has."""
 
     num_pages: int  # KV pages, the null page 0 included
     max_model_len: int  # prompt + output tokens a request may reach
@@ -63,6 +64,7 @@ class Runner(Protocol):
         ...
 
 
+# Runner's members, which LLMEngine checks a runner has (typing names them only from 3.13 on)
 RUNNER_MEMBERS = ("num_pages", "max_model_len", "chunk_buckets", "num_compilations_after_warmup",
                   "warmup", "dispatch", "collect")
 
