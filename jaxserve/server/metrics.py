@@ -180,10 +180,10 @@ class Metrics:
                 streams: list[RequestStream], n: int) -> None:
         """An HTTP request ended: each of its sequences (sample j of prompt i at i * n + j,
         every output of it counted by `progress`) finished, with its last output, or was
-        aborted (client gone, timeout). An aborted
-        sequence's tokens and latencies count too (it is often one of the slow ones), and its
-        finish reason; the per-request histograms take finished sequences, and n and the most
-        tokens generated a prompt whose n samples all finished (as vLLM, once per prompt)."""
+        aborted (client gone, timeout). An aborted sequence's tokens and latencies count too
+        (it is often one of the slow ones), and its finish reason; the per-request histograms
+        take finished sequences, and n and the most tokens generated a prompt whose n samples
+        all finished (as vLLM, once per prompt)."""
         done: list[RequestOutput | None] = []
         reasons: dict[str, int] = {}  # one increment per reason: a request may hold thousands
         for counted, output, stream in zip(seen, outputs, streams, strict=True):
