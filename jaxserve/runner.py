@@ -17,8 +17,11 @@ start-up:
              token: the weights are read once for both. Its head samples B rows, the row
              bucket of its rows (model and head are separate calls: T + B shapes, not T x B)
 
-`dispatch` returns at once (the device runs on, the packed results start copying to the host);
-`collect` waits for them. The engine dispatches iteration t+1 before collecting iteration t.
+The host arrays persist across steps (InputBatch): each running request holds a slot, written
+in full when it joins and then only where it changed (pages appended); a call's padded arrays are
+gathered from the slots. `dispatch` returns at once (the device runs on, the packed results start
+copying to the host); `collect` waits for them. The engine dispatches iteration t+1 before
+collecting iteration t.
 """
 
 import contextlib
@@ -51,6 +54,7 @@ from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
 from jaxserve.model_config import ModelConfig
+from jaxserve.request import Request
 
 log = logging.getLogger("jaxserve")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -84,6 +88,17 @@ def device_seed(seed: int) -> int:
     return (seed ^ (seed >> 32)) & 0xFFFFFFFF
 
 
+def _ids(request: Request, start: int, stop: int) -> list[int]:
+    """request.all_ids[start:stop], without building the whole list (a long context's would
+    cost every step)."""
+    p = len(request.prompt_ids)
+    if stop <= p:
+        return request.prompt_ids[start:stop]
+    if start >= p:
+        return request.output_ids[start - p:stop - p]
+    return request.prompt_ids[start:] + request.output_ids[:stop - p]
+
+
 def _unpack(packed: np.ndarray) -> TokenLogprobs:
     """[2 + 2K] int32 (logprob bits, rank, top ids, top bits) -> TokenLogprobs."""
     k = (packed.shape[-1] - 2) // 2
@@ -107,6 +122,91 @@ class Inflight:
     decode_chunks: list[ScheduledChunk] = field(default_factory=list)
     decode_packed: jax.Array | None = None  # [steps, B, W]
     prefills: list[PrefillCall] = field(default_factory=list)
+
+
+class InputBatch:
+    """The runner's host arrays, kept across steps (vLLM V1's persistent batch): each request the
+    scheduler runs holds a slot, a row of every per-request array. A request's sampling
+    parameters and seed are written when it takes its slot; after that a step writes only the
+    pages its requests appended. A step's padded arrays are gathered from the slots in one
+    indexing op per array (slot 0 is padding: the null page, greedy, no logprobs).
+
+    A request keeps its slot while every step schedules it; one that a step leaves out
+    (finished, aborted, preempted, or waiting for budget) gives it up, and takes a slot afresh,
+    its pages written in full, when it is scheduled again. Its page list only grows while it
+    runs; a preemption (counted in its metrics) rebuilds it from scratch, which a slot kept by a
+    step the runner never saw would otherwise miss.
+    """
+
+    def __init__(self, pages_per_seq: int, vocab_size: int, num_slots: int = 8):
+        self.vocab_size = vocab_size
+        self.slots: dict[Request, int] = {}  # by request object: a reused id is a new request
+        self._free: list[int] = []
+        self._num_pages: list[int] = [0]  # per slot: the pages written to its row
+        self._preemptions: list[int] = [0]  # per slot: its request's count when written
+        self.page_table = np.zeros((1, pages_per_seq), np.int32)  # [slots, pages_per_seq]
+        self.temperature = np.zeros((1,), np.float32)  # [slots] 0: greedy
+        self.top_k = np.full((1,), vocab_size, np.int32)  # [slots] vocab_size: off
+        self.top_p = np.ones((1,), np.float32)  # [slots] 1.0: off
+        self.seeds = np.zeros((1,), np.uint32)  # [slots] device_seed(request.seed)
+        self.logprobs = np.zeros((1,), bool)  # [slots]
+        self._grow(num_slots)
+
+    def update(self, chunks: list[ScheduledChunk]) -> None:
+        """Apply a step: free the slots of requests it leaves out, give new ones a slot, write
+        the pages appended since the last step."""
+        scheduled = {chunk.request for chunk in chunks}
+        for request in self.slots.keys() - scheduled:
+            self._free.append(self.slots.pop(request))
+        for chunk in chunks:
+            request = chunk.request
+            slot = self.slots.get(request)
+            if slot is None or self._preemptions[slot] != request.metrics.num_preemptions:
+                self._write(request, slot)
+            elif len(request.pages) != self._num_pages[slot]:
+                self._append(slot, request.pages)
+
+    def columns(self, chunks: list[ScheduledChunk], b: int) -> np.ndarray:
+        """[3, b] int32: each row's slot, start and tokens; padding rows slot 0, 0, 0."""
+        columns = np.zeros((3, b), np.int32)
+        if chunks:
+            columns[:, :len(chunks)] = np.array(
+                [(self.slots[c.request], c.start, c.num_tokens) for c in chunks], np.int32).T
+        return columns
+
+    def _write(self, request: Request, slot: int | None) -> None:
+        if slot is None:
+            if not self._free:
+                self._grow(max(1, len(self._num_pages) - 1))  # doubles
+            slot = self.slots[request] = self._free.pop()
+        p = request.params
+        self.temperature[slot] = 0.0 if p.greedy else p.temperature
+        self.top_k[slot] = min(p.top_k or self.vocab_size, self.vocab_size)  # past it: off
+        self.top_p[slot] = p.top_p
+        self.seeds[slot] = device_seed(request.seed)
+        self.logprobs[slot] = p.logprobs is not None
+        self._preemptions[slot] = request.metrics.num_preemptions
+        self._num_pages[slot] = 0
+        self.page_table[slot] = 0
+        self._append(slot, request.pages)
+
+    def _append(self, slot: int, pages: list[int]) -> None:
+        n = len(pages)
+        if n < self._num_pages[slot]:  # rebuilt: a page list only grows
+            self.page_table[slot] = 0
+            self._num_pages[slot] = 0
+        self.page_table[slot, self._num_pages[slot]:n] = pages[self._num_pages[slot]:]
+        self._num_pages[slot] = n
+
+    def _grow(self, more: int) -> None:
+        """`more` slots past the current ones, at padding values, on the free list."""
+        old = len(self._num_pages)
+        for name in ("page_table", "temperature", "top_k", "top_p", "seeds", "logprobs"):
+            array = getattr(self, name)
+            setattr(self, name, np.concatenate([array, np.repeat(array[:1], more, axis=0)]))
+        self._num_pages += [0] * more
+        self._preemptions += [0] * more
+        self._free += range(old + more - 1, old - 1, -1)
 
 
 class ModelRunner:
@@ -191,6 +291,8 @@ class ModelRunner:
         self._zeros = jax.device_put(jnp.zeros((self.carry_size,), jnp.int32), jax.devices()[0])
         self._carries = (self._zeros, self._zeros)
         self._carry_rows: dict[str, int] = {}  # request id -> index into the two carries
+        self.input_batch = InputBatch(self.pages_per_seq, model_config.vocab_size,
+                                      config.max_num_seqs)
         self.num_compilations = 0  # XLA compiles while this runner dispatched
         self._compiles_at_warmup = 0
 
@@ -236,6 +338,7 @@ class ModelRunner:
     def _dispatch(self, out: SchedulerOutput) -> Inflight:
         flight = Inflight()
         carries, carry_rows = [self._zeros, self._zeros], {}
+        self.input_batch.update(out.chunks)
         decode = [c for c in out.chunks if c.num_tokens == 1]
         prefill = [c for c in out.chunks if c.num_tokens > 1]
         alone = [c.request.params.prompt_logprobs is not None for c in prefill]
@@ -325,7 +428,7 @@ class ModelRunner:
             if self._on_device(chunk):
                 src[i] = self._carry_rows[request.request_id]
             else:
-                host[i] = request.all_ids[chunk.start]
+                host[i] = _ids(request, chunk.start, chunk.start + 1)[0]
         md, sm = self._metadata(chunks, b, 1)
         packed, carry, self.kv = self.fns.decode(self.weights, self.kv, host, src, *self._carries,
                                                  md, sm, steps=steps)
@@ -342,11 +445,11 @@ class ModelRunner:
         carry_index[:len(chunks)] = carry_rows
         with_prompt = False
         for i, chunk in enumerate(chunks):
-            ids = chunk.request.all_ids
-            tokens[i, :chunk.num_tokens] = ids[chunk.start:chunk.start + chunk.num_tokens]
+            start, n = chunk.start, chunk.num_tokens
+            tokens[i, :n] = _ids(chunk.request, start, start + n)
             if chunk.request.params.prompt_logprobs is not None:
                 with_prompt = True
-                nxt = ids[chunk.start + 1:chunk.start + chunk.num_tokens + 1]
+                nxt = _ids(chunk.request, start + 1, start + n + 1)
                 targets[i, :len(nxt)] = nxt
         md, sm = self._metadata(chunks, b, c)
         if with_prompt:
@@ -364,66 +467,51 @@ class ModelRunner:
         head samples `rows` rows (0: the row bucket of the chunks)."""
         m = self.carry_size  # the metadata's rows, whatever the call holds
         b = rows or bucket(max(len(chunks), 1), self.prefill_row_buckets, "ragged rows")
-        tokens = np.zeros((1, t), np.int32)
-        src = np.full((t,), -1, np.int32)
-        positions = np.zeros((1, t), np.int32)
+        slots, starts, lens = self.input_batch.columns(chunks, m)  # [m] each
+        seq_lens = starts + lens
+        query_starts = np.zeros((m + 1,), np.int32)  # row i's tokens: [q[i], q[i + 1])
+        np.cumsum(lens, out=query_starts[1:])
+        n = int(query_starts[-1])
         token_rows = np.full((t,), m, np.int32)  # padding: no row
-        starts = np.zeros((m + 1,), np.int32)
-        page_table = np.zeros((m, self.pages_per_seq), np.int32)
+        token_rows[:n] = np.repeat(np.arange(m, dtype=np.int32), lens)
+        positions = np.zeros((1, t), np.int32)
+        positions[0, :n] = (starts[token_rows[:n]] + np.arange(n, dtype=np.int32)
+                            - query_starts[token_rows[:n]])
+        page_table = self.input_batch.page_table[slots]  # [m, pages_per_seq]
         carry_index = np.full((b,), self.carry_size, np.int32)  # out of range: dropped
         carry_index[:len(chunks)] = carry_rows
-        seq_lens = np.zeros((m,), np.int32)
-        at = 0
-        for i, chunk in enumerate(chunks):
-            n, request = chunk.num_tokens, chunk.request
+        tokens = np.zeros((1, t), np.int32)
+        src = np.full((t,), -1, np.int32)
+        for chunk, at in zip(chunks, query_starts.tolist(), strict=False):
             if self._on_device(chunk):  # a decode row
-                src[at] = self._carry_rows[request.request_id]
+                src[at] = self._carry_rows[chunk.request.request_id]
             else:
-                tokens[0, at:at + n] = request.all_ids[chunk.start:chunk.start + n]
-            positions[0, at:at + n] = chunk.start + np.arange(n)
-            token_rows[at:at + n] = i
-            page_table[i, :len(request.pages)] = request.pages
-            seq_lens[i] = chunk.start + n
-            at += n
-            starts[i + 1:] = at
-        md = RaggedMetadata(positions=positions, token_rows=token_rows, query_starts=starts,
-                            seq_lens=seq_lens, page_table=page_table)
+                tokens[0, at:at + chunk.num_tokens] = _ids(chunk.request, chunk.start,
+                                                           chunk.start + chunk.num_tokens)
+        md = RaggedMetadata(positions=positions, token_rows=token_rows,
+                            query_starts=query_starts, seq_lens=seq_lens, page_table=page_table)
         last, self.kv = self.fns.ragged(self.weights, self.kv, tokens, src, *self._carries, md)
         packed, carry = self.fns.ragged_head(self.weights, last,
-                                             self._sampling(chunks, b, seq_lens[:b]), carry,
+                                             self._sampling(slots[:b], seq_lens[:b]), carry,
                                              carry_index, rows=b)
         return PrefillCall(chunks, packed), carry
 
     def _metadata(self, chunks: list[ScheduledChunk], b: int, c: int):
-        positions = np.zeros((b, c), np.int32)
-        query_lens = np.zeros((b,), np.int32)
-        page_table = np.zeros((b, self.pages_per_seq), np.int32)
-        for i, chunk in enumerate(chunks):
-            positions[i] = chunk.start + np.arange(c)
-            query_lens[i] = chunk.num_tokens
-            page_table[i, :len(chunk.request.pages)] = chunk.request.pages
-        seq_lens = positions[:, 0] + query_lens
+        """A call's attention and sampling arrays: b rows of c tokens (padding rows empty)."""
+        slots, starts, query_lens = self.input_batch.columns(chunks, b)  # [b] each
+        positions = starts[:, None] + np.arange(c, dtype=np.int32)
+        positions[len(chunks):] = 0
+        seq_lens = starts + query_lens
         md = AttentionMetadata(positions=positions, query_lens=query_lens, seq_lens=seq_lens,
-                               page_table=page_table)
-        return md, self._sampling(chunks, b, seq_lens)
+                               page_table=self.input_batch.page_table[slots])
+        return md, self._sampling(slots, seq_lens)
 
-    def _sampling(self, chunks: list[ScheduledChunk], b: int,
-                  seq_lens: np.ndarray) -> SamplingMetadata:
-        temperature = np.zeros((b,), np.float32)
-        vocab = self.model_config.vocab_size
-        top_k = np.full((b,), vocab, np.int32)
-        top_p = np.ones((b,), np.float32)
-        seeds = np.zeros((b,), np.uint32)
-        logprobs = np.zeros((b,), bool)
-        for i, chunk in enumerate(chunks):
-            request, p = chunk.request, chunk.request.params
-            temperature[i] = 0.0 if p.greedy else p.temperature
-            top_k[i] = min(p.top_k or vocab, vocab)  # a top_k past the vocabulary is off
-            top_p[i] = p.top_p
-            seeds[i] = device_seed(request.seed)
-            logprobs[i] = p.logprobs is not None
-        return SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds,
-                                positions=seq_lens, logprobs=logprobs)
+    def _sampling(self, slots: np.ndarray, positions: np.ndarray) -> SamplingMetadata:
+        """The sampling arrays of the rows in `slots` [B], sampling at `positions` [B]."""
+        batch = self.input_batch
+        return SamplingMetadata(temperature=batch.temperature[slots], top_k=batch.top_k[slots],
+                                top_p=batch.top_p[slots], seeds=batch.seeds[slots],
+                                positions=positions, logprobs=batch.logprobs[slots])
 
     # -- start-up ----------------------------------------------------------------------------
 
