@@ -27,6 +27,8 @@ FORBIDDEN = {
     "jaxserve.engine_core": ("jax", "flax", "jaxserve.model", "jaxserve.runner",
                              "jaxserve.server", "pallas_kernels"),
     "jaxserve.server": ("jaxserve.runner", "jaxserve.model"),
+    # the runner's persistent host arrays: numpy only
+    "jaxserve.input_batch": ("jax", "flax", "jaxserve.model", "jaxserve.runner"),
     "pallas_kernels": ("jaxserve", "cpu_kernels"),
     "cpu_kernels": ("jaxserve",),
 }

@@ -1,4 +1,4 @@
-"""The runner's persistent batch (runner.InputBatch): the arrays the runner hands the device equal
+"""The runner's persistent batch (input_batch.InputBatch): the arrays the runner hands the device equal
 a from-scratch build from each step's chunks, step after step, across admissions, page appends,
 preemption and resume (pages rebuilt), finishes, aborts and slot reuse."""
 
@@ -10,8 +10,8 @@ from conftest import HF_FIXTURES
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.scheduler import ScheduledChunk
+from jaxserve.input_batch import InputBatch, device_seed
 from jaxserve.request import Request
-from jaxserve.runner import InputBatch, device_seed
 
 MODEL = HF_FIXTURES / "llama"
 BASE = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_sizes=(16, 64),

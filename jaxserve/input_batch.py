@@ -1,0 +1,103 @@
+"""The runner's host arrays, kept across steps (vLLM V1's persistent batch): numpy only.
+
+The runner (runner.py) updates it once per dispatch with the step's chunks and gathers each
+call's padded arrays from it; nothing here touches the device.
+"""
+
+import numpy as np
+
+from jaxserve.core.scheduler import ScheduledChunk
+from jaxserve.request import Request
+
+
+def device_seed(seed: int) -> int:
+    """A request's seed as the device's 32-bit key: a 64-bit seed (as vLLM takes) folded, its
+    high word into its low, so seeds 2**32 apart still differ (seeds below 2**32 keep theirs)."""
+    seed %= 2**64
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
+
+
+
+class InputBatch:
+    """The runner's host arrays, kept across steps (vLLM V1's persistent batch): each request the
+    scheduler runs holds a slot, a row of every per-request array. A request's sampling
+    parameters and seed are written when it takes its slot; after that a step writes only the
+    pages its requests appended. A step's padded arrays are gathered from the slots in one
+    indexing op per array (slot 0 is padding: the null page, greedy, no logprobs).
+
+    A request keeps its slot while every step schedules it; one that a step leaves out
+    (finished, aborted, preempted, or waiting for budget) gives it up, and takes a slot afresh,
+    its pages written in full, when it is scheduled again. Its page list only grows while it
+    runs; a preemption (counted in its metrics) rebuilds it from scratch, which a slot kept by a
+    step the runner never saw would otherwise miss.
+    """
+
+    def __init__(self, pages_per_seq: int, vocab_size: int, num_slots: int = 8):
+        self.vocab_size = vocab_size
+        self.slots: dict[Request, int] = {}  # by request object: a reused id is a new request
+        self._free: list[int] = []
+        self._num_pages: list[int] = [0]  # per slot: the pages written to its row
+        self._preemptions: list[int] = [0]  # per slot: its request's count when written
+        self.page_table = np.zeros((1, pages_per_seq), np.int32)  # [slots, pages_per_seq]
+        self.temperature = np.zeros((1,), np.float32)  # [slots] 0: greedy
+        self.top_k = np.full((1,), vocab_size, np.int32)  # [slots] vocab_size: off
+        self.top_p = np.ones((1,), np.float32)  # [slots] 1.0: off
+        self.seeds = np.zeros((1,), np.uint32)  # [slots] device_seed(request.seed)
+        self.logprobs = np.zeros((1,), bool)  # [slots]
+        self._grow(num_slots)
+
+    def update(self, chunks: list[ScheduledChunk]) -> None:
+        """Apply a step: free the slots of requests it leaves out, give new ones a slot, write
+        the pages appended since the last step."""
+        scheduled = {chunk.request for chunk in chunks}
+        for request in self.slots.keys() - scheduled:
+            self._free.append(self.slots.pop(request))
+        for chunk in chunks:
+            request = chunk.request
+            slot = self.slots.get(request)
+            if slot is None or self._preemptions[slot] != request.metrics.num_preemptions:
+                self._write(request, slot)
+            elif len(request.pages) != self._num_pages[slot]:
+                self._append(slot, request.pages)
+
+    def columns(self, chunks: list[ScheduledChunk], b: int) -> np.ndarray:
+        """[3, b] int32: each row's slot, start and tokens; padding rows slot 0, 0, 0."""
+        columns = np.zeros((3, b), np.int32)
+        if chunks:
+            columns[:, :len(chunks)] = np.array(
+                [(self.slots[c.request], c.start, c.num_tokens) for c in chunks], np.int32).T
+        return columns
+
+    def _write(self, request: Request, slot: int | None) -> None:
+        if slot is None:
+            if not self._free:
+                self._grow(max(1, len(self._num_pages) - 1))  # doubles
+            slot = self.slots[request] = self._free.pop()
+        p = request.params
+        self.temperature[slot] = 0.0 if p.greedy else p.temperature
+        self.top_k[slot] = min(p.top_k or self.vocab_size, self.vocab_size)  # past it: off
+        self.top_p[slot] = p.top_p
+        self.seeds[slot] = device_seed(request.seed)
+        self.logprobs[slot] = p.logprobs is not None
+        self._preemptions[slot] = request.metrics.num_preemptions
+        self._num_pages[slot] = 0
+        self.page_table[slot] = 0
+        self._append(slot, request.pages)
+
+    def _append(self, slot: int, pages: list[int]) -> None:
+        n = len(pages)
+        if n < self._num_pages[slot]:  # rebuilt: a page list only grows
+            self.page_table[slot] = 0
+            self._num_pages[slot] = 0
+        self.page_table[slot, self._num_pages[slot]:n] = pages[self._num_pages[slot]:]
+        self._num_pages[slot] = n
+
+    def _grow(self, more: int) -> None:
+        """`more` slots past the current ones, at padding values, on the free list."""
+        old = len(self._num_pages)
+        for name in ("page_table", "temperature", "top_k", "top_p", "seeds", "logprobs"):
+            array = getattr(self, name)
+            setattr(self, name, np.concatenate([array, np.repeat(array[:1], more, axis=0)]))
+        self._num_pages += [0] * more
+        self._preemptions += [0] * more
+        self._free += range(old + more - 1, old - 1, -1)
