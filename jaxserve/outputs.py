@@ -10,6 +10,7 @@ at a time and applies every stop in one place:
 
 and no stop but the length before min_tokens tokens (vLLM's counting: a stop token may be
 the min_tokens-th, a stop string must end past it).
+
 A token past a stop is never appended (a multi-step decode samples several per step), so the
 output never depends on how tokens were grouped into steps. The scheduler learns only that a
 request finished, and how (`Scheduler.finish`, which frees its pages).
