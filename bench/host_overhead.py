@@ -10,10 +10,12 @@ asynchronous: the host goes on while the "device" works). Every decode iteration
 split into
 
     schedule   Scheduler.schedule
-    batch      the runner packing its host arrays (metadata, sampling arrays, input tokens)
+    batch      the runner's persistent arrays updated and each call's gathered (metadata,
+               sampling arrays)
     dispatch   the jitted calls themselves (launch)
     collect    reading the step's results once they are ready (not the wait for them)
-    output     the engine's post-processing: scheduler update, logprobs, detokenizing, outputs
+    output     the way out: the output processor (stops, logprobs, detokenizing, outputs), the
+               scheduler's update, the engine's own
 
 and the device's idle share is the part of the measured window in which no stand-in step slept.
 With `--long-tokens N`, one request generates N tokens alone and the host time of its last
@@ -85,14 +87,19 @@ class Timers:
 
     def reset(self) -> None:
         self.now = dict.fromkeys((*PHASES, WAIT), 0.0)
+        self.active: set[str] = set()  # phases being timed: a nested call is not counted again
 
     def wrap(self, phase: str, fn):
         def timed(*args, **kwargs):
+            if phase in self.active:
+                return fn(*args, **kwargs)
+            self.active.add(phase)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.now[phase] += time.perf_counter() - start
+                self.active.discard(phase)
         return timed
 
 
@@ -126,6 +133,8 @@ def build(seqs: int, context: int, step_ms: float, long_tokens: int = 0):
         fns, decode=launched(fns.decode), prefill=launched(fns.prefill),
         prefill_with_prompt_logprobs=launched(fns.prefill_with_prompt_logprobs),
         ragged=timers.wrap("dispatch", fns.ragged), ragged_head=launched(fns.ragged_head))
+    batch = runner.input_batch  # the persistent arrays' update, then each call's gather
+    batch.update = timers.wrap("batch", batch.update)
     runner._metadata = timers.wrap("batch", runner._metadata)
     runner._sampling = timers.wrap("batch", runner._sampling)
     engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)
@@ -136,6 +145,11 @@ def build(seqs: int, context: int, step_ms: float, long_tokens: int = 0):
         timers.wrap("wait", jax.block_until_ready)([a for a in arrays if a is not None])
         return timers.wrap("collect", collect)(flight)
     runner.collect = collect_ready
+    # the way out: the output processor (stops, text, outputs) runs inside the engine loop,
+    # then the scheduler's update and the engine's own
+    processor = engine.core.processor
+    processor.update = timers.wrap("output", processor.update)
+    engine.scheduler.update = timers.wrap("output", engine.scheduler.update)
     engine._process = timers.wrap("output", engine._process)
     return engine, device, timers
 
