@@ -58,27 +58,25 @@ def _convert(args) -> int:
 
 def _generate(args) -> int:
     from jaxserve.engine import LLMEngine
-    from jaxserve.request import SamplingParams
+    from jaxserve.request import RequestOutputKind, SamplingParams
 
     prompts = (args.prompt or []) + args.prompts
     if not prompts:
         named = "" if args.model is None else f" ({args.model!r}, the first argument, is the model)"
         raise ValueError(f"no prompt: pass --prompt TEXT{named}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            stop=tuple(args.stop or ()))  # checked before the model loads
+                            stop=tuple(args.stop or ()),  # checked before the model loads
+                            output_kind=RequestOutputKind.DELTA)
     engine_options, _ = _options(args)
     engine = LLMEngine(args.model, EngineConfig.from_overrides(**engine_options),
                        progress=sys.stderr.isatty())
     for prompt in prompts:
         engine.add_request(None, prompt, params)
         sys.stdout.write(prompt)
-        printed = ""
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                text = out.outputs[0].text
-                sys.stdout.write(text[len(printed):])
+            for out in engine.step():  # each output carries the text this step added
+                sys.stdout.write(out.outputs[0].text)
                 sys.stdout.flush()
-                printed = text
         sys.stdout.write("\n")
     return 0
 
