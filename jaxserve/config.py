@@ -135,7 +135,7 @@ class EngineConfig:
     decode_steps: int = 1
     prefill_chunk_sizes: tuple[int, ...] = (16, 32, 64, 128, 256)  # prefill buckets, tokens per row
     # an iteration's prompt chunks packed into one row of tokens, the call padded as a whole
-    # (no row padded to a chunk bucket). None: where the attention impl can (cpu)
+    # (no row padded to a chunk bucket). None: where the attention impl can (cpu, tpu)
     ragged_prefill: bool | None = None
     # the padded row counts the steps are compiled for (vLLM's cuda_graph_sizes); fewer buckets
     # compile faster and pad more. None: 2, 4, 8 ... up to the first >= max_num_seqs

@@ -10,9 +10,10 @@ start-up:
              until it ends
     prefill: per call, B as above or 1, C = smallest prefill_chunk_sizes entry >= its longest
              chunk; a chunk that wants prompt logprobs runs as a call of its own (B = 1)
-    ragged:  with the cpu attention (config.ragged_prefill), the other prompt chunks packed one
-             after another into one row of T tokens, T = smallest ragged token bucket that holds
-             them (core.buckets.ragged_calls): no row pads to a chunk bucket. In an iteration
+    ragged:  where the backend has ragged calls (the cpu and tpu attention;
+             config.ragged_prefill), the other prompt chunks packed one after another into one
+             row of T tokens, T = smallest ragged token bucket that holds them
+             (core.buckets.ragged_calls): no row pads to a chunk bucket. In an iteration
              that also decodes (one step), the decode rows join that call as rows of one
              token: the weights are read once for both. Its head samples B rows, the row
              bucket of its rows (model and head are separate calls: T + B shapes, not T x B)
@@ -182,7 +183,7 @@ class ModelRunner:
         self.chunk_buckets = config.chunk_buckets(self.max_model_len)
         ragged = self.backend.attention.ragged_calls
         if config.ragged_prefill and not ragged:
-            raise ValueError(f"ragged_prefill runs on the cpu attention, not "
+            raise ValueError(f"ragged_prefill runs on the cpu or tpu attention, not "
                              f"{self.attention_impl!r}: leave it None (auto) or false")
         self.ragged = config.ragged_prefill is not False and ragged
         self.token_buckets = ragged_token_buckets(self.chunk_buckets,

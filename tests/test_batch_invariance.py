@@ -200,7 +200,7 @@ def test_decode_rows_in_mixed_calls_give_the_separate_calls_outputs(tmp_path, ba
 def test_ragged_prefill_needs_the_cpu_attention(tmp_path):
     config = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="ragged_prefill runs on the cpu attention"):
+    with pytest.raises(ValueError, match="ragged_prefill runs on the cpu or tpu attention"):
         LLM(tmp_path, load_format="dummy", attention_impl="reference", ragged_prefill=True)
     llm = LLM(tmp_path, load_format="dummy", attention_impl="reference", num_pages=64)
     assert not llm.engine.runner.ragged  # auto: only where it runs

@@ -64,7 +64,7 @@ class Attention:
 
     def ragged(self, q: jax.Array, kv: KVCache, md: RaggedMetadata, scale: float) -> jax.Array:
         """q [1, T, heads, head_dim] packed rows -> the same shape."""
-        raise ValueError(f"a ragged call runs on the cpu attention, not {self.name!r}")
+        raise ValueError(f"a ragged call runs on the cpu or tpu attention, not {self.name!r}")
 
     def __call__(self, q: jax.Array, kv: KVCache, md: AttentionMetadata | RaggedMetadata,
                  scale: float) -> jax.Array:
