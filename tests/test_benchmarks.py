@@ -508,4 +508,5 @@ def test_host_overhead_bench_splits_an_iteration_over_the_stand_in_device():
     phases = row["host_us_by_phase"]
     assert set(phases) == {*bench.PHASES, "other"}
     assert all(phases[k] > 0 for k in ("schedule", "batch", "dispatch", "collect", "output"))
-    assert row["wait_us_per_iteration"] > 0 and 0 <= row["device_idle_share"] < 1
+    assert row["wait_us_per_iteration"] > 0 and row["stand_in_us_per_iteration"] > 0
+    assert 0 <= row["device_idle_share"] < 1
