@@ -61,3 +61,24 @@ def test_aborting_100000_waiting_requests_leaves_the_scheduler_serving():
     s.add_request(make_request("after", 3, arrival=2.0))
     out = s.schedule()
     assert [c.request.request_id for c in out.chunks] == ["after"]
+
+
+def test_the_queue_lets_go_of_the_requests_it_no_longer_holds():
+    """Admission takes from the head: the dead are dropped as they outgrow the live, so a
+    server that has queued a million requests does not keep them (each holds its prompt and
+    its outputs' state); what it holds stays bounded by the queue's length."""
+    import gc
+    import weakref
+
+    queue = WaitingQueue()
+    gone = []
+    for i in range(5000):
+        queue.add(make_request(f"r{i}", 3))
+        if len(queue) > 10:  # the oldest admitted
+            head = queue.head(1)[0]
+            queue.remove(head)
+            gone.append(weakref.ref(head))
+            del head
+    gc.collect()
+    assert len(queue) == 10 and len(queue._entries) <= 2 * 10 + 65
+    assert sum(ref() is not None for ref in gone) <= 10 + 65

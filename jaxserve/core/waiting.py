@@ -50,10 +50,12 @@ class WaitingQueue:
         self._by_request[request] = entry
 
     def remove(self, request: Request) -> None:
-        """O(1): the entry is marked dead. KeyError if the request is not waiting."""
+        """O(1) amortised: the entry is marked dead, and the dead are dropped once they
+        outnumber the live (a dead entry still holds its request: a long-running server would
+        otherwise keep every request it ever queued). KeyError if the request is not
+        waiting."""
         self._by_request.pop(request).alive = False
-        dead = len(self._entries) - self._start - len(self._by_request)
-        if dead > max(64, len(self._by_request)):
+        if len(self._entries) - len(self._by_request) > max(64, len(self._by_request)):
             self._entries = [e for e in self._entries[self._start:] if e.alive]
             self._start = 0
 
@@ -86,4 +88,7 @@ class WaitingQueue:
         entries, start = self._entries, self._start
         while start < len(entries) and not entries[start].alive:
             start += 1
+        if start > max(64, len(entries) - start):  # the dead head outgrew the rest: drop it
+            del entries[:start]
+            start = 0
         self._start = start
