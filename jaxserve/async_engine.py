@@ -375,6 +375,11 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
+            else:  # a cumulative output's lists are the request's own, which this thread
+                for completion in output.outputs:  # goes on appending to: hand over copies
+                    completion.token_ids = list(completion.token_ids)
+                    if completion.logprobs is not None:
+                        completion.logprobs = list(completion.logprobs)
             by_loop[stream.loop].append((stream, output))
         for loop, items in by_loop.items():
             _hand_over(loop, items, now)

@@ -173,8 +173,9 @@ class OutputProcessor:
         text = state.context + state.held + ("" if final else state.detok.peek())
         if len(text) == before:
             return None
-        search_from = max(0, before - max(map(len, stops)) + 1)
-        hits = [(i, s) for s in stops if (i := text.find(s, search_from)) >= 0]
+        # a hit must end in the text just added: one that ended before it was not a stop
+        # then (min_tokens not reached), and is not one now
+        hits = [(i, s) for s in stops if (i := text.find(s, max(0, before - len(s) + 1))) >= 0]
         if not hits:
             return None
         index, stop = min(hits)
@@ -223,6 +224,8 @@ class OutputProcessor:
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason, logprobs=logprobs,
             cumulative_logprob=state.logprob_sum if wants else None)
+        if finished:  # nothing reads it again: let it go with the output
+            request.output_state = None
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_ids, outputs=[completion], finished=finished,

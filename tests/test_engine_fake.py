@@ -307,12 +307,18 @@ def test_min_tokens_hold_off_every_stop_but_the_length(model_dir):
                                                   stop=["AB", "BC", "CD"])),
         "length": (prompt_for("A"), SamplingParams(max_tokens=4, min_tokens=4,
                                                   stop_token_ids=[ord("C")])),
+        # a short stop string that ended within min_tokens is no stop later, whatever the
+        # longer stop strings beside it
+        "string-early": (prompt_for("A"), SamplingParams(max_tokens=8, min_tokens=3,
+                                                        stop=["BC", "XYZW"])),
     })
     final = {rid: o[-1].outputs[0] for rid, o in outs.items()}
     assert (final["token-early"].text, final["token-early"].stop_reason) == ("ABCDE", ord("F"))
     assert (final["token-at-min"].text, final["token-at-min"].stop_reason) == ("A", ord("B"))
     assert (final["string"].text, final["string"].stop_reason) == ("A", "BC")  # not "AB"
     assert (final["length"].text, final["length"].finish_reason) == ("ABCD", "length")
+    assert (final["string-early"].text, final["string-early"].finish_reason) == ("ABCDEFGH",
+                                                                                "length")
     with pytest.raises(ValueError, match="min_tokens must be an integer from 0 to max_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3)
 
@@ -332,3 +338,37 @@ def test_the_text_held_back_stays_short_whatever_the_output_length(model_dir, ki
         if request.output_state is not None:
             longest = max(longest, len(request.output_state.held))
     assert len(request.output_ids) == 390 and longest <= len("never") - 1 + 2
+
+
+def test_cumulative_outputs_through_the_async_engine_are_snapshots(model_dir):
+    """A cumulative output's lists are the request's own, which the engine thread goes on
+    appending to; AsyncEngine hands the caller's event loop copies, so an output read late
+    still matches its text."""
+    import asyncio
+    import time
+
+    from jaxserve.async_engine import AsyncEngine
+
+    engine = make_engine(model_dir)
+    collect = engine.runner.collect
+    engine.runner.collect = lambda flight: (time.sleep(0.003), collect(flight))[1]
+
+    async def main():
+        async_engine = AsyncEngine(engine)
+        stream = await async_engine.add_request("a", prompt_for("A"),
+                                                SamplingParams(max_tokens=40))
+        mismatched = seen = 0
+        async for out in stream:
+            completion = out.outputs[0]
+            text, ids = completion.text, len(completion.token_ids)
+            await asyncio.sleep(0.01)  # the engine runs on meanwhile
+            mismatched += (len(completion.token_ids) != ids
+                           or bytes(completion.token_ids).decode() != text)
+            seen += 1
+            if out.finished:
+                break
+        await async_engine.shutdown()
+        return mismatched, seen
+
+    mismatched, seen = asyncio.run(main())
+    assert seen > 1 and mismatched == 0
