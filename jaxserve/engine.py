@@ -312,7 +312,8 @@ class LLM:
         """Run every prompt to completion; outputs in input order. A prompt whose params ask
         for n > 1 samples runs as n requests (`SamplingParams.for_sample`); its output holds
         the n completions in `outputs`, indexed 0..n-1, with the first request's id and
-        metrics."""
+        metrics. Only final outputs are returned, so every request runs as FINAL_ONLY (as
+        vLLM's LLM does): no step builds an output nobody reads."""
         from tqdm import tqdm
 
         if isinstance(prompts, str | dict):
@@ -335,27 +336,20 @@ class LLM:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append([])
                 for i in range(p.n):
+                    sample = dataclasses.replace(p.for_sample(i),
+                                                 output_kind=RequestOutputKind.FINAL_ONLY)
                     ids[-1].append(self.engine.add_request(
-                        None, prompt, p.for_sample(i), cap_max_tokens=True).request_id)
+                        None, prompt, sample, cap_max_tokens=True).request_id)
         except Exception:  # nothing of this call stays queued
             for rid in (r for group in ids for r in group):
                 self.engine.abort(rid)
             raise
         finished: dict[str, RequestOutput] = {}
-        deltas: dict[str, RequestOutput] = {}  # DELTA requests' outputs so far, merged
         with tqdm(total=sum(map(len, ids)), desc="generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    rid = output.request_id
-                    if rid in deltas:
-                        deltas[rid].add(output)
-                        output = deltas[rid]
-                    elif (not output.finished and self.engine.scheduler.requests[rid]
-                          .params.output_kind is RequestOutputKind.DELTA):
-                        deltas[rid] = output
-                    if output.finished:
-                        finished[rid] = output
-                        bar.update(1)
+                for output in self.engine.step():  # FINAL_ONLY: each one a request's last
+                    finished[output.request_id] = output
+                    bar.update(1)
         results = []
         for group in ids:
             completions = [dataclasses.replace(finished[rid].outputs[0], index=i)
