@@ -95,15 +95,13 @@ class Attention(nnx.Module):
                  write_index, backend):
         """md and write_index address this layer's pages of kv."""
         b, c, _ = x.shape
-        linear = backend.ops.linear
-        q = linear(self.q_proj, x).reshape(b, c, self.num_heads, self.head_dim)
-        k = linear(self.k_proj, x).reshape(b * c, self.num_kv_heads, self.head_dim)
-        v = linear(self.v_proj, x).reshape(b * c, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k.reshape(b, c, self.num_kv_heads, self.head_dim), cos, sin)
-        kv = backend.attention.write(kv, k.reshape(b * c, self.num_kv_heads, self.head_dim), v,
-                                     write_index)
-        out = backend.attention(q, kv, md, self.head_dim**-0.5)
+        linear, kv_heads, d = backend.ops.linear, self.num_kv_heads, self.head_dim
+        q = apply_rope(linear(self.q_proj, x).reshape(b, c, self.num_heads, d), cos, sin)
+        k = apply_rope(linear(self.k_proj, x).reshape(b, c, kv_heads, d), cos, sin)
+        v = linear(self.v_proj, x)
+        kv = backend.attention.write(kv, k.reshape(b * c, kv_heads, d),
+                                     v.reshape(b * c, kv_heads, d), write_index)
+        out = backend.attention(q, kv, md, d**-0.5)
         return linear(self.o_proj, out.reshape(b, c, -1)), kv
 
 
@@ -116,7 +114,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x, backend):
         linear = backend.ops.linear
-        return linear(self.down_proj, jax.nn.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
+        return linear(self.down_proj, jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -143,7 +142,9 @@ class Decoder(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """tokens [B, C] + KV pages -> hidden states [B, C, hidden] and the updated pages."""
+    """tokens [B, C] + KV pages -> hidden states [B, C, hidden] and the updated pages. Every
+    call takes `backend` (jaxserve/backends: its `ops` and `attention`), a static argument of
+    the jitted steps."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         self.config = cfg
