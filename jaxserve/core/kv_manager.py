@@ -16,7 +16,10 @@ class KVCacheManager:
 
     def allocate(self, request: Request, num_new_tokens: int) -> list[int] | None:
         """Append the pages the new tokens need; None (nothing taken) when the pool is short."""
-        pages = self.pool.allocate(self.pages_needed(request, num_new_tokens))
+        n = self.pages_needed(request, num_new_tokens)
+        if n == 0:  # most decode steps: the last page has room
+            return []
+        pages = self.pool.allocate(n)
         if pages is not None:
             request.pages.extend(pages)
         return pages

@@ -138,8 +138,13 @@ class Scheduler:
         admissible = self._admissible(now) if len(self.running) < self.max_num_seqs else []
         running = self.policy.order(self.running, now)
         # a request whose pending tokens reach max_len only waits for update() to finish it
-        decoding = [r for r in running if r.num_to_compute == 1 and r.remaining_tokens > 0]
-        chunking = [r for r in running if r.num_to_compute > 1]
+        decoding, chunking = [], []
+        for r in running:
+            n = r.num_to_compute
+            if n > 1:
+                chunking.append(r)
+            elif n == 1 and r.remaining_tokens > 0:
+                decoding.append(r)
         runs_on = set(decoding) | set(chunking)  # the rest only wait to be finished
         will_admit = bool(admissible) and len(running) < self.max_num_seqs
         # several decode steps per dispatch only when nobody waits to join and every row can
