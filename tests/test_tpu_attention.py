@@ -1,7 +1,6 @@
 """The TPU backend's attention (JAX's Pallas TPU kernel, run in interpret mode on the CPU) equals
 the pure-jnp reference over the same K/V values."""
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -164,9 +163,6 @@ def test_interpret_mode_runs_the_pallas_kernel():
         *args))
     assert "pallas_call" in jaxpr and "ragged_paged_attention_kernel" in jaxpr
     ragged_attention(*args, scale=SCALE, interpret=True).block_until_ready()
-    start = time.perf_counter()
-    ragged_attention(*args, scale=SCALE, interpret=True).block_until_ready()
-    assert time.perf_counter() - start < 1.0  # milliseconds once compiled
     if jax.default_backend() == "cpu":
         with pytest.raises(Exception, match="interpret"):
             ragged_attention(*args, scale=SCALE, interpret=False, block_sizes=(2, 4))
