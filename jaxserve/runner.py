@@ -142,8 +142,6 @@ class ModelRunner:
         self.backend = select_backend(config.attention_impl, config.matmul_impl, dtype,
                                       model_config.head_dim, config.page_size, self.platform,
                                       model_config.num_heads, model_config.num_kv_heads)
-        self.attention_impl = self.backend.attention.name
-        self.matmul_impl = self.backend.ops.name
         self.kv_dtype_name = kv_cache_dtype(dtype, self.platform, self.attention_impl,
                                             config.kv_cache_dtype)
         # the pool's array dtype: a bfloat16 pool on the CPU is held as its bits (uint16)
@@ -205,6 +203,14 @@ class ModelRunner:
                                       config.max_num_seqs)
         self.num_compilations = 0  # XLA compiles while this runner dispatched
         self._compiles_at_warmup = 0
+
+    @property
+    def attention_impl(self) -> str:  # what reports call the backend's kernels
+        return self.backend.attention.name
+
+    @property
+    def matmul_impl(self) -> str:
+        return self.backend.ops.name
 
     @property
     def num_compilations_after_warmup(self) -> int:

@@ -14,9 +14,9 @@ dispatching the step that consumes it:
 An iteration may run several prefill calls (rows of similar chunk length together): each writes
 its rows' tokens into the prefill carry it is given, at `carry_index[b]` (M drops a padding row).
 
-A ragged call (CPU attention) is two: `ragged` runs the model over T packed tokens, prompt chunks
-and decode rows alike, and gathers each row's last hidden state ([M, hidden]: its metadata has M
-rows whatever the call holds); `ragged_head` samples the first B of them. Compiled shapes: one per
+A ragged call (the cpu and tpu attention) is two: `ragged` runs the model over T packed tokens,
+prompt chunks and decode rows alike, and gathers each row's last hidden state ([M, hidden]: its
+metadata has M rows whatever the call holds); `ragged_head` samples the first B of them. Compiled shapes: one per
 token bucket plus one per row bucket, where one function would need every pair.
 """
 
