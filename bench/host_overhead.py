@@ -3,11 +3,12 @@
     python bench/host_overhead.py                      # 8, 64, 256 sequences; 5 ms steps
     python bench/host_overhead.py --seqs 256 --step-ms 5 --long-tokens 8192
 
-The real LLMEngine, scheduler and runner run a 1-layer, 32-wide Llama (random weights) whose
-device work is near zero; each jitted step is followed, on the device's stream, by a host
-callback that sleeps `--step-ms` (it waits without using a core, and dispatch stays
-asynchronous: the host goes on while the "device" works). Every decode iteration's host time is
-split into
+The real LLMEngine, scheduler and runner run a 1-layer, 32-wide Llama (random weights); its
+prompts run the real model, its decode steps a stand-in with the real step's arguments and
+results that runs no model: it waits `--step-ms` in a host callback (without using a core, and
+dispatch stays asynchronous: the host goes on while the "device" works). So the device's own
+work does not take the host's cores (256 rows' attention over 2,048-token contexts would, here,
+where the "device" is the same two cores). Every decode iteration's host time is split into
 
     schedule   Scheduler.schedule
     batch      the runner's persistent arrays updated and each call's gathered (metadata,
@@ -18,8 +19,7 @@ split into
                scheduler's update, the engine's own
 
 and the device's idle share is the part of the measured window in which no stand-in step slept.
-The launch of the stand-in's own sleep (a second jitted call per step, which a real device does
-not need) is timed apart ("stand_in_us_per_iteration") and left out of the host's time.
+The requests are long enough that every measured iteration runs all `--seqs` of them.
 With `--long-tokens N`, one request generates N tokens alone and the host time of its last
 1,024 tokens is compared with its first 1,024 (it should not grow with output length).
 Contexts are `--context` tokens long (prompts of that length, then decode).
@@ -31,17 +31,16 @@ import dataclasses
 import json
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.model.sampler import packed_width
 from jaxserve.request import SamplingParams
 
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 32,
@@ -51,35 +50,60 @@ TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size":
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32"}
 PHASES = ("schedule", "batch", "dispatch", "collect", "output")
 WAIT = "wait"  # the host blocked on the device's results: not host work
-STAND_IN = "stand-in"  # launching the stand-in's sleep: a real device has no such call
-NOT_HOST = (WAIT, STAND_IN)
+NOT_HOST = (WAIT,)
 
 
 class Device:
-    """The stand-in accelerator. The CPU backend runs its calls in order, each step's real
-    (tiny) compute and then its sleep, so it sits idle only between the end of a step and the
-    launch of the next: the device's idle time is the sum of those gaps."""
+    """The stand-in accelerator: the decode step is a jitted call with the real one's arguments
+    and results (the same arrays cross from the host, the KV pool is donated and handed back)
+    that runs no model, only "samples" each row's input token plus one; the device's time is
+    modelled: a serial queue whose steps take `step_s` each, a step starting when it is launched
+    or when the one before it ends, whichever is later. Reading a step's results waits (sleeps)
+    until it ends, as for a real device. The device sits idle only between the end of a step
+    and the launch of the next: its idle time is the sum of those gaps.
 
-    def __init__(self, step_s: float):
+    (A host callback that sleeps inside the jitted call would model it too, but the CPU client
+    runs a computation holding a host callback in the caller's thread when its inputs are
+    ready, so once one step is read before the next launches, every launch would wait out the
+    whole sleep.)"""
+
+    def __init__(self, step_s: float, vocab_size: int, width: int, carry_size: int):
         self.step_s = step_s
         self.launches: list[float] = []  # when each step was dispatched
-        self.ends: list[float] = []  # when each step's sleep ended
-        self._lock = threading.Lock()
+        self.ends: list[float] = []  # when each step ends
+        self._ends_by_result: dict[int, float] = {}  # id(packed result) -> its step's end
 
-        def sleep() -> np.int32:
-            time.sleep(self.step_s)
-            with self._lock:
-                self.ends.append(time.perf_counter())
-            return np.int32(0)
+        def decode(weights, kv, host_tokens, src, carry0, carry1, md, sm, steps):
+            carries = jnp.concatenate([carry0, carry1])
+            tokens = jnp.where(src >= 0, carries[jnp.maximum(src, 0)], host_tokens)
+            sampled = 3 + (tokens - 2) % (vocab_size - 3)  # never a special token
+            packed = jnp.zeros((steps, tokens.shape[0], width), jnp.int32)
+            packed = packed.at[:, :, 0].set(sampled)
+            carry = jnp.zeros((carry_size,), jnp.int32).at[:tokens.shape[0]].set(sampled)
+            return packed, carry, kv
 
-        # the step's output waits for the sleep: reading it back waits as for a real device
-        self.after = jax.jit(lambda x: x + io_callback(
-            sleep, jax.ShapeDtypeStruct((), jnp.int32), ordered=False).astype(x.dtype))
+        # keep_unused: the weights and metadata cross to the "device" as the real step's do
+        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnames=("steps",),
+                               keep_unused=True)
+
+    def decode(self, *args, **kwargs):
+        out = self._decode(*args, **kwargs)
+        now = time.perf_counter()
+        end = max(now, self.ends[-1] if self.ends else now) + self.step_s
+        self.launches.append(now)
+        self.ends.append(end)
+        self._ends_by_result[id(out[0])] = end
+        return out
+
+    def wait(self, packed) -> None:
+        """Sleep until the step that produced `packed` has ended (a prompt's call: no wait)."""
+        end = self._ends_by_result.pop(id(packed), None)
+        if end is not None:
+            time.sleep(max(0.0, end - time.perf_counter()))
 
     def idle_in(self, start: float, end: float) -> float:
         """Seconds of [start, end] between a step's end and the next step's launch."""
-        with self._lock:
-            pairs = list(zip(self.ends, self.launches[1:], strict=False))
+        pairs = zip(self.ends, self.launches[1:], strict=False)
         return sum(max(0.0, min(b, end) - max(a, start)) for a, b in pairs)
 
 
@@ -114,31 +138,31 @@ def _model_dir(max_model_len: int) -> Path:
     return path
 
 
+def budget(seqs: int) -> int:
+    """The step's token budget: every decode row and at least as many prompt tokens."""
+    return max(2048, 2 * seqs)
+
+
 def build(seqs: int, context: int, step_ms: float, long_tokens: int = 0):
     """An engine over the stand-in device, with every step's timing wrapped."""
     model_len = context + max(long_tokens, 64) + 16
     config = EngineConfig.from_overrides(
         load_format="dummy", max_num_seqs=max(seqs, 2), max_model_len=model_len,
-        max_num_batched_tokens=max(2048, seqs), page_size=16,
+        max_num_batched_tokens=budget(seqs), page_size=16,
         num_pages=max(seqs, 2) * (-(-model_len // 16)) + 1,
         prefill_chunk_sizes=(min(512, model_len - 16),))
     engine = LLMEngine(_model_dir(model_len), config)
-    device, timers = Device(step_ms / 1000.0), Timers()
     runner = engine.runner
-    def launched(fn):  # a jitted step's launch, then the stand-in's sleep after its samples
-        step, sleep = timers.wrap("dispatch", fn), timers.wrap(STAND_IN, device.after)
-
-        def call(*args, **kwargs):
-            out = step(*args, **kwargs)
-            device.launches.append(time.perf_counter())
-            return (sleep(out[0]), *out[1:])
-        return call
-
-    fns = runner.fns  # the calls that produce samples sleep; ragged's hidden states do not
-    runner.fns = dataclasses.replace(
-        fns, decode=launched(fns.decode), prefill=launched(fns.prefill),
-        prefill_with_prompt_logprobs=launched(fns.prefill_with_prompt_logprobs),
-        ragged=timers.wrap("dispatch", fns.ragged), ragged_head=launched(fns.ragged_head))
+    device = Device(step_ms / 1000.0, runner.model_config.vocab_size,
+                    packed_width(config.max_top_logprobs), runner.carry_size)
+    timers = Timers()
+    fns = runner.fns
+    runner.fns = dataclasses.replace(  # the stand-in decodes; the prompts run the real model
+        fns, decode=timers.wrap("dispatch", device.decode),
+        prefill=timers.wrap("dispatch", fns.prefill),
+        prefill_with_prompt_logprobs=timers.wrap("dispatch", fns.prefill_with_prompt_logprobs),
+        ragged=timers.wrap("dispatch", fns.ragged),
+        ragged_head=timers.wrap("dispatch", fns.ragged_head))
     batch = runner.input_batch  # the persistent arrays' update, then each call's gather
     batch.update = timers.wrap("batch", batch.update)
     runner._metadata = timers.wrap("batch", runner._metadata)
@@ -147,8 +171,11 @@ def build(seqs: int, context: int, step_ms: float, long_tokens: int = 0):
     collect = runner.collect
 
     def collect_ready(flight):  # the wait for the device is not host work
-        arrays = [flight.decode_packed] + [p.packed for p in flight.prefills]
-        timers.wrap("wait", jax.block_until_ready)([a for a in arrays if a is not None])
+        arrays = [a for a in [flight.decode_packed] + [p.packed for p in flight.prefills]
+                  if a is not None]
+        wait = timers.wrap("wait", lambda: [device.wait(a) for a in arrays]
+                           + [jax.block_until_ready(arrays)])
+        wait()
         return timers.wrap("collect", collect)(flight)
     runner.collect = collect_ready
     # the way out: the output processor (stops, text, outputs) runs inside the engine loop,
@@ -161,9 +188,13 @@ def build(seqs: int, context: int, step_ms: float, long_tokens: int = 0):
 
 
 def measure(seqs: int, context: int, step_ms: float, steps: int, seed: int = 0) -> dict:
-    engine, device, timers = build(seqs, context, step_ms, long_tokens=steps + 40)
+    # the requests decode while the later ones prefill: none may finish before the last
+    # measured iteration, or the iterations run fewer rows than `seqs`
+    prefill_steps = -(-seqs * context // (budget(seqs) - seqs)) + seqs
+    max_tokens = prefill_steps + steps + 32
+    engine, device, timers = build(seqs, context, step_ms, long_tokens=max_tokens + 8)
     rng = np.random.default_rng(seed)
-    params = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(seqs):
         engine.add_request(str(i), {"prompt_token_ids": rng.integers(3, 500, context).tolist()},
                            params)
@@ -180,6 +211,9 @@ def measure(seqs: int, context: int, step_ms: float, steps: int, seed: int = 0) 
         total = time.perf_counter() - t
         rows.append(timers.now | {"other": total - sum(timers.now.values())})
     end = time.perf_counter()
+    if len(engine.scheduler.requests) != seqs:  # every measured iteration ran every row
+        raise RuntimeError(f"{seqs - len(engine.scheduler.requests)} of {seqs} requests "
+                           "finished before the last measured iteration")
     per_phase = {k: statistics.median(r[k] for r in rows) * 1e6
                  for k in (*PHASES, "other", *NOT_HOST)}
     host_us = statistics.median(sum(v for k, v in r.items() if k not in NOT_HOST)
@@ -190,7 +224,6 @@ def measure(seqs: int, context: int, step_ms: float, steps: int, seed: int = 0) 
             "host_us_by_phase": {k: round(v, 1) for k, v in per_phase.items()
                                  if k not in NOT_HOST},
             "wait_us_per_iteration": round(per_phase[WAIT], 1),
-            "stand_in_us_per_iteration": round(per_phase[STAND_IN], 1),
             "device_idle_share": round(idle, 4)}
 
 
@@ -203,7 +236,7 @@ def long_request(tokens: int, step_ms: float) -> dict:
         timers.reset()
         t = time.perf_counter()
         engine.step()
-        per_token.append(time.perf_counter() - t - timers.now[WAIT] - timers.now[STAND_IN])
+        per_token.append(time.perf_counter() - t - timers.now[WAIT])
     first, last = sum(per_token[2:1026]), sum(per_token[-1024:])
     return {"tokens": tokens, "host_ms_first_1024": round(first * 1e3, 2),
             "host_ms_last_1024": round(last * 1e3, 2), "last_over_first": round(last / first, 3)}
