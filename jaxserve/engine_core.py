@@ -31,7 +31,7 @@ class TokenLogprobs:
     top_logprobs: np.ndarray  # [K] float32
 
 
-@dataclass
+@dataclass(slots=True)
 class Samples:
     """What one request got from one iteration."""
 
@@ -113,11 +113,6 @@ class EngineCore:
             return Step(out)
         done, handle = previous
         results = self.runner.collect(handle)
-        before = [len(chunk.request.output_ids) for chunk in done.chunks]
         self.scheduler.update(done)  # its samples are pending no more
-        touched = self.processor.update(self.scheduler, done, results)
-        num_tokens = sum(
-            len(chunk.request.output_ids) - n
-            + (len(chunk.request.prompt_ids) if n == 0 and chunk.request.output_ids else 0)
-            for chunk, n in zip(done.chunks, before, strict=True))
+        touched, num_tokens = self.processor.update(self.scheduler, done, results)
         return Step(out, done, touched, num_tokens)

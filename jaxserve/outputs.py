@@ -91,11 +91,13 @@ class OutputProcessor:
     # -- in the engine loop --------------------------------------------------------------------
 
     def update(self, scheduler: "Scheduler", done: "SchedulerOutput",
-               results: Mapping[str, "Samples"]) -> list[Request]:
+               results: Mapping[str, "Samples"]) -> tuple[list[Request], int]:
         """Take a read iteration's samples: append the tokens each request keeps, apply the
-        stops, finish the requests they end. Returns the requests given tokens. Samples of
-        requests that finished (or were aborted) while their step was in flight are dropped."""
-        touched = []
+        stops, finish the requests they end. Returns the requests given tokens, and the tokens
+        the iteration processed as vLLM's iteration_tokens_total counts them: those kept, and
+        the prompts of requests given their first. Samples of requests that finished (or were
+        aborted) while their step was in flight are dropped."""
+        touched, num_tokens = [], 0
         for chunk in done.chunks:
             request = chunk.request
             if request.status.finished:
@@ -109,12 +111,15 @@ class OutputProcessor:
             if samples.prompt_logprobs is not None:
                 self._prompt_logprobs(request, state, samples)
             if chunk.num_samples and samples.tokens:
-                self._advance(scheduler, request, state, samples)
+                first = not request.output_ids
+                num_tokens += self._advance(scheduler, request, state, samples) + (
+                    len(request.prompt_ids) if first else 0)
                 touched.append(request)
-        return touched
+        return touched, num_tokens
 
     def _advance(self, scheduler: "Scheduler", request: Request, state: _State,
-                 samples: "Samples") -> None:
+                 samples: "Samples") -> int:
+        """Append the tokens the request keeps, apply the stops; returns how many it kept."""
         params, out = request.params, request.output_ids
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = scheduler.clock()
@@ -157,6 +162,7 @@ class OutputProcessor:
                 state.logprob_sum += entry[token].logprob
         if status is not None:
             scheduler.finish(request, status, reason)
+        return len(out) - start
 
     def _push(self, state: _State, params, ids: list[int], final: bool,
               search: bool = True) -> str | None:

@@ -110,7 +110,7 @@ class SamplingParams:
         return dataclasses.replace(self, n=1, seed=seed)
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """A token's log-probability under the model, with its rank among the vocabulary."""
 
@@ -119,7 +119,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One sample's text and tokens: all of them so far, or (`RequestOutputKind.DELTA`) what
     one step added. A cumulative output's lists are the request's own, which grow as it runs:
@@ -134,7 +134,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None  # the sum of the logprobs of every token so far
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -144,7 +144,7 @@ class RequestMetrics:
     last_preempted_time: float | None = None  # when it last went back to the waiting queue
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -182,7 +182,9 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        # identity, not `in _FINISHED`: an enum hashes in Python, and this runs per request
+        # per step
+        return self is not RequestStatus.RUNNING and self is not RequestStatus.WAITING
 
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,

@@ -306,8 +306,14 @@ class ModelRunner:
         results: dict[str, Samples] = {}
         if flight.decode_packed is not None:
             packed = np.asarray(flight.decode_packed)  # [steps, B, W]
-            for i, chunk in enumerate(flight.decode_chunks):
-                results[chunk.request.request_id] = self._samples(chunk, packed[:, i])
+            chunks = flight.decode_chunks
+            # every decode row samples every step: one conversion for all rows' tokens
+            tokens = packed[:, :len(chunks), 0].T.tolist()
+            for i, (chunk, row) in enumerate(zip(chunks, tokens, strict=True)):
+                logprobs = None
+                if chunk.request.params.logprobs is not None:
+                    logprobs = [_unpack(step[1:]) for step in packed[:, i]]
+                results[chunk.request.request_id] = Samples(row, logprobs)
         for call in flight.prefills:
             packed = np.asarray(call.packed)  # [B, W]
             prompt = None if call.prompt is None else np.asarray(call.prompt)
@@ -339,12 +345,12 @@ class ModelRunner:
         b = bucket(rows, self.row_buckets, "decode rows")
         host = np.zeros((b,), np.int32)
         src = np.full((b,), -1, np.int32)
-        for i, chunk in enumerate(chunks):
-            request = chunk.request
-            if self._on_device(chunk):
-                src[i] = self._carry_rows[request.request_id]
-            else:
-                host[i] = _ids(request, chunk.start, chunk.start + 1)[0]
+        # the carry row of each input token still on the device (-1: read on the host)
+        src[:len(chunks)] = [self._carry_rows[c.request.request_id] if self._on_device(c)
+                             else -1 for c in chunks]
+        for i in np.flatnonzero(src[:len(chunks)] < 0).tolist():
+            chunk = chunks[i]
+            host[i] = _ids(chunk.request, chunk.start, chunk.start + 1)[0]
         md, sm = self._metadata(chunks, b, 1)
         packed, carry, self.kv = self.fns.decode(self.weights, self.kv, host, src, *self._carries,
                                                  md, sm, steps=steps)

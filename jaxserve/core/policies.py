@@ -30,6 +30,9 @@ from jaxserve.request import Request, RequestStatus
 class Policy(ABC):
     name: str
     static_order: bool = False  # key(r, t) ranks waiting requests alike for every t
+    # key(r, t) is fixed per request and order() a plain sort by it: the running requests'
+    # order changes only when one joins or leaves (the scheduler sorts them only then)
+    fixed_keys: bool = False
 
     @abstractmethod
     def key(self, request: Request, now: float) -> Any:
@@ -59,6 +62,7 @@ class Policy(ABC):
 class FCFS(Policy):
     name = "fcfs"
     static_order = True
+    fixed_keys = True
 
     def key(self, request: Request, now: float) -> Any:
         return (request.arrival_time, request.request_id)
@@ -237,6 +241,7 @@ class EDF(Policy):
 
     name = "edf"
     static_order = True
+    fixed_keys = True
 
     def __init__(self, default_slo_ms: float = 1000.0):
         self.default_slo_ms = default_slo_ms
