@@ -141,6 +141,9 @@ class EngineConfig:
     # compile faster and pad more. None: 2, 4, 8 ... up to the first >= max_num_seqs
     row_buckets: tuple[int, ...] | None = None
     max_top_logprobs: int = 20
+    # a prompt's full pages already computed (by any request) are reused, not recomputed
+    # (vLLM V1's automatic prefix caching, on by default as there)
+    enable_prefix_caching: bool = True
     enable_prompt_logprobs: bool = True  # False: no prompt-logprob step variants to compile
     compilation_cache_dir: str | None = None  # None: $JAXSERVE_CACHE_DIR or ~/.cache/jaxserve/xla
     # the decoder layers stacked under jax.lax.scan: one layer compiled whatever the depth;
@@ -168,7 +171,8 @@ class EngineConfig:
         if not is_int(self.max_top_logprobs) or self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs must be an integer >= 0, "
                              f"got {show(self.max_top_logprobs)}")
-        for name in ("adaptive_window", "length_bucketing", "enable_prompt_logprobs"):
+        for name in ("adaptive_window", "length_bucketing", "enable_prompt_logprobs",
+                     "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {show(getattr(self, name))}")
         for name in ("ragged_prefill", "scan_layers"):

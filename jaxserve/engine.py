@@ -241,6 +241,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing forgotten) while requests hold pages."""
+        return self.scheduler.reset_prefix_cache()
+
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
@@ -375,6 +379,11 @@ class LLM:
                                                  continue_final_message)
             prompts.append({"prompt_token_ids": tokenizer.chat_prompt_ids(text), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache`): the next prompts are
+        computed from their first token. False, and nothing forgotten, while requests run."""
+        return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

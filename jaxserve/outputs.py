@@ -235,7 +235,8 @@ class OutputProcessor:
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_ids, outputs=[completion], finished=finished,
-            prompt_logprobs=prompt_logprobs, metrics=request.metrics)
+            prompt_logprobs=prompt_logprobs, metrics=request.metrics,
+            num_cached_tokens=request.num_cached_tokens or 0)
 
     @staticmethod
     def _release(state: _State, params, finished: bool) -> str:

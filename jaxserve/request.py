@@ -153,6 +153,7 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was scheduled
 
     def add(self, later: "RequestOutput") -> None:
         """Append a later delta of the same request to this one, in place (vLLM's
@@ -232,6 +233,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_state = None  # what the output processor keeps of it (outputs.py)
+        # prompt tokens found in the prefix cache when it was first scheduled (None: not yet)
+        self.num_cached_tokens: int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 
     @property

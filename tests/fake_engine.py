@@ -14,7 +14,8 @@ class FakeEngine:
     model_path = "fake"
     num_steps = 0
     last_step_tokens = 0
-    config = SimpleNamespace(enable_prompt_logprobs=False, page_size=4, num_pages=17,
+    config = SimpleNamespace(enable_prompt_logprobs=False, enable_prefix_caching=False,
+                             page_size=4, num_pages=17,
                              kv_cache_dtype="auto", max_num_seqs=4, max_num_batched_tokens=64,
                              max_model_len=64)
     runner = SimpleNamespace(num_pages=17, kv_dtype_name="float32")

@@ -130,6 +130,9 @@ class FakeRunner:
         self.chunk_buckets = chunk_buckets
         self.carry: dict[str, tuple[int, int]] = {}  # request id -> (position, token) on "device"
         self.tables: dict[int, tuple[int, list[int]]] = {}  # id(request) -> (preemptions, pages)
+        # the "KV pool": the token whose K/V each (page, slot) holds, as the dispatched rows
+        # wrote them; a row must find its whole context there (a cached prefix's pages too)
+        self.kv: dict[tuple[int, int], int] = {}
         self.num_dispatches = 0
 
     def warmup(self, progress: bool = False) -> float:
@@ -212,6 +215,7 @@ class FakeRunner:
             assert start + n + max(0, chunk.num_samples - 1) <= request.max_len, (
                 f"{rid}: runs past max_len {request.max_len}")
             self.check_inputs(out, chunk.request, start, n)
+            self.check_kv(request, start, positions)
 
     def check_inputs(self, out: SchedulerOutput, request: Request, start: int, n: int) -> None:
         """Every input token is on the host or, for a decode row, carried on the device."""
@@ -229,15 +233,48 @@ class FakeRunner:
             assert position == q, f"{rid}: carried token is at {position}, row starts at {q}"
             assert token == expected_token(request, q)
 
+    def check_kv(self, request: Request, start: int, positions: int) -> None:
+        """The row's context [0, start) is in its pages as its own tokens (whoever wrote them:
+        a cached prefix is another request's KV); then it writes [start, start + positions),
+        never into a page another request holds or the prefix cache keys."""
+        rid, size = request.request_id, self.scheduler.kv.page_size
+        pool, cache = self.scheduler.kv.pool, self.scheduler.kv.cache
+        for q in range(start):
+            held = self.kv.get((request.pages[q // size], q % size))
+            assert held == expected_token(request, q), (
+                f"{rid}: context position {q} in page {request.pages[q // size]} holds "
+                f"{held}, not its token {expected_token(request, q)}")
+        for q in range(start, start + positions):
+            page = request.pages[q // size]
+            assert pool.refcount(page) == 1, f"{rid}: writes into page {page}, shared"
+            assert cache is None or page not in cache, f"{rid}: writes into cached page {page}"
+            self.kv[page, q % size] = expected_token(request, q)
+
     def check_pages(self) -> None:
-        """Running requests hold disjoint pages; with the free pages they make up the pool."""
+        """Running requests hold pages nobody else holds, but for cached pages they share
+        (each at the same place in their page tables, with the same tokens up to its end);
+        a page's reference count is its holders; with the free and evictable (cached, held by
+        nobody) pages they make up the pool."""
         s = self.scheduler
-        pool = s.kv.pool
-        held: list[int] = [p for r in s.running for p in r.pages]
+        pool, size = s.kv.pool, s.kv.page_size
+        holders: dict[int, list[tuple[Request, int]]] = {}
+        for r in s.running:
+            for i, p in enumerate(r.pages):
+                holders.setdefault(p, []).append((r, i))
+        held = list(holders)
         assert 0 not in held, "the null page was handed out"
-        assert len(held) == len(set(held)), "a page is held by two running requests"
+        for page, hs in holders.items():
+            assert pool.refcount(page) == len(hs), f"page {page}: refcount != its holders"
+            if len(hs) > 1:
+                assert s.kv.cache is not None and page in s.kv.cache, (
+                    f"page {page} is held by two running requests and not cached")
+                (a, i), *rest = hs
+                for b, j in rest:
+                    assert i == j and a.all_ids[:(i + 1) * size] == b.all_ids[:(j + 1) * size], (
+                        f"page {page} shared by {a.request_id} and {b.request_id} for "
+                        "different prefixes")
         assert all(not r.pages for r in s.waiting), "a waiting request holds pages"
-        free = list(pool._free)
+        free = list(pool._free) + list(pool._evictable)
         assert len(free) == len(set(free)), "a page is free twice"
         assert not set(free) & set(held), "a page is both free and held"
         assert sorted(free + held) == list(range(1, pool.num_pages)), "a page leaked"

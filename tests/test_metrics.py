@@ -2,6 +2,8 @@
 their counts move as vLLM's own metrics test expects: per request, per prompt of n samples, per
 engine step. Values are asserted, never wall-clock durations."""
 
+import itertools
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -82,10 +84,21 @@ def test_cache_config_info_and_prefix_cache_counters(http, server):
     assert sample.labels == {"block_size": "8", "num_gpu_blocks": "256",
                              "num_gpu_blocks_override": "256",
                              "cache_dtype": runner.kv_dtype_name,
-                             "enable_prefix_caching": "False"}
-    metrics = metrics_of(http)
-    assert metrics["jaxserve:prefix_cache_queries_total"] == 0  # no prefix cache yet
-    assert metrics["jaxserve:prefix_cache_hits_total"] == 0
+                             "enable_prefix_caching": "True"}
+    # the same prompt twice, one after the other: the second finds the first's full pages
+    # (page_size 8: all but the page holding its last token)
+    wait_idle(server)
+    before = metrics_of(http)
+    seen = [before]
+    for _ in range(2):
+        n = _complete(http, max_tokens=2, prompt="Once upon a time there was a little dog "
+                      "who lived in a house by the sea with his friend the cat.")["usage"][
+            "prompt_tokens"]
+        seen.append(metrics_of(http))
+    queries, hits = ([b[f"jaxserve:prefix_cache_{k}_total"] - a[f"jaxserve:prefix_cache_{k}_total"]
+                      for a, b in itertools.pairwise(seen)] for k in ("queries", "hits"))
+    assert queries == [n, n]
+    assert hits[1] == (n - 1) // 8 * 8 > 0 and hits[0] in (0, hits[1])  # 0: not cached before
 
 
 def _one_at_a_time(http, server, k: int, max_tokens: int) -> tuple[dict, dict, int]:

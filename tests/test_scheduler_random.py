@@ -1,5 +1,8 @@
 """Random add / abort / step sequences against the scheduler (hypothesis, fake runner, no jax):
-no page leaks or double frees, limits always held, every output as if run alone."""
+no page leaks or double frees, limits always held, every output as if run alone. With prefix
+caching, prompts share prefixes: no page in use is freed or evicted, reference counts match
+the holders, and a row always finds its own tokens in its context's pages (the fake runner's
+KV check), cached or not."""
 
 from fake_runner import (
     Driver,
@@ -17,6 +20,8 @@ from jaxserve.core.scheduler import BATCHING_MODES
 
 # -- random workloads -----------------------------------------------------------------------------
 
+SHARED = ([7 + i % 40 for i in range(20)], [90 - i for i in range(20)])  # prompts' prefixes
+
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / abort / step / clock sequences on small pools."""
@@ -26,15 +31,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 num_pages=st.integers(4, 16), page_size=st.sampled_from([2, 4]),
                 max_num_seqs=st.integers(1, 4), extra_budget=st.integers(0, 16),
                 max_chunk_tokens=st.integers(2, 12), window_ms=st.sampled_from([0.0, 3.0]),
-                min_batch_size=st.integers(1, 2))
+                min_batch_size=st.integers(1, 2), prefix_caching=st.booleans())
     def setup(self, batching, policy, decode_steps, overlap, num_pages, page_size, max_num_seqs,
-              extra_budget, max_chunk_tokens, window_ms, min_batch_size):
+              extra_budget, max_chunk_tokens, window_ms, min_batch_size, prefix_caching):
         self.clock = FakeClock()
         self.scheduler = small_scheduler(
             self.clock, batching=batching, policy=policy, decode_steps=decode_steps,
             num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(2, max_num_seqs + extra_budget),
-            max_chunk_tokens=max_chunk_tokens,
+            max_chunk_tokens=max_chunk_tokens, enable_prefix_caching=prefix_caching,
             window_ms=window_ms, min_batch_size=min(min_batch_size, max_num_seqs))
         self.driver = Driver(self.scheduler, overlap=overlap)
         self.capacity = (num_pages - 1) * page_size  # a request alone always fits
@@ -42,14 +47,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.aborted = set()
 
     @rule(burst=st.lists(st.tuples(st.integers(1, 24), st.integers(1, 16), st.integers(0, 2),
-                                   st.one_of(st.none(), st.integers(3, 99))),
+                                   st.one_of(st.none(), st.integers(3, 99)),
+                                   st.sampled_from(SHARED), st.integers(0, 20)),
                          min_size=1, max_size=3))
     def add(self, burst):
-        for prompt_len, max_tokens, priority, eos in burst:
-            prompt_len = min(prompt_len, self.capacity - 1)
-            max_tokens = min(max_tokens, self.capacity - prompt_len)
+        for suffix_len, max_tokens, priority, eos, shared, shared_len in burst:
+            # a shared prefix (cut anywhere: on a page boundary or not), then the request's own
+            prompt = shared[:shared_len] + [(len(self.requests) * 13 + 5 * i) % 50 + 3
+                                            for i in range(suffix_len)]
+            prompt = prompt[:self.capacity - 1]
+            max_tokens = min(max_tokens, self.capacity - len(prompt))
             rid = f"r{len(self.requests)}"
-            request = make_request(rid, prompt_len, max_tokens, arrival=self.clock.now,
+            request = make_request(rid, prompt, max_tokens, arrival=self.clock.now,
                                    priority=priority, eos=frozenset() if eos is None else {eos})
             self.scheduler.add_request(request)
             self.requests[rid] = request

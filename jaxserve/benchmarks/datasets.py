@@ -4,6 +4,12 @@
     sharegpt     a synthetic ShareGPT-like mix: lognormal prompt and output lengths (long tails)
     batching     the engine issue's workload: prompts uniform in [32, 256] tokens, outputs
                  lognormal with median 48, capped at 256 (bench/batching.py, bench/peer_hf.py)
+    prefix_repetition  vLLM's: `num_prefixes` shared prefixes of `prefix_len` tokens, each
+                 request one of them (in turn) and a suffix of its own (input_len tokens)
+    multiturn    chats that resend the whole conversation each turn: `turns` turns per chat,
+                 each a user message of input_len tokens and (in the next turns' prompts) a
+                 reply of output_len; the requests go turn by turn (every chat's first turn,
+                 then every second turn, ...), so a turn comes after the one it extends
     FILE         JSON or JSONL: strings, {"prompt": text | ids, "output_len": n}, or ShareGPT
                  records ({"conversations": [{"from": "human", "value": ...}, {"from": "gpt"...}]};
                  as vLLM's sharegpt dataset, pairs with a prompt or reply under 4 tokens, a
@@ -21,7 +27,7 @@ import numpy as np
 
 from jaxserve.sim.workload import lengths
 
-SYNTHETIC = ("random", "sharegpt", "batching")
+SYNTHETIC = ("random", "sharegpt", "batching", "prefix_repetition", "multiturn")
 FIRST_ID = 3
 
 
@@ -135,6 +141,37 @@ def _from_row(row, default_output_len: int, tokenizer) -> Sample | None:
     return Sample(prompt, length, output_len)
 
 
+def prefix_repetition_samples(n: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                              output_len: int, vocab_size: int, seed: int = 0) -> list[Sample]:
+    """vLLM's prefix_repetition dataset: request i is prefix i % num_prefixes + its own
+    suffix, shuffled."""
+    rng = np.random.default_rng(seed)
+    prefixes = [_ids(rng, prefix_len, vocab_size) for _ in range(num_prefixes)]
+    samples = [Sample(prefixes[i % num_prefixes] + _ids(rng, suffix_len, vocab_size),
+                      prefix_len + suffix_len, output_len) for i in range(n)]
+    order = rng.permutation(n)
+    return [samples[i] for i in order]
+
+
+def multiturn_samples(n: int, turns: int, message_len: int, reply_len: int, vocab_size: int,
+                      seed: int = 0) -> list[Sample]:
+    """n requests: ceil(n / turns) chats of `turns` turns, turn t's prompt the conversation so
+    far (t user messages and t - 1 replies), in turn order."""
+    rng = np.random.default_rng(seed)
+    chats = -(-n // turns)
+    prompts: list[list[list[int]]] = []  # [chat][turn]
+    for _ in range(chats):
+        history, prompts_of_chat = [], []
+        for _ in range(turns):
+            history = history + _ids(rng, message_len, vocab_size)
+            prompts_of_chat.append(history)
+            history = history + _ids(rng, reply_len, vocab_size)  # the reply, as resent
+        prompts.append(prompts_of_chat)
+    samples = [Sample(prompts[c][t], len(prompts[c][t]), reply_len)
+               for t in range(turns) for c in range(chats)]
+    return samples[:n]
+
+
 def dataset_of(args) -> str:
     """The dataset the flags name: --dataset-path if given, else --dataset."""
     return getattr(args, "dataset_path", None) or args.dataset or "random"
@@ -142,10 +179,16 @@ def dataset_of(args) -> str:
 
 def get_samples(dataset: str | None, n: int, *, input_len: int, output_len: int,
                 range_ratio: float = 0.0, vocab_size: int, seed: int = 0, tokenizer=None,
-                max_model_len: int | None = None) -> list[Sample]:
+                max_model_len: int | None = None, prefix_len: int = 256, num_prefixes: int = 8,
+                turns: int = 4) -> list[Sample]:
     """The samples a benchmark's flags describe, fitted within max_model_len."""
     name = dataset or "random"
-    if name == "random":
+    if name == "prefix_repetition":
+        samples = prefix_repetition_samples(n, prefix_len, input_len, num_prefixes, output_len,
+                                            vocab_size, seed)
+    elif name == "multiturn":
+        samples = multiturn_samples(n, turns, input_len, output_len, vocab_size, seed)
+    elif name == "random":
         samples = random_samples(n, input_len, output_len, range_ratio, vocab_size, seed)
     elif name == "sharegpt":
         samples = sharegpt_samples(n, input_len, output_len, vocab_size, seed)
@@ -186,6 +229,10 @@ def check_args(args) -> None:
         if hasattr(args, dest):
             flag = getattr(args, f"{dest}_flag", "--" + dest.replace("_", "-"))
             need(getattr(args, dest) >= 1, flag, "at least 1", getattr(args, dest))
+    for dest, flag in (("prefix_len", "--prefix-repetition-prefix-len"),
+                       ("num_prefixes", "--prefix-repetition-num-prefixes"),
+                       ("turns", "--multiturn-turns")):
+        need(getattr(args, dest, 1) >= 1, flag, "at least 1", getattr(args, dest, 1))
     ratio = getattr(args, "random_range_ratio", 0.0)
     need(0.0 <= ratio < 1.0, "--random-range-ratio", "in [0, 1)", ratio)
     name = dataset_of(args) if hasattr(args, "dataset") else "random"
@@ -198,6 +245,12 @@ def check_args(args) -> None:
     need(0 < burst < float("inf"), "--burstiness", "a finite number above 0", burst)
     limit = getattr(args, "max_concurrency", None)
     need(limit is None or limit >= 1, "--max-concurrency", "at least 1", limit)
+
+
+def workload_options(args) -> dict:
+    """get_samples' options for the synthetic workloads, from the flags."""
+    return {name: getattr(args, name) for name in ("prefix_len", "num_prefixes", "turns")
+            if hasattr(args, name)}
 
 
 def add_dataset_arguments(parser, input_flag: str = "--input-len",
@@ -215,6 +268,14 @@ def add_dataset_arguments(parser, input_flag: str = "--input-len",
                        help="output tokens (random: the centre; sharegpt: the median)")
     group.add_argument("--random-range-ratio", type=float, default=0.0,
                        help="random: lengths uniform in [len * (1 - r), len * (1 + r)]")
+    group.add_argument("--prefix-repetition-prefix-len", dest="prefix_len", type=int,
+                       default=256, help="prefix_repetition: each shared prefix's tokens (the "
+                       "suffix: the input length)")
+    group.add_argument("--prefix-repetition-num-prefixes", dest="num_prefixes", type=int,
+                       default=8, help="prefix_repetition: how many shared prefixes")
+    group.add_argument("--multiturn-turns", dest="turns", type=int, default=4,
+                       help="multiturn: turns per chat (the input length: each user message; "
+                       "the output length: each reply)")
     group.add_argument("--seed", type=int, default=None, help="the workload's seed (and the "
                        "engine's, offline; default: the --config file's seed, else 0)")
     parser.set_defaults(input_len_flag=input_flag, output_len_flag=output_flag)

@@ -27,7 +27,7 @@ from jaxserve.sim.metrics import RequestRecord
 SCHEDULER_OPTIONS = frozenset({
     "batching", "policy", "window_ms", "adaptive_window", "window_ms_min", "window_ms_max",
     "slo_ms", "sjf_predictor", "length_bucketing", "min_batch_size", "max_batch_size",
-    "max_num_seqs", "max_num_batched_tokens"})
+    "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"})
 
 
 def use_scheduler(engine: LLMEngine, **options) -> EngineConfig:

@@ -29,6 +29,7 @@ from jaxserve.benchmarks.datasets import (
     add_dataset_arguments,
     dataset_of,
     get_samples,
+    workload_options,
 )
 from jaxserve.benchmarks.metrics import (
     detailed,
@@ -230,7 +231,7 @@ def run(args, engine_options: dict | None = None) -> dict:
     samples = get_samples(dataset_of(args), args.num_prompts, input_len=args.input_len,
                           output_len=args.output_len, range_ratio=args.random_range_ratio,
                           vocab_size=vocab, seed=args.seed, tokenizer=tokenizer,
-                          max_model_len=max_len)
+                          max_model_len=max_len, **workload_options(args))
     ignore_eos = args.ignore_eos or dataset_of(args) == "random"
     sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
                                   ("top_k", args.top_k)) if v is not None}

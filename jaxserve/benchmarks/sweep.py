@@ -37,6 +37,7 @@ from jaxserve.benchmarks.datasets import (
     add_dataset_arguments,
     dataset_of,
     get_samples,
+    workload_options,
 )
 from jaxserve.benchmarks.datasets import check_args as check_workload_args
 from jaxserve.benchmarks.metrics import serving_result
@@ -348,7 +349,7 @@ def run(args, engine_options: dict) -> dict:
     samples = get_samples(dataset_of(args), n_max, input_len=args.input_len,
                           output_len=args.output_len, range_ratio=args.random_range_ratio,
                           vocab_size=vocab, seed=args.seed, tokenizer=tokenizer,
-                          max_model_len=max_len)
+                          max_model_len=max_len, **workload_options(args))
     if isinstance(target, OfflineTarget):
         from jaxserve.benchmarks.offline import warm_up
 

@@ -66,7 +66,8 @@ class KVCacheManager:
             self._keyed.pop(request, None)
         request.pages = []
 
-    def lookup(self, request: Request, use_cache: bool = True, extra: Hashable = None) -> int:
+    def lookup(self, request: Request, use_cache: bool = True, extra: Hashable = None,
+               count: bool = True) -> int:
         """At admission, of a request holding nothing (new, or preempted): hand it the cached
         pages of its longest cached prefix of prompt and output tokens, and return how many
         tokens they hold (its computed tokens). At least its last token is left to compute, for
@@ -75,7 +76,8 @@ class KVCacheManager:
 
         use_cache=False (a request that wants every prompt token's logprobs) takes and counts
         nothing; its pages are still keyed as they are computed. extra: what else its KV depends
-        on (an adapter), part of every key of its pages."""
+        on (an adapter), part of every key of its pages. count=False leaves the stats to
+        `count_lookup`, once the request surely joins (a lookup given back is tried again)."""
         if self.cache is None:
             return 0
         if request.pages or request.num_computed_tokens:
@@ -86,12 +88,17 @@ class KVCacheManager:
             hit = self.cache.match(tokens, self.page_size, (len(tokens) - 1) // self.page_size,
                                    extra)
             self.pool.take(hit)
-            self.queries += len(tokens)
-            self.hits += len(hit) * self.page_size
+            if count:
+                self.count_lookup(request, len(hit) * self.page_size)
         last = hit[-1] if hit else None
         self._keyed[request] = _Keyed(len(hit), last, self.cache.key(last) if hit else None, extra)
         request.pages = hit
         return len(hit) * self.page_size
+
+    def count_lookup(self, request: Request, num_cached_tokens: int) -> None:
+        """A lookup of the request's tokens found num_cached_tokens: the stats count it."""
+        self.queries += len(request.prompt_ids) + len(request.output_ids)
+        self.hits += num_cached_tokens
 
     def cache_full_pages(self, request: Request, num_tokens: int) -> None:
         """Key the request's full pages among its first num_tokens tokens (those the host knows)

@@ -63,7 +63,7 @@ class Scheduler:
                  max_num_batched_tokens: int, max_chunk_tokens: int,
                  batching: str = "continuous", policy: str | Policy = "fcfs",
                  window: BatchingWindow | None = None, decode_steps: int = 1,
-                 length_buckets: tuple[int, ...] = (),
+                 length_buckets: tuple[int, ...] = (), enable_prefix_caching: bool = False,
                  clock: Callable[[], float] = time.monotonic):
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {batching!r}")
@@ -74,7 +74,11 @@ class Scheduler:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and "
                              f"max_chunk_tokens ({max_chunk_tokens}) must be at least 2: a prompt "
                              "chunk feeds 2 or more tokens, or a prompt could never start")
-        self.kv = KVCacheManager(PagePool(num_pages), page_size)
+        self.kv = KVCacheManager(PagePool(num_pages), page_size, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        # requests whose computed tokens filled a page since their pages were last keyed (an
+        # ordered set: the first to key a prefix holds it)
+        self._to_key: dict[Request, None] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_chunk_tokens = max_chunk_tokens
@@ -138,6 +142,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         out = SchedulerOutput()
+        if self._to_key:
+            self._key_pages()
         budget = self.max_num_batched_tokens
         # nothing can join while every slot is taken: skip ordering the (maybe long) queue
         admissible = self._admissible(now) if len(self.running) < self.max_num_seqs else []
@@ -195,16 +201,25 @@ class Scheduler:
         for request in admissible:
             if len(self.running) >= self.max_num_seqs or budget <= 0:
                 break
+            # its cached prefix first: the chunk starts past it (taken back if it cannot join)
+            self._lookup(request)
             n = self._chunk(request, budget)
             if n == 0:
+                self._unlookup(request)
                 break
             if self.length_buckets and n > 1:
                 b = self._bucket(n)
                 if bucket is not None and b != bucket and request is not admissible[0]:
+                    self._unlookup(request)
                     continue  # joins in an iteration of its own bucket
                 bucket = b if bucket is None else max(bucket, b)
             if self.kv.allocate(request, n if n > 1 else out.decode_steps) is None:
+                self._unlookup(request)
                 break  # new requests never preempt running ones
+            if self.enable_prefix_caching and request.params.prompt_logprobs is None:
+                self.kv.count_lookup(request, request.num_computed_tokens)
+            if request.num_cached_tokens is None:  # as vLLM reports it: the first admission's
+                request.num_cached_tokens = request.num_computed_tokens
             self.waiting.remove(request)
             request.set_status(RequestStatus.RUNNING)
             self.running.append(request)
@@ -248,6 +263,45 @@ class Scheduler:
             samples = 1 if request.num_computed_tokens == request.num_tokens else 0
         request.num_pending += samples
         out.chunks.append(ScheduledChunk(request, start, n, samples))
+        if (self.enable_prefix_caching
+                and request.num_computed_tokens // self.kv.page_size > start // self.kv.page_size):
+            self._to_key[request] = None  # a page filled: keyed once its step is dispatched
+
+    # -- prefix caching ------------------------------------------------------------------------
+
+    def _lookup(self, request: Request) -> None:
+        """A joining request starts past its longest cached prefix (none for a request that
+        wants prompt logprobs: they come from computing the prompt)."""
+        if self.enable_prefix_caching:
+            request.num_computed_tokens = self.kv.lookup(
+                request, use_cache=request.params.prompt_logprobs is None, count=False)
+
+    def _unlookup(self, request: Request) -> None:
+        """It does not join after all: the cached pages go back (evictable again)."""
+        if self.enable_prefix_caching:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+
+    def _key_pages(self) -> None:
+        """Key the pages the dispatched steps filled. They run at the start of the next
+        schedule: every step writing them was dispatched (and none is taken back any more), so
+        any step that reads them through a hit comes after it on the device (each step takes
+        the KV pool the one before returned). A page whose last tokens the host has not read
+        yet (sampled on the device) is keyed by a later schedule."""
+        size = self.kv.page_size
+        for request in list(self._to_key):
+            if request.status is not RequestStatus.RUNNING:  # finished or preempted: freed
+                del self._to_key[request]
+                continue
+            known = len(request.prompt_ids) + len(request.output_ids)
+            self.kv.cache_full_pages(request, min(request.num_computed_tokens, known))
+            if known // size >= request.num_computed_tokens // size:
+                del self._to_key[request]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache): False, and nothing
+        forgotten, while any request holds pages."""
+        return self.kv.reset_prefix_cache()
 
     def _uncommit(self, request: Request, out: SchedulerOutput) -> int:
         """Take back the request's row of this iteration (before preempting it): the tokens
@@ -335,6 +389,8 @@ class Scheduler:
             "kv_cache_usage": self.kv.usage,
             "kv_fragmentation": self.kv.fragmentation(self.running),
             "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": self.kv.queries,
+            "prefix_cache_hits": self.kv.hits,
         }
 
 
@@ -356,5 +412,5 @@ def make_scheduler(config: EngineConfig, num_pages: int, max_chunk_tokens: int,
         num_pages=num_pages, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_chunk_tokens=max_chunk_tokens,
         batching=config.batching, policy=policy, decode_steps=config.decode_steps,
-        window=window, clock=clock,
+        window=window, clock=clock, enable_prefix_caching=config.enable_prefix_caching,
         length_buckets=config.prefill_chunk_sizes if config.length_bucketing else ())

@@ -284,7 +284,8 @@ class _API:
             return Response(status_code=499)  # nginx's "client closed request": for the log only
         texts, streams = admitting.result()
         fmt = Formatter(kind, request_id, int(time.time()), self.model_name,
-                                 self.tokenizer, req, texts)
+                        self.tokenizer, req, texts,
+                        prompt_tokens_details=self.config.enable_prompt_tokens_details)
         if req.stream:
             return StreamingResponse(self._sse(streams, fmt, info), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

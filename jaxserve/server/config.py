@@ -28,6 +28,9 @@ class ServerConfig:
     body_timeout_s: float = 60.0  # the whole request body must arrive within this: else 408
     max_connections: int = 1000  # open connections; one more is answered 503 and closed
     max_concurrent_requests: int = 1000  # /v1 requests in flight; one more is a 503
+    # usage.prompt_tokens_details.cached_tokens (the prompt tokens found in the prefix cache)
+    # in every response; off: null, as vLLM's --enable-prompt-tokens-details
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self):
         # a config file may hold any YAML value: types first, so every mistake is a ValueError
@@ -54,6 +57,9 @@ class ServerConfig:
         for name in ("stall_timeout_s", "header_timeout_s", "body_timeout_s"):
             if not (is_finite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be a number > 0, got {show(getattr(self, name))}")
+        if not isinstance(self.enable_prompt_tokens_details, bool):
+            raise ValueError(f"enable_prompt_tokens_details must be true or false, got "
+                             f"{show(self.enable_prompt_tokens_details)}")
         if not (is_finite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
             raise ValueError(f"shutdown_grace_s must be a number >= 0, got "
                              f"{show(self.shutdown_grace_s)}")

@@ -73,7 +73,6 @@ class _EngineCollector:
                  "Requests preempted (recomputed later)."),
                 ("num_compilations", stats["num_compilations_after_warmup"],
                  "XLA compilations after warm-up (each one is a bug)."),
-                # no prefix cache yet (issue 31 adds it and these two keys): 0 until then
                 ("prefix_cache_queries", stats.get("prefix_cache_queries", 0),
                  "Prefix cache queries, in queried tokens."),
                 ("prefix_cache_hits", stats.get("prefix_cache_hits", 0),
@@ -153,7 +152,8 @@ class Metrics:
         # jaxserve has (a page is vLLM's block; num_gpu_blocks counts the null page, as vLLM's)
         cache = {"block_size": llm.config.page_size, "num_gpu_blocks": llm.runner.num_pages,
                  "num_gpu_blocks_override": llm.config.num_pages,
-                 "cache_dtype": llm.runner.kv_dtype_name, "enable_prefix_caching": False}
+                 "cache_dtype": llm.runner.kv_dtype_name,
+                 "enable_prefix_caching": llm.config.enable_prefix_caching}
         Gauge("jaxserve:cache_config_info", "The engine's KV cache configuration.", list(cache),
               registry=r).labels(*map(str, cache.values())).set(1)
 

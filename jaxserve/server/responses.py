@@ -65,8 +65,10 @@ class Formatter:
     """
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, tokenizer,
-                 req: GenerateRequest, prompt_texts: list[str]):
+                 req: GenerateRequest, prompt_texts: list[str],
+                 prompt_tokens_details: bool = False):
         self.kind, self.created, self.model = kind, created, model
+        self.details = prompt_tokens_details  # usage names the cached prompt tokens
         # the client's request_id names the response (as vLLM's); the engine's ids stay unique
         self.id = request_id if req.request_id is None else (
             ("chatcmpl-" if kind == "chat" else "cmpl-") + req.request_id)
@@ -103,7 +105,8 @@ class Formatter:
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         body = self._head(obj) | {"choices": choices, "usage": usage(
             [len(o.prompt_token_ids) for o in outputs],
-            [len(o.outputs[0].token_ids) for o in outputs], self.req.params.n)}
+            [len(o.outputs[0].token_ids) for o in outputs], self.req.params.n,
+            [o.num_cached_tokens for o in outputs] if self.details else None)}
         if self.req.prompt_logprobs and self.kind == "chat":  # vLLM's place for a chat's
             body["prompt_logprobs"] = self._prompt_logprobs(outputs[0])
         return body
@@ -154,7 +157,9 @@ class Formatter:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         body = self._head(obj) | {"choices": [choice]}
         if self.req.include_usage:  # vLLM's continuous_usage_stats: this choice's so far
-            body["usage"] = (usage([len(out.prompt_token_ids)], [sent.num_tokens])
+            body["usage"] = (usage([len(out.prompt_token_ids)], [sent.num_tokens],
+                                   cached_tokens=[out.num_cached_tokens] if self.details
+                                   else None)
                              if self.req.continuous_usage else None)
         return body
 
@@ -164,7 +169,8 @@ class Formatter:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return self._head(obj) | {"choices": [], "usage": usage(
             [len(out.prompt_token_ids) for out in outputs],
-            [sent.num_tokens for sent in self._sent], self.req.params.n)}
+            [sent.num_tokens for sent in self._sent], self.req.params.n,
+            [out.num_cached_tokens for out in outputs] if self.details else None)}
 
     # -- logprobs ----------------------------------------------------------------------------
 
@@ -230,10 +236,14 @@ class Formatter:
                 "bytes": list(self._bytes(token_id)) if self.tokenizer is not None else None}
 
 
-def usage(prompt_tokens: list[int], completion_tokens: list[int], n: int = 1) -> dict[str, int]:
+def usage(prompt_tokens: list[int], completion_tokens: list[int], n: int = 1,
+          cached_tokens: list[int] | None = None) -> dict[str, Any]:
     """Token counts of a response, per choice: n samples per prompt, prompt by prompt, and
-    each prompt counts once (as in vLLM and OpenAI)."""
+    each prompt counts once (as in vLLM and OpenAI); `cached_tokens`, per choice, the prompt
+    tokens found in the prefix cache (OpenAI's prompt_tokens_details.cached_tokens; None:
+    prompt_tokens_details is null, vLLM's default)."""
     prompt = sum(prompt_tokens[::n])
     completion = sum(completion_tokens)
+    details = None if cached_tokens is None else {"cached_tokens": sum(cached_tokens[::n])}
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion, "prompt_tokens_details": details}
