@@ -19,13 +19,23 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from jaxserve.config import EngineConfig, read_config_file
 from jaxserve.sim.cost_model import StepCostModel, default_fit_path, fit_mismatches
 from jaxserve.sim.metrics import format_table, parse_slos
 from jaxserve.sim.simulator import Simulator
-from jaxserve.sim.workload import Burst, RequestSpec, read_trace, synthetic, write_trace
+from jaxserve.sim.workload import (
+    Burst,
+    RequestSpec,
+    arrival_times,
+    read_trace,
+    synthetic,
+    write_trace,
+)
 
 # engine fields offered as flags (the rest through --set KEY=VALUE)
+SIM_VOCAB = 32000  # the shared-prefix workloads' token ids (the simulator runs no model)
 ENGINE_FLAGS = ("policy", "batching", "max_num_seqs", "max_num_batched_tokens", "decode_steps",
                 "window_ms", "adaptive_window", "window_ms_min", "window_ms_max",
                 "min_batch_size", "max_batch_size", "slo_ms", "sjf_predictor",
@@ -76,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--input-spread", type=float, default=0.8,
                    help="lognormal sigma, or uniform relative half-width")
     w.add_argument("--output-spread", type=float, default=0.8)
+    w.add_argument("--dataset", choices=["synthetic", "prefix_repetition", "multiturn"],
+                   default="synthetic", help="synthetic: prompts of their own (lengths as "
+                   "above); prefix_repetition: --num-prefixes shared prefixes of --prefix-len "
+                   "tokens and suffixes of --input-len; multiturn: chats of --turns turns, each "
+                   "resending the chat (messages --input-len, replies --output-len), turn by turn")
+    w.add_argument("--prefix-len", type=int, default=256)
+    w.add_argument("--num-prefixes", type=int, default=8)
+    w.add_argument("--turns", type=int, default=4)
     w.add_argument("--trace", type=Path, help="a JSONL trace instead of a generated workload")
     w.add_argument("--save-trace", type=Path, help="write the workload as a JSONL trace")
     w.add_argument("--seed", type=int, default=0)
@@ -142,6 +160,8 @@ def workload(args, max_model_len: int) -> list[RequestSpec]:
             write_trace(args.save_trace, specs)
         return specs
     bursts = [Burst(*(float(x) for x in item.split(":"))) for item in args.burst]  # checked
+    if args.dataset != "synthetic":
+        return shared_prefixes(args, bursts)
     specs = synthetic(args.num_prompts, args.request_rate, seed=args.seed,
                       burstiness=args.burstiness, bursts=tuple(bursts), dist=args.length_dist,
                       input_len=args.input_len, output_len=args.output_len,
@@ -152,6 +172,26 @@ def workload(args, max_model_len: int) -> list[RequestSpec]:
         print(f"note: {capped} of {len(specs)} requests were cut to fit max_model_len "
               f"{max_model_len} (median output {statistics.median(s.output_len for s in specs):g} "
               f"tokens)", file=sys.stderr)
+    if args.save_trace is not None:
+        write_trace(args.save_trace, specs)
+    return specs
+
+
+def shared_prefixes(args, bursts: list[Burst]) -> list[RequestSpec]:
+    """The prefix-sharing workloads of `jaxserve bench` (their prompts' ids, so the prefix
+    cache finds what they share), arriving as --request-rate and --burstiness say."""
+    from jaxserve.benchmarks.datasets import multiturn_samples, prefix_repetition_samples
+
+    n, message, reply = args.num_prompts, int(args.input_len), int(args.output_len)
+    if args.dataset == "prefix_repetition":
+        samples = prefix_repetition_samples(n, args.prefix_len, message, args.num_prefixes,
+                                            reply, SIM_VOCAB, args.seed)
+    else:
+        samples = multiturn_samples(n, args.turns, message, reply, SIM_VOCAB, args.seed)
+    arrivals = arrival_times(n, args.request_rate, np.random.default_rng(args.seed),
+                             args.burstiness, tuple(bursts))
+    specs = [RequestSpec(float(a), s.prompt_len, s.output_len, prompt_ids=tuple(s.prompt))
+             for a, s in zip(arrivals, samples, strict=True)]
     if args.save_trace is not None:
         write_trace(args.save_trace, specs)
     return specs

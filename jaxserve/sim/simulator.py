@@ -60,6 +60,8 @@ class SimResult:
     num_preemptions: int
     kv_pages_free_at_end: int
     kv_pages_total: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found there
 
     def metrics(self, slos_ms: dict[str, float] | None = None, label: str | None = None) -> dict:
         """vllm bench serve metrics, over every request or one label's; plus preemptions."""
@@ -68,8 +70,13 @@ class SimResult:
             "num_preemptions": self.num_preemptions, "num_steps": self.num_steps}
 
 
-def synthetic_prompt(spec: RequestSpec) -> list[int]:
-    return list(spec.prompt_ids) if spec.prompt_ids is not None else [3] * spec.prompt_len
+def synthetic_prompt(spec: RequestSpec, index: int) -> list[int]:
+    """The trace's ids, else prompt_len ids of the request's own: its first token is its index
+    (past the special ids), so no two synthetic prompts share a page and the prefix cache finds
+    nothing (a trace with prompt_ids shares what its prompts share)."""
+    if spec.prompt_ids is not None:
+        return list(spec.prompt_ids)
+    return [3 + index] + [3] * (spec.prompt_len - 1)
 
 
 class Simulator:
@@ -128,13 +135,14 @@ class Simulator:
                 last_token = clock.now
         timeline, num_steps = device.timeline, core.num_steps
         return SimResult(list(records.values()), last_token, timeline, num_steps,
-                         s.num_preemptions, s.kv.pool.num_free, s.kv.pool.num_usable)
+                         s.num_preemptions, s.kv.pool.num_free, s.kv.pool.num_usable,
+                         s.kv.queries, s.kv.hits)
 
     def _add(self, s: Scheduler, rid: str, spec: RequestSpec,
              records: dict[str, RequestRecord], seen: dict[str, int]) -> None:
         params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True,
                                 priority=spec.priority, slo_ms=spec.slo_ms)
-        prompt = synthetic_prompt(spec)
+        prompt = synthetic_prompt(spec, len(records))
         if len(prompt) + spec.output_len > self.max_model_len:  # the engine refuses it too
             raise ValueError(f"request {rid} (arrival {spec.arrival:g} s): prompt {len(prompt)} "
                              f"+ output {spec.output_len} tokens exceed max_model_len "
