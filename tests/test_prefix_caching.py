@@ -125,3 +125,27 @@ def test_usage_names_the_cached_prompt_tokens():
         "prompt_tokens": 70, "completion_tokens": 26, "total_tokens": 96,
         "prompt_tokens_details": {"cached_tokens": 48}}
     assert usage([40], [5])["prompt_tokens_details"] is None
+
+
+def test_the_demo_model_same_text_with_the_cache():
+    """The built-in demo model (byte-level): code prompts that share their imports and a
+    docstring give the same greedy text cache on and off, and the later ones hit."""
+    head = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Run the tool.\"\"\"\n"
+    prompts = [head + tail for tail in ("    path = ", "    for arg in argv:\n", "    if ",
+                                        "    return ")]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    demo = dict(max_num_seqs=2, prefill_chunk_sizes=(64,), page_size=16, num_pages=40,
+                max_num_batched_tokens=64)
+    texts = {}
+    for on in (False, True):
+        llm = LLM(enable_prefix_caching=on, **demo)
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # one by one
+        texts[on] = [o.outputs[0].text for o in outs]
+        if on:  # each later prompt finds the full pages it shares with the ones before
+            first = outs[0].prompt_token_ids
+            for o in outs[1:]:
+                ids = o.prompt_token_ids
+                common = next(i for i, (a, b) in enumerate(zip(first, ids, strict=False))
+                              if a != b)
+                assert o.num_cached_tokens == min(common, len(ids) - 1) // 16 * 16 > 0
+    assert texts[False] == texts[True]
