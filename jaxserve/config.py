@@ -96,7 +96,7 @@ _CHOICES = {
     "matmul_impl": ("auto", "cpu", "amx", "xla"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "dtype": ("auto", *SUPPORTED_DTYPES),
-    "policy": ("fcfs", "priority", "sjf", "mlfq", "edf"),
+    "policy": ("fcfs", "priority", "sjf", "mlfq", "edf", "lpm"),
     "load_format": ("auto", "dummy"),
 }
 

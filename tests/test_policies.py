@@ -402,3 +402,41 @@ def test_mlp_predictor_round_trips_and_resolves(tmp_path):
 def test_priority_policy_validates_weights():
     with pytest.raises(ValueError, match="weights"):
         PriorityPolicy(weights=(1.0, 0.0))
+
+
+# -- lpm: longest prefix match first -------------------------------------------------------------
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    """One slot; a runs first and leaves its prompt's pages cached. Of the three waiting, c
+    shares 16 tokens (4 pages) with a, d shares 8, b nothing: lpm admits c, d, then b (fcfs:
+    b, c, d); without prefix caching lpm is fcfs."""
+    shared = list(range(10, 30))
+    def requests():
+        return [make_request("a", shared, 2), make_request("b", 20, 2, arrival=0.001),
+                make_request("c", [*shared[:16], 60, 61, 62], 2, arrival=0.002),
+                make_request("d", shared[:8] + [70] * 9, 2, arrival=0.003)]
+    assert admission_order(scheduler("lpm", enable_prefix_caching=True),
+                           requests()) == ["a", "c", "d", "b"]
+    assert admission_order(scheduler("fcfs", enable_prefix_caching=True),
+                           requests()) == ["a", "b", "c", "d"]
+    assert admission_order(scheduler("lpm"), requests()) == ["a", "b", "c", "d"]
+
+
+def test_lpm_starvation_guard():
+    """A request waiting starvation_s goes before longer matches, oldest first."""
+    from jaxserve.core.policies import LPM
+
+    clock = FakeClock()
+    s = scheduler(LPM(starvation_s=1.0), clock=clock, enable_prefix_caching=True)
+    shared = list(range(10, 30))
+    s.add_request(make_request("a", shared, 4))
+    driver = Driver(s, clock=clock)
+    driver.step()  # a prefills
+    s.add_request(make_request("b", 20, 2))
+    s.add_request(make_request("c", [*shared[:16], 60, 61], 2))
+    driver.step()  # a decodes (one slot: b and c wait); its prompt's pages are keyed now
+    now = clock.now
+    assert s.kv.cached_prefix_len(s.requests["c"]) == 16
+    assert [r.request_id for r in s.policy.order(s.waiting, now)] == ["c", "b"]
+    assert [r.request_id for r in s.policy.order(s.waiting, now + 1.0)] == ["b", "c"]

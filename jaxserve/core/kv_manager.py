@@ -95,6 +95,15 @@ class KVCacheManager:
         request.pages = hit
         return len(hit) * self.page_size
 
+    def cached_prefix_len(self, request: Request, extra: Hashable = None) -> int:
+        """The tokens a lookup would find for the request now, taking nothing (the lpm
+        policy's key); 0 without prefix caching."""
+        if self.cache is None:
+            return 0
+        tokens = request.prompt_ids + request.output_ids
+        return len(self.cache.match(tokens, self.page_size, (len(tokens) - 1) // self.page_size,
+                                    extra)) * self.page_size
+
     def count_lookup(self, request: Request, num_cached_tokens: int) -> None:
         """A lookup of the request's tokens found num_cached_tokens: the stats count it."""
         self.queries += len(request.prompt_ids) + len(request.output_ids)

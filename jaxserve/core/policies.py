@@ -8,9 +8,12 @@
     mlfq      FastServe's skip-join multi-level feedback queue: the prompt picks the entry level,
               tokens served demote, waiting promotes
     edf       earliest deadline (arrival + the request's TTFT target) first
+    lpm       longest prefix match first (SGLang's): the waiting request with the most prompt
+              tokens in the prefix cache goes first, so pages are reused before they are
+              evicted; one waiting `starvation_s` goes first whatever its match
 
-New policies subclass `Policy`; the scheduler only calls `order`, `victim`, `on_admit` and
-`allows_multi_step`. Keys may depend on the time (aging). A policy whose keys rank waiting
+New policies subclass `Policy`; the scheduler only calls `order`, `victim`, `on_admit`,
+`allows_multi_step` and (once, with its KV manager) `bind`. Keys may depend on the time (aging). A policy whose keys rank waiting
 requests alike at every time sets `static_order`: the scheduler then keeps its waiting queue
 sorted as requests arrive, so a long queue is not sorted every iteration.
 """
@@ -57,6 +60,9 @@ class Policy(ABC):
     def allows_multi_step(self, request: Request) -> bool:
         """Whether the request's decode row may run several steps in one dispatch."""
         return True
+
+    def bind(self, kv) -> None:  # noqa: B027 (optional hook)
+        """The scheduler's KV manager (core.kv_manager), for a policy that reads the cache."""
 
 
 class FCFS(Policy):
@@ -254,7 +260,48 @@ class EDF(Policy):
         return (self.deadline(request), request.arrival_time, request.request_id)
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FCFS, PriorityPolicy, SJF, MLFQ, EDF)}
+class LPM(Policy):
+    """Longest prefix match first (SGLang's `lpm`): a waiting request's key is the prompt
+    tokens the prefix cache holds for it, most first, then arrival. A request waiting
+    `starvation_s` since it arrived (or was last preempted) goes before every other, first come
+    first served among those, so a request whose prefix nobody shares is not passed over for
+    ever. Past `max_queue` waiting requests it orders them first come first served, as SGLang
+    does: matching a long queue every iteration would cost more than it saves. Running requests
+    keep arrival order (the victim is the one that arrived last); without prefix caching it is
+    fcfs."""
+
+    name = "lpm"
+
+    def __init__(self, starvation_s: float = 5.0, max_queue: int = 128):
+        self.starvation_s = starvation_s
+        self.max_queue = max_queue
+        self._kv = None
+
+    def bind(self, kv) -> None:
+        self._kv = kv
+
+    def key(self, request: Request, now: float) -> Any:
+        waited_since = request.metrics.last_preempted_time or request.arrival_time
+        if (request.status is not RequestStatus.WAITING or self._kv is None
+                or now - waited_since >= self.starvation_s):
+            return (0, 0, request.arrival_time, request.request_id)
+        return (1, -self._kv.cached_prefix_len(request), request.arrival_time,
+                request.request_id)
+
+    def order(self, requests: Iterable[Request], now: float, limit: int | None = None,
+              presorted: bool = False) -> list[Request]:
+        requests = list(requests)
+        if len(requests) > self.max_queue:
+            ranked = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+            return ranked if limit is None else ranked[:limit]
+        return super().order(requests, now, limit)
+
+    def victim(self, running: list[Request], now: float) -> Request:
+        return max(running, key=lambda r: (r.arrival_time, r.request_id))
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FCFS, PriorityPolicy, SJF, MLFQ, EDF,
+                                                         LPM)}
 
 
 def make_policy(name: str, *, predictor: Predictor | None = None,

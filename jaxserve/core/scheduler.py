@@ -84,6 +84,7 @@ class Scheduler:
         self.max_chunk_tokens = max_chunk_tokens
         self.batching = batching
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy.bind(self.kv)
         self.window = window or BatchingWindow(max_batch_size=max_num_seqs)
         self.decode_steps = decode_steps
         self.length_buckets = tuple(length_buckets)
