@@ -8,6 +8,10 @@ Workloads (token ids, greedy, ignore_eos, every request submitted at the start):
                        tokens, suffixes of `--suffix-len`, outputs of `--output-len`
     multiturn          chats of `--turns` turns, each turn resending the conversation so far
                        (user messages of `--suffix-len`, replies of `--output-len`), turn by turn
+    chat               closed-loop chats: `--max-num-seqs` chats at a time, each turn sent when
+                       the chat's previous turn ends, its prompt the previous prompt, the reply
+                       the model gave (`--output-len` tokens) and a new user message
+                       (`--suffix-len`), `--turns` turns; N turns in all
     no_sharing         N random prompts as long as prefix_repetition's: nothing to hit, so the
                        cache's own cost shows
 
@@ -45,6 +49,66 @@ def measure(engine: LLMEngine, samples, cache: bool) -> dict:
             "token_ids": run.token_ids}
 
 
+def chat(engine: LLMEngine, cache: bool, n: int, turns: int, message_len: int,
+         reply_len: int, concurrency: int, seed: int = 0) -> dict:
+    """Closed-loop chats on the engine; the same measures as `measure`."""
+    import time
+
+    import numpy as np
+
+    from jaxserve.request import SamplingParams
+
+    use_scheduler(engine, enable_prefix_caching=cache)
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    chats = -(-n // turns)
+    messages = [[rng.integers(3, vocab, message_len).tolist() for _ in range(turns)]
+                for _ in range(chats)]
+    params = SamplingParams(max_tokens=reply_len, temperature=0.0, ignore_eos=True)
+    history: dict[int, list[int]] = {}  # chat -> its conversation so far
+    turn_of = dict.fromkeys(range(chats), 0)
+    sent: dict[str, float] = {}
+    ttfts, outputs, prompt_tokens, ids = [], 0, 0, {}
+    start = time.monotonic()
+
+    def send(c: int) -> None:
+        nonlocal prompt_tokens
+        prompt = history.get(c, []) + messages[c][turn_of[c]]
+        history[c] = prompt
+        rid = f"{c}-{turn_of[c]}"
+        sent[rid] = time.monotonic()
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        prompt_tokens += len(prompt)
+
+    waiting = list(range(chats))
+    active = 0
+    while waiting or active:
+        while waiting and active < concurrency:
+            send(waiting.pop(0))
+            active += 1
+        for out in engine.step():
+            rid = out.request_id
+            if rid in sent and out.outputs[0].token_ids:
+                ttfts.append(time.monotonic() - sent.pop(rid))
+            if out.finished:
+                c = int(rid.split("-")[0])
+                reply = list(out.outputs[0].token_ids)
+                ids[rid] = reply
+                outputs += len(reply)
+                history[c] = history[c] + reply
+                turn_of[c] += 1
+                active -= 1
+                if turn_of[c] < turns and len(ids) + active < n:
+                    waiting.insert(0, c)  # the chat's next turn, before new chats
+    duration = time.monotonic() - start
+    stats = engine.stats()
+    return {"prefix_caching": cache, "mean_ttft_ms": 1e3 * statistics.mean(ttfts),
+            "duration_s": duration, "total_tokens_per_s": (prompt_tokens + outputs) / duration,
+            "output_tokens_per_s": outputs / duration,
+            "hit_rate": stats["prefix_cache_hits"] / max(1, stats["prefix_cache_queries"]),
+            "token_ids": [ids[k] for k in sorted(ids)]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bench/models/llama-20m")
@@ -57,7 +121,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--workloads", nargs="+",
-                        default=["prefix_repetition", "multiturn", "no_sharing"])
+                        default=["prefix_repetition", "multiturn", "chat", "no_sharing"])
     args = parser.parse_args()
     n, prompt_len = args.num_prompts, args.prefix_len + args.suffix_len
     config = EngineConfig.from_overrides(
@@ -75,9 +139,13 @@ def main() -> None:
     }
     results = {}
     for name in args.workloads:
-        samples = workloads[name]()
-        warm_up(engine, samples)
-        off, on = measure(engine, samples, False), measure(engine, samples, True)
+        if name == "chat":
+            off, on = (chat(engine, cache, n, args.turns, args.suffix_len, args.output_len,
+                            args.max_num_seqs) for cache in (False, True))
+        else:
+            samples = workloads[name]()
+            warm_up(engine, samples)
+            off, on = measure(engine, samples, False), measure(engine, samples, True)
         same = off.pop("token_ids") == on.pop("token_ids")
         results[name] = {"off": off, "on": on, "same_tokens": same,
                          "ttft_off_over_on": off["mean_ttft_ms"] / on["mean_ttft_ms"],
