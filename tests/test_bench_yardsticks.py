@@ -1,5 +1,6 @@
-"""Issue 29's yardsticks run at tiny sizes: bench/compile_time.py (compile seconds, layers
-scanned and unrolled) and bench/host_overhead.py (the host's cost per engine iteration)."""
+"""Yardsticks run at tiny sizes: issue 29's bench/compile_time.py (compile seconds, layers
+scanned and unrolled) and bench/host_overhead.py (the host's cost per engine iteration), issue
+31's bench/prefix_caching.py (cache on against off)."""
 
 import importlib.util
 from pathlib import Path
@@ -41,3 +42,22 @@ def test_host_overhead_bench_splits_an_iteration_over_the_stand_in_device():
     assert 0 <= row["device_idle_share"] < 1
     long = bench.long_request(tokens=2100, step_ms=0.1)
     assert long["host_ms_first_1024"] > 0 and long["last_over_first"] > 0
+
+
+def test_prefix_caching_bench_compares_on_and_off_on_one_engine(stories_dir):
+    """bench/prefix_caching.py: the open-loop workloads and the closed-loop chat, cache off then
+    on, on one engine: the same tokens, hits only with the cache."""
+    from jaxserve.benchmarks.datasets import prefix_repetition_samples
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+
+    bench = _load(ROOT / "bench" / "prefix_caching.py")
+    engine = LLMEngine(stories_dir, EngineConfig.from_overrides(
+        max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_sizes=(32,), page_size=8,
+        num_pages=64, max_model_len=128))
+    samples = prefix_repetition_samples(6, 24, 4, 2, 3, 512)
+    off, on = bench.measure(engine, samples, False), bench.measure(engine, samples, True)
+    assert off["token_ids"] == on["token_ids"] and off["hit_rate"] == 0 < on["hit_rate"]
+    off, on = (bench.chat(engine, cache, 6, 3, 8, 4, 2) for cache in (False, True))
+    assert off["token_ids"] == on["token_ids"] and len(on["token_ids"]) == 6
+    assert off["hit_rate"] == 0 < on["hit_rate"] and on["mean_ttft_ms"] > 0
