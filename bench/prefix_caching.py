@@ -23,6 +23,9 @@ output tokens/s), the prefix cache's hit rate, and whether the two runs' tokens 
 import argparse
 import json
 import statistics
+import time
+
+import numpy as np
 
 from jaxserve.benchmarks.datasets import (
     multiturn_samples,
@@ -32,6 +35,7 @@ from jaxserve.benchmarks.datasets import (
 from jaxserve.benchmarks.offline import run_load, use_scheduler, warm_up
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.request import SamplingParams
 
 
 def measure(engine: LLMEngine, samples, cache: bool) -> dict:
@@ -52,12 +56,6 @@ def measure(engine: LLMEngine, samples, cache: bool) -> dict:
 def chat(engine: LLMEngine, cache: bool, n: int, turns: int, message_len: int,
          reply_len: int, concurrency: int, seed: int = 0) -> dict:
     """Closed-loop chats on the engine; the same measures as `measure`."""
-    import time
-
-    import numpy as np
-
-    from jaxserve.request import SamplingParams
-
     use_scheduler(engine, enable_prefix_caching=cache)
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size

@@ -295,7 +295,7 @@ class Scheduler:
                 del self._to_key[request]
                 continue
             known = len(request.prompt_ids) + len(request.output_ids)
-            self.kv.cache_full_pages(request, min(request.num_computed_tokens, known))
+            self.kv.cache_full_pages(request, request.num_computed_tokens)  # capped at known
             if known // size >= request.num_computed_tokens // size:
                 del self._to_key[request]
 
