@@ -19,13 +19,65 @@ GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # a seed's range, as vLLM's API takes it
 
 
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (the device keeps them per slot)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's StructuredOutputsParams): exactly one of a
+    JSON schema, any JSON object, a regex, a choice of strings or a grammar (Lark-style EBNF or
+    GBNF, as llguidance reads them). Compiled once per distinct value and cached."""
+
+    json: str | dict | None = None  # a JSON schema, as text or parsed
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
+    disable_any_whitespace: bool = False  # JSON without whitespace between tokens
+
+    def __post_init__(self):
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice or any(
+                    not isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings, "
+                                 f"got {show(self.choice)}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
+                                 f"got {show(value)}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its "
+                             f"text), got {show(self.json)}")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a boolean, "
+                             f"got {show(self.json_object)}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a boolean, "
+                             f"got {show(self.disable_any_whitespace)}")
+        if len(self.kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar and json_object, got {', '.join(self.kinds) or 'none'}")
+
+    @property
+    def kinds(self) -> list[str]:
+        return [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name)
+                is not None] + (["json_object"] if self.json_object else [])
+
+    @property
+    def kind(self) -> str:
+        """Which one it sets: "json", "regex", "choice", "grammar" or "json_object"."""
+        return self.kinds[0]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to generate, as vLLM's SamplingParams. temperature 0 means greedy."""
 
     max_tokens: int | None = 16  # None: up to max_model_len
-    # no stop (EOS, stop_token_ids, stop strings) ends the output before this many tokens (the
-    # host's half of vLLM's min_tokens: the sampler does not mask the stop ids meanwhile)
+    # no stop (EOS, stop_token_ids, stop strings) ends the output before this many tokens: the
+    # sampler masks EOS and the stop ids until then, the host ignores stop strings
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -42,6 +94,19 @@ class SamplingParams:
     slo_ms: float | None = None  # time-to-first-token target; the edf policy's deadline
     n: int = 1  # samples per prompt (LLM.generate and the server run n requests: `for_sample`)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The controls below (vLLM's definitions) run in the sampler only for the rows that ask.
+    presence_penalty: float = 0.0  # [-2, 2]: minus this from each token the output holds
+    frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's count in the output
+    # > 0: a token of the prompt or the output has its logit divided by this if positive,
+    # multiplied if negative
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p times the likeliest one
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
+    bad_words: tuple[str, ...] = ()  # never generated (a word's last token masked after the rest)
+    allowed_token_ids: tuple[int, ...] | None = None  # only these are generated
+    structured_outputs: StructuredOutputsParams | None = None
+    # whether any of the controls above is on: the row samples through the controlled head
+    controlled: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         stop = () if self.stop is None else self.stop
@@ -95,6 +160,57 @@ class SamplingParams:
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers, "
                              f"got {show(self.stop_token_ids)}")
+        self._check_controls()
+        object.__setattr__(self, "controlled", bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.min_p or self.logit_bias or self.min_tokens or self.bad_words
+            or self.allowed_token_ids is not None or self.structured_outputs is not None))
+
+    def _check_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (is_finite(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be a number in [-2, 2], got {show(value)}")
+        if not (is_finite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError("repetition_penalty must be a finite number > 0, "
+                             f"got {show(self.repetition_penalty)}")
+        if not (is_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be a number in [0, 1], got {show(self.min_p)}")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {show(bias)}")
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias holds {len(bias)} tokens, past the "
+                                 f"{MAX_LOGIT_BIAS} a request may bias")
+            checked = {}
+            for key, value in bias.items():
+                token = int(key) if isinstance(key, str) and key.isdigit() else key
+                if not is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (non-negative "
+                                     f"integers), got {show(key)}")
+                if not (is_finite(value) and -100.0 <= value <= 100.0):
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got "
+                                     f"{show(value)} for token {token}")
+                checked[int(token)] = float(value)
+            object.__setattr__(self, "logit_bias", checked or None)
+        words = self.bad_words
+        words = () if words is None else (words,) if isinstance(words, str) else words
+        if not isinstance(words, list | tuple) or any(
+                not isinstance(w, str) or not w for w in words):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {show(words)}")
+        object.__setattr__(self, "bad_words", tuple(words))
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, list | tuple) or not allowed or any(
+                    not is_int(t) or t < 0 for t in allowed):
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {show(allowed)}")
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in allowed))
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, "
+                             f"got {show(self.structured_outputs)}")
 
     @property
     def greedy(self) -> bool:
