@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.checks import is_int, show
 from jaxserve.config import EngineConfig
@@ -23,7 +23,11 @@ from jaxserve.engine_core import RUNNER_MEMBERS, EngineCore, Runner, Step
 from jaxserve.model_config import ModelConfig
 from jaxserve.outputs import OutputProcessor
 from jaxserve.request import Request, RequestOutput, RequestOutputKind, SamplingParams
+from jaxserve.token_masks import TokenMask
 from jaxserve.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from jaxserve.structured_output import GrammarCompiler
 
 log = logging.getLogger("jaxserve")
 PromptType = str | dict[str, Any]
@@ -129,6 +133,7 @@ class LLMEngine:
         # <|eom_id|>): a request they end reports them as its stop_reason, as vLLM does
         own = None if self.tokenizer is None else self.tokenizer.eos_token_id
         self.named_eos_ids = self.eos_token_ids - {own} if own is not None else frozenset()
+        self._grammar_compiler: GrammarCompiler | None = None
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         # the step whose results the latest step() read: its prompt tokens (of requests it gave
@@ -181,6 +186,12 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):  # SamplingParams checked t >= 0
             raise ValueError(f"stop_token_ids must be ids in [0, {vocab}) (the model's "
                              f"vocabulary), got {show(list(params.stop_token_ids))}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}) (the model's "
+                             f"vocabulary), got {max(params.logit_bias)}")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise ValueError(f"allowed_token_ids must be ids in [0, {vocab}) (the model's "
+                             f"vocabulary), got {max(params.allowed_token_ids)}")
         max_len = limit if params.max_tokens is None else min(len(ids) + params.max_tokens,
                                                               limit)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
@@ -188,8 +199,23 @@ class LLMEngine:
         request = Request(request_id, ids, params, time.monotonic() if arrival_time is None
                           else arrival_time, seed, max_len, self.eos_token_ids, prompt=text,
                           named_eos_ids=self.named_eos_ids)
+        if params.controlled and (params.allowed_token_ids is not None or params.bad_words
+                                  or params.min_tokens or params.structured_outputs):
+            request.token_mask = TokenMask(
+                params, vocab, request.stop_ids, self.tokenizer,
+                self._grammars() if params.structured_outputs is not None else None)
         self.scheduler.add_request(request)
         return request
+
+    def _grammars(self) -> "GrammarCompiler | None":
+        """The grammar compiler (made at the first structured request); None without a
+        tokenizer."""
+        if self._grammar_compiler is None and self.tokenizer is not None:
+            from jaxserve.structured_output import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                     self.eos_token_ids)
+        return self._grammar_compiler
 
     def _whole_vocabulary(self, params: SamplingParams) -> SamplingParams:
         """`params` with logprobs / prompt_logprobs of -1 (the whole vocabulary, as vLLM) as

@@ -2,12 +2,15 @@
 
     schedule -> dispatch this iteration -> read the previous one -> OutputProcessor.update
                                            (the tokens kept, every stop, finished requests)
+             -> finish this iteration (the samples that needed the previous one's tokens)
 
 A runner (`Runner`) is what the loop and `LLMEngine` drive: `dispatch(out) -> handle` starts
 the iteration's device work and returns at once, `collect(handle) -> {request id: Samples}`
 waits for it. With `overlap`, an iteration is read one step later, while the device already
-runs the next one (the host never stalls the device); without it, at once. Host only: no jax
-here.
+runs the next one (the host never stalls the device); without it, at once. `finish(handle)`
+dispatches what of an iteration had to wait until the host held every earlier token (the rows
+whose next-token masks follow from them: structured output, bad words, min_tokens): the device
+runs the iteration's model meanwhile. Host only: no jax here.
 """
 
 from collections.abc import Callable, Mapping
@@ -59,6 +62,10 @@ class Runner(Protocol):
         """Start the iteration's device work; return at once with a handle to collect."""
         ...
 
+    def finish(self, handle: Any) -> None:
+        """Dispatch the rest of an iteration, once every token sampled before it was read."""
+        ...
+
     def collect(self, handle: Any) -> Mapping[str, Samples]:
         """Wait for a dispatched iteration: by request id, what each sampling row got."""
         ...
@@ -66,7 +73,7 @@ class Runner(Protocol):
 
 # Runner's members, which LLMEngine checks a runner has (typing names them only from 3.13 on)
 RUNNER_MEMBERS = ("num_pages", "max_model_len", "chunk_buckets", "num_compilations_after_warmup",
-                  "warmup", "dispatch", "collect")
+                  "warmup", "dispatch", "finish", "collect")
 
 
 @dataclass
@@ -109,10 +116,15 @@ class EngineCore:
             previous, self.inflight = self.inflight, flight
         else:
             previous = flight
-        if previous is None:
-            return Step(out)
-        done, handle = previous
-        results = self.runner.collect(handle)
-        self.scheduler.update(done)  # its samples are pending no more
-        touched, num_tokens = self.processor.update(self.scheduler, done, results)
-        return Step(out, done, touched, num_tokens)
+            if flight is not None:
+                self.runner.finish(flight[1])
+        step = Step(out)
+        if previous is not None:
+            done, handle = previous
+            results = self.runner.collect(handle)
+            self.scheduler.update(done)  # its samples are pending no more
+            touched, num_tokens = self.processor.update(self.scheduler, done, results)
+            step = Step(out, done, touched, num_tokens)
+        if self.overlap and flight is not None:  # every earlier token is read now
+            self.runner.finish(flight[1])
+        return step

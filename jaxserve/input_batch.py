@@ -44,11 +44,25 @@ class InputBatch:
         self.top_p = np.ones((1,), np.float32)  # [slots] 1.0: off
         self.seeds = np.zeros((1,), np.uint32)  # [slots] device_seed(request.seed)
         self.logprobs = np.zeros((1,), bool)  # [slots]
+        # the sampler controls (model/sampler.py: Controls), off in padding and plain rows
+        self.controlled = np.zeros((1,), bool)  # [slots] the request has any control on
+        self.presence = np.zeros((1,), np.float32)  # [slots]
+        self.frequency = np.zeros((1,), np.float32)  # [slots]
+        self.repetition = np.ones((1,), np.float32)  # [slots]
+        self.min_p = np.zeros((1,), np.float32)  # [slots]
+        # controlled requests written to a slot by the latest update: the runner writes their
+        # slot's device state (token counts, prompt tokens, logit_bias)
+        self.written: list[tuple[int, Request]] = []
         self._grow(num_slots)
+
+    @property
+    def num_slots(self) -> int:  # padding slot 0 included
+        return len(self._num_pages)
 
     def update(self, chunks: list[ScheduledChunk]) -> None:
         """Apply a step: free the slots of requests it leaves out, give new ones a slot, write
         the pages appended since the last step."""
+        self.written = []
         scheduled = {chunk.request for chunk in chunks}
         for request in self.slots.keys() - scheduled:
             self._free.append(self.slots.pop(request))
@@ -79,6 +93,11 @@ class InputBatch:
         self.top_p[slot] = p.top_p
         self.seeds[slot] = device_seed(request.seed)
         self.logprobs[slot] = p.logprobs is not None
+        self.controlled[slot] = p.controlled
+        self.presence[slot], self.frequency[slot] = p.presence_penalty, p.frequency_penalty
+        self.repetition[slot], self.min_p[slot] = p.repetition_penalty, p.min_p
+        if p.controlled:
+            self.written.append((slot, request))
         self._preemptions[slot] = request.metrics.num_preemptions
         self._num_pages[slot] = 0
         self.page_table[slot] = 0
@@ -95,7 +114,8 @@ class InputBatch:
     def _grow(self, more: int) -> None:
         """`more` slots past the current ones, at padding values, on the free list."""
         old = len(self._num_pages)
-        for name in ("page_table", "temperature", "top_k", "top_p", "seeds", "logprobs"):
+        for name in ("page_table", "temperature", "top_k", "top_p", "seeds", "logprobs",
+                     "controlled", "presence", "frequency", "repetition", "min_p"):
             array = getattr(self, name)
             setattr(self, name, np.concatenate([array, np.repeat(array[:1], more, axis=0)]))
         self._num_pages += [0] * more

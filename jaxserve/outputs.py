@@ -155,6 +155,11 @@ class OutputProcessor:
                              search=len(out) > params.min_tokens)
             if hit is not None:
                 status, reason = RequestStatus.FINISHED_STOPPED, hit
+        mask = request.token_mask
+        if mask is not None and not mask.accept(out[start:]) and status is None:
+            # the grammar refused a token (a mask the sampler could not keep: every token
+            # masked): the output cannot match any more
+            status = RequestStatus.FINISHED_ABORTED
         if params.logprobs is not None and samples.logprobs is not None:
             for token, lp in zip(out[start:], samples.logprobs, strict=False):
                 entry = logprob_dict(lp, token, params.logprobs, self._name)

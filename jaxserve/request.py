@@ -349,6 +349,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_state = None  # what the output processor keeps of it (outputs.py)
+        # what it may sample next (token_masks.TokenMask), when its params restrict it
+        self.token_mask = None
         # prompt tokens found in the prefix cache when it was first scheduled (None: not yet)
         self.num_cached_tokens: int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)

@@ -53,10 +53,11 @@ from jaxserve.input_batch import InputBatch
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.llama import rope_tables, stack_layers
 from jaxserve.model.loader import load_state, state_bytes
-from jaxserve.model.sampler import SamplingMetadata
+from jaxserve.model.sampler import Controls, SamplerState, SamplingMetadata
 from jaxserve.model.step import make_step_fns
 from jaxserve.model_config import ModelConfig
-from jaxserve.request import Request
+from jaxserve.request import MAX_LOGIT_BIAS, Request
+from jaxserve.token_masks import bitmask_width
 
 log = logging.getLogger("jaxserve")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -111,12 +112,26 @@ class PrefillCall:
 
 
 @dataclass
+class Head:
+    """A controlled call's sampling, dispatched by `finish` once the host has its rows' masks."""
+
+    chunks: list[ScheduledChunk]
+    last: jax.Array  # [>= rows, hidden] each row's last hidden state
+    sm: SamplingMetadata
+    slots: np.ndarray  # [rows] the rows' slots (0: padding)
+    carry: int  # which carry its tokens go to: 0 (a decode call) or 1
+    carry_index: np.ndarray  # [rows]
+    call: PrefillCall | None  # the call whose packed it gives (None: the decode call's)
+
+
+@dataclass
 class Inflight:
     """One dispatched iteration whose results have not been read yet."""
 
     decode_chunks: list[ScheduledChunk] = field(default_factory=list)
     decode_packed: jax.Array | None = None  # [steps, B, W]
     prefills: list[PrefillCall] = field(default_factory=list)
+    heads: list[Head] = field(default_factory=list)  # for finish, in order
 
 
 class ModelRunner:
@@ -201,6 +216,8 @@ class ModelRunner:
         self._carry_rows: dict[str, int] = {}  # request id -> index into the two carries
         self.input_batch = InputBatch(self.pages_per_seq, model_config.vocab_size,
                                       config.max_num_seqs)
+        # per slot: the controlled requests' token counts, prompt tokens and logit_bias
+        self.sampler_state = self._sampler_state(self.input_batch.num_slots)
         self.num_compilations = 0  # XLA compiles while this runner dispatched
         self._compiles_at_warmup = 0
 
@@ -244,6 +261,37 @@ class ModelRunner:
                              f"{self.kv_bytes_per_page} per page")
         return pages
 
+    def _sampler_state(self, slots: int) -> SamplerState:
+        vocab = self.model_config.vocab_size
+        state = SamplerState(counts=jnp.zeros((slots, vocab), jnp.int32),
+                             prompt=jnp.zeros((slots, vocab), bool),
+                             bias_ids=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.int32),
+                             bias_values=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.float32))
+        return jax.device_put(state, jax.devices()[0])
+
+    def _write_controls(self) -> None:
+        """Write the device state of the controlled requests the latest update gave a slot:
+        the counts of the tokens they generated so far, their prompt's tokens, their bias."""
+        batch, vocab = self.input_batch, self.model_config.vocab_size
+        if batch.num_slots > self.sampler_state.counts.shape[0]:  # the batch grew its slots
+            old, self.sampler_state = self.sampler_state, self._sampler_state(batch.num_slots)
+            self.sampler_state = jax.tree.map(lambda new, o: new.at[:o.shape[0]].set(o),
+                                              self.sampler_state, old)
+        for slot, request in batch.written:
+            counts = np.bincount(request.output_ids, minlength=vocab).astype(np.int32)
+            prompt = np.zeros((vocab,), bool)
+            prompt[request.prompt_ids] = True
+            ids = np.zeros((MAX_LOGIT_BIAS,), np.int32)
+            values = np.zeros((MAX_LOGIT_BIAS,), np.float32)
+            bias = request.params.logit_bias or {}
+            ids[:len(bias)] = list(bias)
+            values[:len(bias)] = list(bias.values())
+            self.sampler_state = self.fns.write_slot(self.sampler_state, np.int32(slot), counts,
+                                                     prompt, ids, values)
+
+    def _controlled(self, chunks: list[ScheduledChunk]) -> bool:
+        return any(c.request.params.controlled for c in chunks)
+
     # -- one iteration -----------------------------------------------------------------------
 
     def dispatch(self, out: SchedulerOutput) -> Inflight:
@@ -255,6 +303,8 @@ class ModelRunner:
         flight = Inflight()
         carries, carry_rows = [self._zeros, self._zeros], {}
         self.input_batch.update(out.chunks)
+        if self.input_batch.written:
+            self._write_controls()
         decode = [c for c in out.chunks if c.num_tokens == 1]
         prefill = [c for c in out.chunks if c.num_tokens > 1]
         alone = [c.request.params.prompt_logprobs is not None for c in prefill]
@@ -268,7 +318,7 @@ class ModelRunner:
         if decode and not mixed:
             flight.decode_chunks = decode
             flight.decode_packed, carries[0] = self._dispatch_decode(
-                decode, max(len(decode), out.batch_rows), out.decode_steps)
+                decode, max(len(decode), out.batch_rows), out.decode_steps, flight)
             carry_rows |= {c.request.request_id: i for i, c in enumerate(decode)}
         # the rows the iteration's other calls run, in order: row i's token goes to carry 1 [i]
         order = (decode if mixed else []) + prefill
@@ -283,14 +333,14 @@ class ModelRunner:
                     [order[i].num_tokens for i in rest], self.token_buckets, self.carry_size)]
             for rows, tokens in ragged:
                 call, carries[1] = self._dispatch_ragged([order[i] for i in rows], rows, tokens,
-                                                         carries[1])
+                                                         carries[1], flight)
                 flight.prefills.append(call)
         else:
             calls = prefill_calls([c.num_tokens for c in order], alone,
                                   self.prefill_row_buckets, self.chunk_buckets)
         for group in calls:
             call, carries[1] = self._dispatch_prefill([order[i] for i in group], group,
-                                                      carries[1])
+                                                      carries[1], flight)
             flight.prefills.append(call)
         carry_rows |= {c.request.request_id: self.carry_size + i
                        for i, c in enumerate(order) if c.num_samples}
@@ -301,11 +351,47 @@ class ModelRunner:
                 array.copy_to_host_async()
         return flight
 
+    def finish(self, flight: Inflight) -> None:
+        """Sample the controlled calls of a dispatched iteration: called once the host holds
+        every token sampled before it (the engine loop calls it after reading the previous
+        iteration), so each row's mask is current. The device ran their model meanwhile."""
+        if not flight.heads:
+            return
+        carries = list(self._carries)
+        with self._counting():
+            for head in flight.heads:
+                packed, carries[head.carry], self.sampler_state = self.fns.head(
+                    self.weights, head.last, head.sm, self._controls(head), self.sampler_state,
+                    carries[head.carry], head.carry_index, rows=len(head.slots))
+                packed.copy_to_host_async()
+                if head.call is None:  # [B, W]: one step (collect reads it as [1, B, W])
+                    flight.decode_packed = packed
+                else:
+                    head.call.packed = packed
+        flight.heads = []
+        self._carries = tuple(carries)
+
+    def _controls(self, head: Head) -> Controls:
+        batch, slots = self.input_batch, head.slots
+        bitmask = np.full((len(slots), bitmask_width(self.model_config.vocab_size)), -1,
+                          np.int32)
+        counted = np.zeros((len(slots),), bool)
+        for i, chunk in enumerate(head.chunks):
+            request = chunk.request
+            counted[i] = chunk.num_samples > 0 and request.params.controlled
+            mask = request.token_mask
+            if mask is not None and chunk.num_samples and not request.status.finished:
+                mask.fill(bitmask[i])
+        return Controls(slots=slots, presence=batch.presence[slots],
+                        frequency=batch.frequency[slots], repetition=batch.repetition[slots],
+                        min_p=batch.min_p[slots], counted=counted, bitmask=bitmask)
+
     def collect(self, flight: Inflight) -> dict[str, Samples]:
         """Wait for an iteration's results: the tokens each request sampled."""
         results: dict[str, Samples] = {}
         if flight.decode_packed is not None:
-            packed = np.asarray(flight.decode_packed)  # [steps, B, W]
+            packed = np.asarray(flight.decode_packed)  # [steps, B, W] ([B, W]: a head's)
+            packed = packed[None] if packed.ndim == 2 else packed
             chunks = flight.decode_chunks
             # every decode row samples every step: one conversion for all rows' tokens
             tokens = packed[:, :len(chunks), 0].T.tolist()
@@ -341,7 +427,8 @@ class ModelRunner:
         request = chunk.request
         return chunk.start >= len(request.prompt_ids) + len(request.output_ids)
 
-    def _dispatch_decode(self, chunks: list[ScheduledChunk], rows: int, steps: int):
+    def _dispatch_decode(self, chunks: list[ScheduledChunk], rows: int, steps: int,
+                         flight: Inflight):
         b = bucket(rows, self.row_buckets, "decode rows")
         host = np.zeros((b,), np.int32)
         src = np.full((b,), -1, np.int32)
@@ -352,12 +439,18 @@ class ModelRunner:
             chunk = chunks[i]
             host[i] = _ids(chunk.request, chunk.start, chunk.start + 1)[0]
         md, sm = self._metadata(chunks, b, 1)
+        if self._controlled(chunks):  # one step (the scheduler's rule); sampled at finish
+            last, self.kv = self.fns.decode_hidden(self.weights, self.kv, host, src,
+                                                   *self._carries, md)
+            flight.heads.append(Head(chunks, last, sm, self.input_batch.columns(chunks, b)[0],
+                                     0, np.arange(b, dtype=np.int32), None))
+            return None, self._zeros
         packed, carry, self.kv = self.fns.decode(self.weights, self.kv, host, src, *self._carries,
                                                  md, sm, steps=steps)
         return packed, carry
 
     def _dispatch_prefill(self, chunks: list[ScheduledChunk], carry_rows: list[int],
-                          carry: jax.Array) -> tuple[PrefillCall, jax.Array]:
+                          carry: jax.Array, flight: Inflight) -> tuple[PrefillCall, jax.Array]:
         """One prefill call; row i's sampled token goes to carry[carry_rows[i]]."""
         b = bucket(len(chunks), self.prefill_row_buckets, "prefill rows")
         c = bucket(max(ch.num_tokens for ch in chunks), self.chunk_buckets, "chunk length")
@@ -374,16 +467,26 @@ class ModelRunner:
                 nxt = _ids(chunk.request, start + 1, start + n + 1)
                 targets[i, :len(nxt)] = nxt
         md, sm = self._metadata(chunks, b, c)
-        if with_prompt:
-            packed, prompt, carry, self.kv = self.fns.prefill_with_prompt_logprobs(
+        controlled = self._controlled(chunks)
+        if with_prompt:  # a controlled row's token is sampled again at finish
+            packed, prompt, carry, last, self.kv = self.fns.prefill_with_prompt_logprobs(
                 self.weights, self.kv, tokens, md, sm, carry, carry_index, targets)
-            return PrefillCall(chunks, packed, prompt), carry
-        packed, carry, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md, sm, carry,
-                                                  carry_index)
-        return PrefillCall(chunks, packed), carry
+            call = PrefillCall(chunks, packed, prompt)
+        elif controlled:
+            last, self.kv = self.fns.prefill_hidden(self.weights, self.kv, tokens, md)
+            call = PrefillCall(chunks, None)
+        else:
+            packed, carry, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md, sm,
+                                                      carry, carry_index)
+            return PrefillCall(chunks, packed), carry
+        if controlled:
+            flight.heads.append(Head(chunks, last, sm, self.input_batch.columns(chunks, b)[0],
+                                     1, carry_index, call))
+        return call, carry
 
     def _dispatch_ragged(self, chunks: list[ScheduledChunk], carry_rows: list[int], t: int,
-                         carry: jax.Array, rows: int = 0) -> tuple[PrefillCall, jax.Array]:
+                         carry: jax.Array, flight: Inflight | None = None,
+                         rows: int = 0) -> tuple[PrefillCall, jax.Array]:
         """One ragged call of `t` tokens (a token bucket): the chunks one after another, prompt
         chunks and decode rows alike; row i's sampled token goes to carry[carry_rows[i]]. Its
         head samples `rows` rows (0: the row bucket of the chunks)."""
@@ -413,9 +516,12 @@ class ModelRunner:
         md = RaggedMetadata(positions=positions, token_rows=token_rows,
                             query_starts=query_starts, seq_lens=seq_lens, page_table=page_table)
         last, self.kv = self.fns.ragged(self.weights, self.kv, tokens, src, *self._carries, md)
-        packed, carry = self.fns.ragged_head(self.weights, last,
-                                             self._sampling(slots[:b], seq_lens[:b]), carry,
-                                             carry_index, rows=b)
+        sm = self._sampling(slots[:b], seq_lens[:b])
+        if flight is not None and self._controlled(chunks):  # sampled at finish
+            call = PrefillCall(chunks, None)
+            flight.heads.append(Head(chunks, last, sm, slots[:b], 1, carry_index, call))
+            return call, carry
+        packed, carry = self.fns.ragged_head(self.weights, last, sm, carry, carry_index, rows=b)
         return PrefillCall(chunks, packed), carry
 
     def _metadata(self, chunks: list[ScheduledChunk], b: int, c: int):
@@ -452,6 +558,12 @@ class ModelRunner:
             shapes += [("prefill", b, c, 1) for b, c in self._prefill_buckets()]
         if self.config.enable_prompt_logprobs:  # one row: see core.buckets.prefill_calls
             shapes += [("prompt", 1, c, 1) for c in self.chunk_buckets]
+        # controlled calls: the model without its head, then the head per row bucket
+        shapes += [("decode_hidden", b, 1, 1) for b in self.row_buckets]
+        if not self.ragged:
+            shapes += [("prefill_hidden", b, c, 1) for b, c in self._prefill_buckets()]
+        shapes += [("head", b, 1, 1)
+                   for b in sorted(set(self.row_buckets) | set(self.prefill_row_buckets))]
         with self._counting():
             for kind, b, c, steps in tqdm(shapes, desc="compiling", disable=not progress):
                 self._warm(kind, b, c, steps)
@@ -477,6 +589,21 @@ class ModelRunner:
         if kind == "ragged":  # a call of c tokens and no rows: every token padding
             self._dispatch_ragged([], [], c, self._zeros, rows=b)
             return
+        if kind == "head":  # a controlled call's sampling, its b rows all padding
+            slots = np.zeros((b,), np.int32)
+            last = jax.device_put(jnp.zeros((self.carry_size, self.model_config.hidden_size),
+                                            self.dtype), jax.devices()[0])  # committed
+            self.finish(Inflight(heads=[Head([], last, self._sampling(slots, slots), slots, 1,
+                                             np.full((b,), self.carry_size, np.int32),
+                                             PrefillCall([], None))]))
+            self._carries = (self._zeros, self._zeros)
+            if b == self.row_buckets[0]:  # and the write of a slot's state, once
+                vocab = self.model_config.vocab_size
+                self.sampler_state = self.fns.write_slot(
+                    self.sampler_state, np.int32(0), np.zeros((vocab,), np.int32),
+                    np.zeros((vocab,), bool), np.zeros((MAX_LOGIT_BIAS,), np.int32),
+                    np.zeros((MAX_LOGIT_BIAS,), np.float32))
+            return
         md = AttentionMetadata(positions=np.zeros((b, c), np.int32), query_lens=np.zeros((b,), np.int32),
                                seq_lens=np.zeros((b,), np.int32),
                                page_table=np.zeros((b, self.pages_per_seq), np.int32))
@@ -484,7 +611,13 @@ class ModelRunner:
                               np.ones((b,), np.float32), np.zeros((b,), np.uint32),
                               np.zeros((b,), np.int32), np.zeros((b,), bool))
         tokens = np.zeros((b, c), np.int32)
-        if kind == "decode":
+        if kind == "decode_hidden":
+            src = np.full((b,), -1, np.int32)
+            _, self.kv = self.fns.decode_hidden(self.weights, self.kv, tokens[:, 0], src,
+                                                self._zeros, self._zeros, md)
+        elif kind == "prefill_hidden":
+            _, self.kv = self.fns.prefill_hidden(self.weights, self.kv, tokens, md)
+        elif kind == "decode":
             src = np.full((b,), -1, np.int32)
             _, _, self.kv = self.fns.decode(self.weights, self.kv, tokens[:, 0], src, self._zeros,
                                             self._zeros, md, sm, steps=steps)

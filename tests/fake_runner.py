@@ -174,6 +174,10 @@ class FakeRunner:
         return self.execute(out)
 
     @staticmethod
+    def finish(sampled: dict[str, Samples]) -> None:
+        pass  # sampled at dispatch
+
+    @staticmethod
     def collect(sampled: dict[str, Samples]) -> dict[str, Samples]:
         return sampled
 

@@ -231,7 +231,7 @@ def test_a_runner_without_the_interface_is_named(model_dir):
         def dispatch(self, out): ...
 
     with pytest.raises(TypeError, match=r"runner Partial lacks chunk_buckets, "
-                       r"num_compilations_after_warmup, warmup, collect of the engine's"):
+                       r"num_compilations_after_warmup, warmup, finish, collect of the engine's"):
         LLMEngine(model_dir, EngineConfig(), runner=Partial())
 
 

@@ -160,9 +160,10 @@ class Scheduler:
         runs_on = None  # the requests that run on (the rest only wait to be finished)
         will_admit = bool(admissible) and len(running) < self.max_num_seqs
         # several decode steps per dispatch only when nobody waits to join and every row can
-        # take them all (so K is 1 or decode_steps: two compiled shapes, no overshoot)
+        # take them all (so K is 1 or decode_steps: two compiled shapes, no overshoot); a row
+        # with sampler controls samples once per step (its mask needs the previous token)
         if (self.decode_steps > 1 and decoding and not chunking and not will_admit
-                and all(r.remaining_tokens >= self.decode_steps
+                and all(r.remaining_tokens >= self.decode_steps and not r.params.controlled
                         and self.policy.allows_multi_step(r) for r in decoding)):
             out.decode_steps = self.decode_steps
         queue = deque(decoding + chunking)  # decodes first: never starved by chunks

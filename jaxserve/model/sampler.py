@@ -7,9 +7,22 @@ The result is one packed int32 array per step, so the host reads it with a singl
 Logprobs are of the model's raw distribution (before temperature/top-k/top-p), as vLLM reports.
 A step where no row asked for logprobs skips them (the log-softmax, the rank and the top-k over
 the vocabulary: about 2 ms of a 64-row CPU step) and packs zeros the host never reads.
+
+The controls some requests ask for (vLLM's definitions and order) run only in a call holding
+such a row (`sample(..., controls, state)`, the runner's controlled head); a plain call never
+sees them. In order:
+
+    allowed-token bitmask (structured output, allowed_token_ids, bad_words, min_tokens; made on
+        the host) -> logit_bias -> repetition, frequency and presence penalties -> greedy argmax,
+        or temperature -> min_p -> top-k -> top-p -> a draw
+
+Each is exactly the identity for a row that does not ask (a bias of 0, a penalty of 0 or 1, a
+bitmask of ones, min_p 0), so a plain row in a controlled call samples as in a plain one. The
+penalties read per-slot token counts kept on the device (`SamplerState`), which the call
+updates with the tokens it samples.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +37,60 @@ class SamplingMetadata:
     seeds: jax.Array  # [B] uint32   per request; the key is fold_in(key(seed), position)
     positions: jax.Array  # [B] int32   position of the token being sampled
     logprobs: jax.Array  # [B] bool   the row's request asked for logprobs
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Controls:
+    """A controlled call's per-row controls (padding rows: slot 0, every control off)."""
+
+    slots: jax.Array  # [B] int32   the row's slot in SamplerState
+    presence: jax.Array  # [B] float32   presence_penalty
+    frequency: jax.Array  # [B] float32   frequency_penalty
+    repetition: jax.Array  # [B] float32   repetition_penalty (1.0: off)
+    min_p: jax.Array  # [B] float32
+    counted: jax.Array  # [B] bool   the row samples a token its slot's counts keep
+    bitmask: jax.Array  # [B, ceil(V / 32)] int32   bit t % 32 of word t // 32: token t allowed
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplerState:
+    """Per slot, on the device: what the penalties and logit_bias of its request need. A slot's
+    rows are written when a controlled request takes it; the calls keep `counts` current."""
+
+    counts: jax.Array  # [S, V] int32   each token's count in the request's output
+    prompt: jax.Array  # [S, V] bool   the token is in the prompt
+    bias_ids: jax.Array  # [S, L] int32   logit_bias's tokens (padding: token 0 ...)
+    bias_values: jax.Array  # [S, L] float32   ... with a bias of 0
+
+
+def allowed_mask(bitmask: jax.Array, vocab: int) -> jax.Array:  # [B, W] -> [B, V] bool
+    ids = jnp.arange(vocab, dtype=jnp.int32)
+    words = jnp.take(bitmask, ids // 32, axis=1)
+    return (jax.lax.shift_right_logical(words, jnp.broadcast_to(ids % 32, words.shape))
+            & 1).astype(bool)
+
+
+def apply_controls(logits: jax.Array, c: Controls, state: SamplerState) -> jax.Array:
+    """The logits a controlled call samples from (before temperature): masked, biased and
+    penalised, each as vLLM defines it."""
+    b, vocab = logits.shape
+    logits = jnp.where(allowed_mask(c.bitmask, vocab), logits, -jnp.inf)
+    logits = logits.at[jnp.arange(b)[:, None], state.bias_ids[c.slots]].add(
+        state.bias_values[c.slots])
+
+    def penalise(logits):
+        counts = state.counts[c.slots]  # [B, V]
+        seen = counts > 0
+        repetition = jnp.where(state.prompt[c.slots] | seen, c.repetition[:, None], 1.0)
+        logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
+        return (logits - c.frequency[:, None] * counts.astype(jnp.float32)
+                - c.presence[:, None] * seen.astype(jnp.float32))
+
+    return jax.lax.cond(
+        jnp.any((c.presence != 0) | (c.frequency != 0) | (c.repetition != 1)),
+        penalise, lambda logits: logits, logits)
 
 
 def packed_width(num_top: int) -> int:
@@ -45,7 +112,8 @@ def token_logprobs(logprobs: jax.Array, tokens: jax.Array, num_top: int) -> jax.
     return jnp.concatenate(parts, axis=1)
 
 
-def _sample_random(logits: jax.Array, sm: SamplingMetadata, ops) -> jax.Array:  # [B]
+def _sample_random(logits: jax.Array, sm: SamplingMetadata, ops,
+                   min_p: jax.Array | None = None) -> jax.Array:  # [B]
     vocab = logits.shape[-1]
     temperature = jnp.where(sm.temperature > 0, sm.temperature, 1.0)
     scaled = logits / temperature[:, None]
@@ -54,6 +122,8 @@ def _sample_random(logits: jax.Array, sm: SamplingMetadata, ops) -> jax.Array:  
     # top-k keeps every token as likely as the k-th (a tie at the cut stays in, as vLLM's)
     kth = jnp.take_along_axis(ranked, jnp.clip(sm.top_k - 1, 0, vocab - 1)[:, None], axis=-1)
     keep = ranked >= kth
+    if min_p is not None:  # p >= min_p * p_max, as logits: l >= l_max + log(min_p)
+        keep &= ranked >= ranked[:, :1] + jnp.log(min_p)[:, None]
     probs = ops.softmax(jnp.where(keep, ranked, -jnp.inf))
     # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays)
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < sm.top_p[:, None]
@@ -73,18 +143,27 @@ def first_argmax(logits: jax.Array) -> jax.Array:  # [B, V] -> [B] int32
     return jnp.minimum(jnp.min(jnp.where(logits == best, ids, vocab), axis=-1), vocab - 1)
 
 
-def sample(logits: jax.Array, sm: SamplingMetadata, num_top: int, ops) -> jax.Array:
+def sample(logits: jax.Array, sm: SamplingMetadata, num_top: int, ops,
+           controls: Controls | None = None, state: SamplerState | None = None):
     """logits [B, V] float32 -> packed [B, 3 + 2 * num_top] int32 (see module docstring); `ops`
-    (the backend's) sums the softmaxes: batch invariantly on the CPU backend."""
-    greedy = first_argmax(logits)
+    (the backend's) sums the softmaxes: batch invariantly on the CPU backend. With `controls`
+    (a controlled call) -> (packed, the state with the sampled tokens counted)."""
+    processed = logits if controls is None else apply_controls(logits, controls, state)
+    min_p = None if controls is None else controls.min_p
+    greedy = first_argmax(processed)
     tokens = jax.lax.cond(
         jnp.all(sm.temperature == 0),
         lambda: greedy,
-        lambda: jnp.where(sm.temperature == 0, greedy, _sample_random(logits, sm, ops)),
+        lambda: jnp.where(sm.temperature == 0, greedy,
+                          _sample_random(processed, sm, ops, min_p)),
     )
     stats = jax.lax.cond(
         jnp.any(sm.logprobs),
         lambda: token_logprobs(ops.log_softmax(logits), tokens, num_top),
         lambda: jnp.zeros((tokens.shape[0], packed_width(num_top) - 1), jnp.int32),
     )
-    return jnp.concatenate([tokens[:, None], stats], axis=1)
+    packed = jnp.concatenate([tokens[:, None], stats], axis=1)
+    if controls is None:
+        return packed
+    counts = state.counts.at[controls.slots, tokens].add(controls.counted.astype(jnp.int32))
+    return packed, replace(state, counts=counts)

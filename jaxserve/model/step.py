@@ -18,6 +18,12 @@ A ragged call (the cpu and tpu attention) is two: `ragged` runs the model over T
 prompt chunks and decode rows alike, and gathers each row's last hidden state ([M, hidden]: its
 metadata has M rows whatever the call holds); `ragged_head` samples the first B of them. Compiled shapes: one per
 token bucket plus one per row bucket, where one function would need every pair.
+
+A call holding a row with sampler controls (penalties, logit_bias, min_p, structured output,
+...) is split the same way: `decode_hidden`, `prefill_hidden` (or `ragged`, or the prompt
+logprobs call, which returns its rows' last hidden states too) run the model, and `head`
+samples with the controls once the host has the rows' token masks (made from the previous
+iteration's tokens, while the device runs the model). Plain calls never pay for them.
 """
 
 from collections.abc import Callable
@@ -28,7 +34,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
-from jaxserve.model.sampler import SamplingMetadata, sample, token_logprobs
+from jaxserve.model.sampler import (
+    Controls,
+    SamplerState,
+    sample,
+    token_logprobs,
+)
 
 
 @dataclass(frozen=True)
@@ -37,7 +48,7 @@ class StepFns:
     #   carry [M], kv)
     prefill: Callable
     # (weights, kv, tokens [B, C], md, sm, carry, carry_index, targets [B, C])
-    #   -> (packed, prompt [B, C, W-1], carry, kv)
+    #   -> (packed, prompt [B, C, W-1], carry, last [M, hidden], kv)
     prefill_with_prompt_logprobs: Callable
     # (weights, kv, host_tokens [B], src [B], carry0 [M], carry1 [M], md, sm, steps)
     #   -> (packed [steps, B, W], next_tokens [M], kv)
@@ -48,6 +59,15 @@ class StepFns:
     # (weights, last [M, hidden], sm [B], carry [M], carry_index [B], rows=B)
     #   -> (packed [B, W], carry [M])
     ragged_head: Callable
+    # the model without its head: (weights, kv, host_tokens, src, carry0, carry1, md)
+    #   -> (last [M, hidden], kv); (weights, kv, tokens [B, C], md) -> (last [M, hidden], kv)
+    decode_hidden: Callable
+    prefill_hidden: Callable
+    # (weights, last [M, hidden], sm [B], controls [B], state, carry [M], carry_index [B],
+    #   rows=B) -> (packed [B, W], carry [M], state)
+    head: Callable
+    # (state, slot, counts [V], prompt [V], bias_ids [L], bias_values [L]) -> state
+    write_slot: Callable
 
 
 def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
@@ -58,34 +78,63 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
     def pad(tokens):  # [B] -> [M]
         return jnp.zeros((carry_size,), jnp.int32).at[:tokens.shape[0]].set(tokens)
 
+    def pad_rows(h):  # [B, hidden] -> [M, hidden]: one head shape per row bucket
+        return jnp.zeros((carry_size, h.shape[-1]), h.dtype).at[:h.shape[0]].set(h)
+
     def merge(weights):
         leaves, rope = weights
         return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves)), rope
 
-    def chunk_forward(weights, kv: KVCache, tokens, md: AttentionMetadata,
-                      sm: SamplingMetadata):
+    def chunk_hidden(weights, kv: KVCache, tokens, md: AttentionMetadata):
         model, rope = merge(weights)
         hidden, kv = model(tokens, kv, md, backend, rope)
         last = jnp.maximum(md.query_lens - 1, 0)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, hidden]
-        packed = sample(model.logits(h, backend), sm, num_top, backend.ops)
-        return model, hidden, packed, kv
+        return model, hidden, h, kv
 
     def prefill(weights, kv, tokens, md, sm, carry, carry_index):
-        _, _, packed, kv = chunk_forward(weights, kv, tokens, md, sm)
+        model, _, h, kv = chunk_hidden(weights, kv, tokens, md)
+        packed = sample(model.logits(h, backend), sm, num_top, backend.ops)
         return packed, carry.at[carry_index].set(packed[:, 0], mode="drop"), kv
 
+    def prefill_hidden(weights, kv, tokens, md):
+        _, _, h, kv = chunk_hidden(weights, kv, tokens, md)
+        return pad_rows(h), kv
+
     def prefill_with_prompt_logprobs(weights, kv, tokens, md, sm, carry, carry_index, targets):
-        model, hidden, packed, kv = chunk_forward(weights, kv, tokens, md, sm)
+        model, hidden, h, kv = chunk_hidden(weights, kv, tokens, md)
+        packed = sample(model.logits(h, backend), sm, num_top, backend.ops)
         b, c = tokens.shape
         logits = model.logits(hidden, backend)
         logprobs = backend.ops.log_softmax(logits).reshape(b * c, -1)
         prompt = token_logprobs(logprobs, targets.reshape(-1), num_top).reshape(b, c, -1)
-        return packed, prompt, carry.at[carry_index].set(packed[:, 0], mode="drop"), kv
+        return (packed, prompt, carry.at[carry_index].set(packed[:, 0], mode="drop"), pad_rows(h),
+                kv)
+
+    def decode_tokens(host_tokens, src, carry0, carry1):
+        carries = jnp.concatenate([carry0, carry1])
+        return jnp.where(src >= 0, carries[jnp.maximum(src, 0)], host_tokens)
+
+    def decode_hidden(weights, kv, host_tokens, src, carry0, carry1, md):
+        model, rope = merge(weights)
+        tokens = decode_tokens(host_tokens, src, carry0, carry1)
+        hidden, kv = model(tokens[:, None], kv, md, backend, rope)
+        return pad_rows(hidden[:, 0]), kv
+
+    def head(weights, last, sm, controls: Controls, state, carry, carry_index, rows):
+        model, _ = merge(weights)
+        packed, state = sample(model.logits(last[:rows], backend), sm, num_top, backend.ops,
+                               controls, state)
+        return packed, carry.at[carry_index].set(packed[:, 0], mode="drop"), state
+
+    def write_slot(state: SamplerState, slot, counts, prompt, bias_ids, bias_values):
+        return SamplerState(counts=state.counts.at[slot].set(counts),
+                            prompt=state.prompt.at[slot].set(prompt),
+                            bias_ids=state.bias_ids.at[slot].set(bias_ids),
+                            bias_values=state.bias_values.at[slot].set(bias_values))
 
     def decode(weights, kv, host_tokens, src, carry0, carry1, md, sm, steps):
-        carries = jnp.concatenate([carry0, carry1])
-        tokens = jnp.where(src >= 0, carries[jnp.maximum(src, 0)], host_tokens)
+        tokens = decode_tokens(host_tokens, src, carry0, carry1)
         model, rope = merge(weights)
 
         def one_step(carry, _):
@@ -118,4 +167,8 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
         decode=jax.jit(decode, donate_argnums=(1,), static_argnames=("steps",)),
         ragged=jax.jit(ragged, donate_argnums=(1,)),
         ragged_head=jax.jit(ragged_head, static_argnames=("rows",)),
+        decode_hidden=jax.jit(decode_hidden, donate_argnums=(1,)),
+        prefill_hidden=jax.jit(prefill_hidden, donate_argnums=(1,)),
+        head=jax.jit(head, donate_argnums=(4,), static_argnames=("rows",)),
+        write_slot=jax.jit(write_slot, donate_argnums=(0,)),
     )

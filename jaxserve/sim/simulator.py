@@ -199,6 +199,9 @@ class _Device:
             self.sim.on_step(s, out)
         return out, done
 
+    def finish(self, flight: tuple[SchedulerOutput, float]) -> None:
+        pass  # the simulated step has no controlled samples
+
     def collect(self, flight: tuple[SchedulerOutput, float]) -> dict[str, Samples]:
         out, done = flight
         self.clock.now = max(self.clock.now, done)

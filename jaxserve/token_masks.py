@@ -1,0 +1,115 @@
+"""Which tokens a request may sample next: the host half of the sampler controls (numpy only).
+
+A request that asks for `allowed_token_ids`, `bad_words`, `min_tokens` or structured output
+gets a `TokenMask` when it is added. Each step that samples it, the runner asks the mask for the
+row's bitmask (bit t % 32 of word t // 32 set: token t allowed; the device applies exactly this
+layout, `model.sampler.allowed_mask`), once the output processor has given the request every
+token sampled before (`accept`). The definitions are vLLM's:
+
+- allowed_token_ids: only those;
+- bad_words: each word is encoded alone and after a space (vLLM's two forms); a one-token word
+  is never sampled, a longer one's last token is masked while the output ends with the rest;
+- min_tokens: EOS and the stop ids are masked until the output holds min_tokens tokens;
+- structured output: the grammar matcher's next tokens (structured_output.py).
+"""
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxserve.request import SamplingParams
+from jaxserve.tokenizer import BaseTokenizer
+
+if TYPE_CHECKING:
+    from jaxserve.structured_output import GrammarCompiler, GrammarMatcher
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words of a bitmask over `vocab_size` tokens."""
+    return -(-vocab_size // 32)
+
+
+def pack_bits(allowed: np.ndarray) -> np.ndarray:
+    """[V] bool -> [ceil(V / 32)] int32 bitmask."""
+    words = np.zeros((bitmask_width(allowed.shape[0]) * 32,), bool)
+    words[:allowed.shape[0]] = allowed
+    bits = np.packbits(words.reshape(-1, 32)[:, ::-1], axis=1)  # big-endian bytes, bit 31 first
+    return bits.view(">u4")[:, 0].astype(np.uint32).view(np.int32)
+
+
+def bad_word_ids(words: tuple[str, ...], tokenizer: BaseTokenizer | None,
+                 vocab_size: int) -> list[list[int]]:
+    """vLLM's encoding of bad_words: each word as written (leading spaces stripped) and, where
+    the tokenizer gives a different first token for it, after a space."""
+    if words and tokenizer is None:
+        raise ValueError("bad_words: this model has no tokenizer to encode them")
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        forms = [plain] + ([spaced] if spaced and plain and spaced[0] != plain[0]
+                           and len(spaced) == len(plain) else [])
+        for ids in forms:
+            if not ids:
+                continue
+            if max(ids) >= vocab_size:
+                raise ValueError(f"bad_words: {word!r} encodes to token {max(ids)}, outside "
+                                 f"the model's vocabulary of {vocab_size}")
+            out.append(ids)
+    return out
+
+
+class TokenMask:
+    """One request's allowed next tokens (see the module docstring)."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, stop_ids: frozenset[int],
+                 tokenizer: BaseTokenizer | None, compiler: "GrammarCompiler | None"):
+        self.vocab_size = vocab_size
+        self.width = bitmask_width(vocab_size)
+        allowed = np.ones((vocab_size,), bool)
+        if params.allowed_token_ids is not None:
+            allowed[:] = False
+            allowed[list(params.allowed_token_ids)] = True
+        self.bad: list[list[int]] = bad_word_ids(params.bad_words, tokenizer, vocab_size)
+        for ids in self.bad:
+            if len(ids) == 1:
+                allowed[ids[0]] = False
+        self.bad = [ids for ids in self.bad if len(ids) > 1]
+        self.static = pack_bits(allowed)
+        self.min_tokens = params.min_tokens
+        self.stop_ids = sorted(t for t in stop_ids if t < vocab_size)
+        self.matcher: GrammarMatcher | None = None
+        if params.structured_outputs is not None:
+            if compiler is None:
+                raise ValueError("structured_outputs: this model has no tokenizer to match a "
+                                 "grammar against")
+            self.matcher = compiler.matcher(compiler.compile(params.structured_outputs))
+        self.output: list[int] = []  # what accept has given it (bad words look at its end)
+        self.rejected = False  # the grammar refused a token (the engine ends the request)
+
+    def accept(self, tokens: list[int]) -> bool:
+        """The tokens the request kept, in order; False once the grammar refuses one."""
+        self.output.extend(tokens)
+        if self.matcher is not None and not self.rejected and not self.matcher.accept(tokens):
+            self.rejected = True
+        return not self.rejected
+
+    def fill(self, row: np.ndarray) -> None:
+        """Write the next token's bitmask into `row` ([width] int32)."""
+        if self.matcher is not None and not self.rejected:
+            self.matcher.fill(row)
+            row &= self.static
+        else:
+            row[:] = self.static
+        out = self.output
+        for ids in self.bad:
+            n = len(ids) - 1
+            if len(out) >= n and out[len(out) - n:] == ids[:-1]:
+                _clear(row, ids[-1])
+        if len(out) < self.min_tokens:
+            for token in self.stop_ids:
+                _clear(row, token)
+
+
+def _clear(row: np.ndarray, token: int) -> None:
+    row[token // 32] &= np.int32(~(1 << (token % 32)) if token % 32 != 31 else 0x7FFFFFFF)
