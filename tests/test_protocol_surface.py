@@ -24,13 +24,8 @@ KINDS = {COMPLETIONS: "completion", CHAT: "chat"}
 
 # a value each refused field could ask for, which jaxserve would have to act on
 REFUSED_VALUES = {
-    "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
-    "logit_bias": {"5": 10}, "min_p": 0.1, "min_tokens": 3, "use_beam_search": True,
-    "best_of": 2, "length_penalty": 0.5, "bad_words": ["dog"], "allowed_token_ids": [5],
+    "use_beam_search": True, "best_of": 2, "length_penalty": 0.5,
     "skip_special_tokens": False, "spaces_between_special_tokens": False, "detokenize": False,
-    "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"},
-    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
-    "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "structural_tag": "{}",
     "logits_processors": ["my.Processor"], "logprob_token_ids": [5],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "truncation_side": "right",

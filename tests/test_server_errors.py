@@ -41,7 +41,7 @@ from jaxserve.server import ServerConfig, build_app, protocol
     ("/v1/completions", {"max_tokens": 4}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}},
      "stream_options"),
-    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                               "max_completion_tokens": -1}, "max_completion_tokens"),
@@ -57,11 +57,12 @@ from jaxserve.server import ServerConfig, build_app, protocol
     ("/v1/completions", {"prompt": PROMPT, "n": 129}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT * 200}]},
      "messages"),
-    # vLLM's sampling fields jaxserve does not implement: refused, never silently ignored
-    ("/v1/completions", {"prompt": PROMPT, "min_p": 0.5}, "min_p"),
-    ("/v1/completions", {"prompt": PROMPT, "allowed_token_ids": [5]}, "allowed_token_ids"),
+    # vLLM's sampler controls and structured output out of their ranges (test_server_sampling.py
+    # has the rest), and a field jaxserve does not implement: refused, never silently ignored
+    ("/v1/completions", {"prompt": PROMPT, "min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"prompt": PROMPT, "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                              "guided_json": {"type": "object"}}, "guided_json"),
+                              "guided_json": 5}, "guided_json"),
     ("/v1/completions", {"prompt": PROMPT, "skip_special_tokens": False}, "skip_special_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True},
      "prompt_logprobs"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.checks import is_finite, is_int, show
-from jaxserve.request import RequestOutputKind, SamplingParams
+from jaxserve.request import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 408: "RequestTimeoutError",
@@ -52,6 +52,12 @@ _IMPLEMENTED = {
     "logprobs": _BOTH, "prompt_logprobs": _BOTH, "truncate_prompt_tokens": _BOTH,
     "add_special_tokens": _BOTH, "priority": _BOTH, "request_id": _BOTH, "echo": _BOTH,
     "slo_ms": _BOTH,  # jaxserve's own: the edf policy's time-to-first-token target
+    # the sampler's controls and structured output (issue 32)
+    "presence_penalty": _BOTH, "frequency_penalty": _BOTH, "repetition_penalty": _BOTH,
+    "logit_bias": _BOTH, "min_p": _BOTH, "min_tokens": _BOTH, "bad_words": _BOTH,
+    "allowed_token_ids": _BOTH, "response_format": _BOTH, "structured_outputs": _BOTH,
+    "guided_json": _BOTH, "guided_regex": _BOTH, "guided_choice": _BOTH, "guided_grammar": _BOTH,
+    "guided_decoding_backend": _BOTH,
     "prompt": _COMPLETION,
     "messages": _CHAT, "max_completion_tokens": _CHAT, "top_logprobs": _CHAT,
     "add_generation_prompt": _CHAT, "continue_final_message": _CHAT,
@@ -87,13 +93,9 @@ _NO_OP = {
 
 # not implemented: a 400 unless null or one of the values that mean "off"; () refuses any value
 _REFUSED = {name: (_BOTH, off) for name, off in {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "logit_bias": ({},), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
-    "best_of": (1,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
+    "use_beam_search": (False,), "best_of": (1,), "length_penalty": (1,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
-    "detokenize": (True,), "response_format": ({"type": "text"},), "structured_outputs": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structural_tag": (),
+    "detokenize": (True,), "guided_whitespace_pattern": (), "structural_tag": (),
     "logits_processors": (), "logprob_token_ids": (), "return_tokens_as_token_ids": (False,),
     "return_token_ids": (False,), "truncation_side": ("left",), "watermarking": (False,),
     "repetition_detection": (), "thinking_token_budget": (-1,), "stream_interval": (1,),
@@ -271,9 +273,7 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
         top_k=_get(body, "top_k", is_int, "an integer", defaults.get("top_k")),
         seed=_get(body, "seed", is_int, "an integer"),
         stop=tuple(stop or ()),
-        stop_token_ids=tuple(_get(body, "stop_token_ids",
-                                  lambda v: isinstance(v, list) and all(map(is_int, v)),
-                                  "a list of integers", [])),
+        stop_token_ids=tuple(_get(body, "stop_token_ids", _is_ids, "a list of integers", [])),
         ignore_eos=_get(body, "ignore_eos", _is_bool, "a boolean", False),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output",
                                         _is_bool, "a boolean", False),
@@ -285,7 +285,12 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
     )
     if body.get("slo_ms") is not None:  # the edf policy's time-to-first-token target
         kwargs["slo_ms"] = _get(body, "slo_ms", is_finite, "a number")
+    kwargs |= _controls(body, defaults)
+    structured, constraint_names = _structured(body)
+    names = names | constraint_names
     try:
+        if structured is not None:
+            kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
         params = SamplingParams(**kwargs)
     except ValueError as error:
         raise client_error(error, names) from None
@@ -297,6 +302,145 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
                            truncate_prompt_tokens=truncate,
                            add_special_tokens=_get(body, "add_special_tokens",
                                                    _is_bool, "a boolean"))
+
+
+def _is_strs(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(map(is_int, value))
+
+
+def _controls(body: dict, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The sampler's controls as SamplingParams keywords (it checks their ranges). As vLLM's
+    server, repetition_penalty and min_p default to the model's own when it has them."""
+    number = (is_finite, "a number")
+    return dict(
+        presence_penalty=_get(body, "presence_penalty", *number, 0.0),
+        frequency_penalty=_get(body, "frequency_penalty", *number, 0.0),
+        repetition_penalty=_get(body, "repetition_penalty", *number,
+                                defaults.get("repetition_penalty", 1.0)),
+        min_p=_get(body, "min_p", *number, defaults.get("min_p", 0.0)),
+        min_tokens=_get(body, "min_tokens", is_int, "an integer", 0),
+        logit_bias=_logit_bias(body),
+        bad_words=_get(body, "bad_words", _is_strs, "a list of strings", []),
+        allowed_token_ids=_get(body, "allowed_token_ids", _is_ids, "a list of integers"),
+    )
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias, {"50256": -100}: JSON's keys are strings, the sampler's token ids."""
+    bias = _get(body, "logit_bias", lambda v: isinstance(v, dict),
+                "an object mapping token ids to numbers")
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"[0-9]+", key):
+            raise APIError(400, f"logit_bias keys must be token ids (strings of digits), got "
+                           f"{show(key)}", param="logit_bias")
+        if not is_finite(value):
+            raise APIError(400, f"logit_bias values must be numbers, got {show(value)} for "
+                           f"token {key}", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+# structured output: vLLM's `structured_outputs` object, its older `guided_*` fields and
+# OpenAI's `response_format`, one of them per request
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+_CONSTRAINTS = ("response_format", "structured_outputs", *_GUIDED)
+_BACKENDS = ("auto", "guidance", "llguidance")  # jaxserve's grammars run on llguidance
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object",
+                    "disable_any_whitespace")
+# vLLM's other structured_outputs keys, with the values that change nothing here (one backend:
+# nothing to fall back to)
+_STRUCTURED_OFF = {"disable_fallback": (False, True), "disable_additional_properties": (False,),
+                   "whitespace_pattern": (), "structural_tag": ()}
+_JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
+
+
+def _structured(body: dict) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """What the output must match, from whichever field the client used: StructuredOutputsParams'
+    keywords (None: free text), and the names its errors go by (its own and the engine's name
+    `structured_outputs.<kind>`)."""
+    backend = _get(body, "guided_decoding_backend", _is_str, "a string")
+    if backend is not None and backend not in _BACKENDS:
+        raise APIError(400, f"guided_decoding_backend must be one of {', '.join(_BACKENDS)} "
+                       f"(jaxserve's structured output runs on llguidance), got {show(backend)}",
+                       param="guided_decoding_backend")
+    fmt = _response_format(body.get("response_format"))  # None: none, or "text"
+    used = [name for name in _CONSTRAINTS
+            if (fmt if name == "response_format" else body.get(name)) is not None]
+    if len(used) > 1:
+        raise APIError(400, f"{used[0]} and {used[1]} both constrain the output; send one",
+                       param=used[1])
+    if not used:
+        return None, {}
+    name = used[0]
+    if name == "response_format":  # a schema's errors name where it was
+        return fmt, {"structured_outputs": name,
+                     "structured_outputs.json": "response_format.json_schema.schema"}
+    if name == "structured_outputs":
+        return _structured_outputs(body[name]), {}
+    return {_GUIDED[name]: body[name]}, {"structured_outputs": name,
+                                         f"structured_outputs.{_GUIDED[name]}": name}
+
+
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format: text (free), json_object (any JSON object) or json_schema
+    ({"name", "schema", "strict", "description"}: the schema)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError(400, 'response_format must be an object whose type is "text", '
+                       f'"json_object" or "json_schema", got {show(fmt)}',
+                       param="response_format")
+    _only(fmt, ("type", "json_schema") if kind == "json_schema" else ("type",),
+          "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise APIError(400, "response_format.json_schema must be an object with a name and a "
+                       f"schema, got {show(spec)}", param="response_format")
+    _only(spec, _JSON_SCHEMA_KEYS, "response_format.json_schema")
+    for key, check, what in (("name", _is_text, "a non-empty string"),
+                             ("schema", lambda v: isinstance(v, dict), "an object"),
+                             ("strict", _is_bool, "a boolean"),
+                             ("description", _is_str, "a string")):
+        value = spec.get(key)
+        if (value is not None or key in ("name", "schema")) and not check(value):
+            raise APIError(400, f"response_format.json_schema.{key} must be {what}, got "
+                           f"{show(value)}", param="response_format")
+    return {"json": spec["schema"]}
+
+
+def _structured_outputs(value: Any) -> dict[str, Any]:
+    """vLLM's structured_outputs object: StructuredOutputsParams' keywords (it checks them)."""
+    if not isinstance(value, dict):
+        raise APIError(400, f"structured_outputs must be an object, got {show(value)}",
+                       param="structured_outputs")
+    _only(value, (*_STRUCTURED_KEYS, *_STRUCTURED_OFF), "structured_outputs")
+    for key, offs in _STRUCTURED_OFF.items():
+        if value.get(key) is not None and not any(_same(value[key], off) for off in offs):
+            raise APIError(400, f"structured_outputs.{key} is not supported by jaxserve (got "
+                           f"{show(value[key])})", param="structured_outputs")
+    return {key: value[key] for key in _STRUCTURED_KEYS if value.get(key) is not None}
+
+
+def _only(value: dict, keys: tuple[str, ...], where: str) -> None:
+    """A 400 naming the top-level field for a key of `value` outside `keys` (an object's typo
+    is refused as a field's is)."""
+    for key in value:
+        if key not in keys and value[key] is not None:
+            raise APIError(400, f"{where}: unknown field {show(key)}",
+                           param=where.split(".")[0])
 
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
@@ -353,9 +497,10 @@ def client_error(error: Exception, names: dict[str, str]) -> APIError:
     it names, and the message, with jaxserve's field names replaced by the request's (chat's
     "max_completion_tokens", "top_logprobs", "messages")."""
     message = str(error)
-    for ours, theirs in names.items():
-        if ours != theirs:
-            message = re.sub(rf"\b{ours}\b", theirs, message)
+    # the longest first: "structured_outputs.json" before "structured_outputs"
+    for ours in sorted(names, key=len, reverse=True):
+        if ours != names[ours]:
+            message = re.sub(rf"\b{re.escape(ours)}\b", lambda _, new=names[ours]: new, message)
     return APIError(400, message, param=param_of(error, names))
 
 
