@@ -327,6 +327,10 @@ class LLM:
     def __init__(self, model: str | Path | None = DEMO, **overrides: Any):
         self.engine = LLMEngine(model, EngineConfig.from_overrides(**overrides))
 
+    @property
+    def llm_engine(self) -> LLMEngine:  # vLLM's name for it
+        return self.engine
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

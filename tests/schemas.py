@@ -20,7 +20,7 @@ KEYS = ["id", "name", "age", "tags", "kind", "size", "note", "ok", "score", "cit
         "level", "color", "owner", "count", "unit", "flag", "rank", "title", "zip"]
 PATTERNS = [r"^[a-z]{2,6}$", r"^[A-Z]{3}-[0-9]{3}$", r"^[0-9]{5}$", r"^(red|green|blue)$",
             r"^[a-f0-9]{4,8}$", r"^v[0-9]\.[0-9]{1,2}$", r"^[A-Z][a-z]{1,7}$",
-            r"^[a-z]+@[a-z]{2,5}\.(com|org)$"]
+            r"^[a-z]{1,8}@[a-z]{2,5}\.(com|org)$"]
 PATTERN_BYTES = 16  # the longest a pattern above usually gives, quoted
 ENUMS = [["red", "green", "blue"], ["low", "mid", "high"], ["yes", "no"], [1, 2, 3, 5, 8],
          ["cat", "dog", "bird", "fish"], [0, 10, 100], ["on", "off", None]]
