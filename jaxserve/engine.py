@@ -203,13 +203,14 @@ class LLMEngine:
                                   or params.min_tokens or params.structured_outputs):
             request.token_mask = TokenMask(
                 params, vocab, request.stop_ids, self.tokenizer,
-                self._grammars() if params.structured_outputs is not None else None)
+                self.grammars if params.structured_outputs is not None else None)
         self.scheduler.add_request(request)
         return request
 
-    def _grammars(self) -> "GrammarCompiler | None":
-        """The grammar compiler (made at the first structured request); None without a
-        tokenizer."""
+    @property
+    def grammars(self) -> "GrammarCompiler | None":
+        """The grammar compiler of structured output (made when first asked for: the first
+        structured request); None without a tokenizer."""
         if self._grammar_compiler is None and self.tokenizer is not None:
             from jaxserve.structured_output import GrammarCompiler
 

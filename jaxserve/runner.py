@@ -57,6 +57,7 @@ from jaxserve.model.sampler import Controls, SamplerState, SamplingMetadata
 from jaxserve.model.step import make_step_fns
 from jaxserve.model_config import ModelConfig
 from jaxserve.request import MAX_LOGIT_BIAS, Request
+from jaxserve.structured_output import fill_rows
 from jaxserve.token_masks import bitmask_width
 
 log = logging.getLogger("jaxserve")
@@ -376,15 +377,21 @@ class ModelRunner:
         bitmask = np.full((len(slots), bitmask_width(self.model_config.vocab_size)), -1,
                           np.int32)
         counted = np.zeros((len(slots),), bool)
+        masks = []
         for i, chunk in enumerate(head.chunks):
             request = chunk.request
             counted[i] = chunk.num_samples > 0 and request.params.controlled
             mask = request.token_mask
             if mask is not None and chunk.num_samples and not request.status.finished:
-                mask.fill(bitmask[i])
+                masks.append((i, mask))
+        # the grammars' masks in parallel (llguidance's threads), then each row's own limits
+        fill_rows([(m.grammar, i) for i, m in masks if m.grammar is not None], bitmask)
+        for i, mask in masks:
+            mask.restrict(bitmask[i])
         return Controls(slots=slots, presence=batch.presence[slots],
                         frequency=batch.frequency[slots], repetition=batch.repetition[slots],
-                        min_p=batch.min_p[slots], counted=counted, bitmask=bitmask)
+                        min_p=batch.min_p[slots], counted=counted,
+                        owns_state=batch.controlled[slots], bitmask=bitmask)
 
     def collect(self, flight: Inflight) -> dict[str, Samples]:
         """Wait for an iteration's results: the tokens each request sampled."""

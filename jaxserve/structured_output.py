@@ -206,6 +206,28 @@ class GrammarMatcher:
             raise ValueError(f"cannot roll back {n} tokens: {self._ll.get_error()}")
 
 
+_executor: llg.LLExecutor | None = None
+
+
+def fill_rows(matchers: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+    """`matcher.fill(bitmask[row])` for each pair, the rows computed in parallel by
+    llguidance's threads (the GIL released) where their layout allows, one by one otherwise."""
+    global _executor
+    if not matchers:
+        return
+    width = bitmask.shape[1]
+    direct = [(m._ll, row) for m, row in matchers if m._scratch is None and m._ll_width == width]
+    if len(direct) == len(matchers) and bitmask.flags.c_contiguous and (
+            bitmask.dtype == np.int32):
+        if _executor is None:
+            _executor = llg.LLExecutor()
+        _executor.unsafe_compute_mask_ptr(direct, bitmask.ctypes.data, width * 4,
+                                          bitmask.shape[0])
+        return
+    for matcher, row in matchers:
+        matcher.fill(bitmask[row])
+
+
 def _source(params: StructuredOutputsParams) -> tuple[str, str, dict]:
     """(kind, llguidance source text, JSON options) of a request's structured output; the
     text is canonical (a schema's keys sorted) so equal values share one cache entry."""

@@ -94,10 +94,20 @@ class TokenMask:
             self.rejected = True
         return not self.rejected
 
+    @property
+    def grammar(self) -> "GrammarMatcher | None":
+        """The matcher whose mask `restrict` expects in the row (None: no grammar to ask)."""
+        return None if self.rejected else self.matcher
+
     def fill(self, row: np.ndarray) -> None:
         """Write the next token's bitmask into `row` ([width] int32)."""
-        if self.matcher is not None and not self.rejected:
-            self.matcher.fill(row)
+        if self.grammar is not None:
+            self.grammar.fill(row)
+        self.restrict(row)
+
+    def restrict(self, row: np.ndarray) -> None:
+        """The rest of `fill`, once the grammar's mask is in `row` (when it has a grammar)."""
+        if self.grammar is not None:
             row &= self.static
         else:
             row[:] = self.static

@@ -177,9 +177,10 @@ def _inputs(vocab, batch, seed):
         counts[s] = np.bincount(row.output, minlength=vocab)
         prompt[s] = False
         prompt[s, row.prompt] = True
-        bias_ids[s], bias_values[s] = 0, 0.0  # padding: token 0, a bias of 0
-        bias_ids[s, :len(row.bias)] = list(row.bias)
-        bias_values[s, :len(row.bias)] = list(row.bias.values())
+        if row.controlled:  # a plain row's slot keeps an earlier request's bias: unread
+            bias_ids[s], bias_values[s] = 0, 0.0  # padding: token 0, a bias of 0
+            bias_ids[s, :len(row.bias)] = list(row.bias)
+            bias_values[s, :len(row.bias)] = list(row.bias.values())
         ok = np.ones(vocab, bool) if row.allowed is None else np.isin(np.arange(vocab),
                                                                       list(row.allowed))
         ok[list(row.banned)] = False
@@ -192,7 +193,7 @@ def _inputs(vocab, batch, seed):
                         frequency=column("frequency", np.float32),
                         repetition=column("repetition", np.float32),
                         min_p=column("min_p", np.float32), counted=column("controlled", bool),
-                        bitmask=bitmask)
+                        owns_state=column("controlled", bool), bitmask=bitmask)
     state = SamplerState(counts=counts, prompt=prompt, bias_ids=bias_ids, bias_values=bias_values)
     return logits, controls, state
 

@@ -50,6 +50,9 @@ class Controls:
     repetition: jax.Array  # [B] float32   repetition_penalty (1.0: off)
     min_p: jax.Array  # [B] float32
     counted: jax.Array  # [B] bool   the row samples a token its slot's counts keep
+    # [B] bool   its request is controlled, so it wrote its slot's state (a plain request's
+    # slot still holds the bias of the controlled one before it)
+    owns_state: jax.Array
     bitmask: jax.Array  # [B, ceil(V / 32)] int32   bit t % 32 of word t // 32: token t allowed
 
 
@@ -76,9 +79,14 @@ def apply_controls(logits: jax.Array, c: Controls, state: SamplerState) -> jax.A
     """The logits a controlled call samples from (before temperature): masked, biased and
     penalised, each as vLLM defines it."""
     b, vocab = logits.shape
-    logits = jnp.where(allowed_mask(c.bitmask, vocab), logits, -jnp.inf)
-    logits = logits.at[jnp.arange(b)[:, None], state.bias_ids[c.slots]].add(
-        state.bias_values[c.slots])
+    logits = jax.lax.cond(
+        jnp.all(c.bitmask == -1), lambda logits: logits,
+        lambda logits: jnp.where(allowed_mask(c.bitmask, vocab), logits, -jnp.inf), logits)
+    values = jnp.where(c.owns_state[:, None], state.bias_values[c.slots], 0.0)  # [B, L]
+    logits = jax.lax.cond(
+        jnp.any(values != 0), lambda logits: logits.at[
+            jnp.arange(b)[:, None], state.bias_ids[c.slots]].add(values),
+        lambda logits: logits, logits)
 
     def penalise(logits):
         counts = state.counts[c.slots]  # [B, V]
