@@ -116,15 +116,17 @@ class EngineCore:
             previous, self.inflight = self.inflight, flight
         else:
             previous = flight
-            if flight is not None:
+            if flight is not None:  # the previous iteration was read and processed
                 self.runner.finish(flight[1])
-        step = Step(out)
-        if previous is not None:
-            done, handle = previous
-            results = self.runner.collect(handle)
-            self.scheduler.update(done)  # its samples are pending no more
-            touched, num_tokens = self.processor.update(self.scheduler, done, results)
-            step = Step(out, done, touched, num_tokens)
-        if self.overlap and flight is not None:  # every earlier token is read now
-            self.runner.finish(flight[1])
-        return step
+        if previous is None:
+            if self.overlap and flight is not None:
+                self.runner.finish(flight[1])
+            return Step(out)
+        done, handle = previous
+        results = self.runner.collect(handle)
+        self.scheduler.update(done)  # its samples are pending no more
+        self.processor.feed_masks(done, results)
+        if self.overlap and flight is not None:  # every earlier token is read now: the
+            self.runner.finish(flight[1])  # device samples while the host makes the outputs
+        touched, num_tokens = self.processor.update(self.scheduler, done, results)
+        return Step(out, done, touched, num_tokens)

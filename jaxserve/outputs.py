@@ -90,6 +90,19 @@ class OutputProcessor:
 
     # -- in the engine loop --------------------------------------------------------------------
 
+    @staticmethod
+    def feed_masks(done: "SchedulerOutput", results: Mapping[str, "Samples"]) -> None:
+        """Give the token masks of a read iteration's requests (token_masks.py) their new
+        tokens, before `update`: the engine loop then makes their next masks at once. A
+        request with a mask samples one token a step and keeps it (a stop ends it there)."""
+        for chunk in done.chunks:
+            request = chunk.request
+            if request.token_mask is None or not chunk.num_samples or request.status.finished:
+                continue
+            samples = results.get(request.request_id)
+            if samples is not None:
+                request.token_mask.accept(samples.tokens)
+
     def update(self, scheduler: "Scheduler", done: "SchedulerOutput",
                results: Mapping[str, "Samples"]) -> tuple[list[Request], int]:
         """Take a read iteration's samples: append the tokens each request keeps, apply the
@@ -155,8 +168,7 @@ class OutputProcessor:
                              search=len(out) > params.min_tokens)
             if hit is not None:
                 status, reason = RequestStatus.FINISHED_STOPPED, hit
-        mask = request.token_mask
-        if mask is not None and not mask.accept(out[start:]) and status is None:
+        if request.token_mask is not None and request.token_mask.rejected and status is None:
             # the grammar refused a token (a mask the sampler could not keep: every token
             # masked): the output cannot match any more
             status = RequestStatus.FINISHED_ABORTED
