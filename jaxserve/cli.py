@@ -58,15 +58,26 @@ def _convert(args) -> int:
 
 def _generate(args) -> int:
     from jaxserve.engine import LLMEngine
-    from jaxserve.request import RequestOutputKind, SamplingParams
+    from jaxserve.request import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     prompts = (args.prompt or []) + args.prompts
     if not prompts:
         named = "" if args.model is None else f" ({args.model!r}, the first argument, is the model)"
         raise ValueError(f"no prompt: pass --prompt TEXT{named}")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            stop=tuple(args.stop or ()),  # checked before the model loads
-                            output_kind=RequestOutputKind.DELTA)
+    structured = None
+    if args.json_schema is not None:
+        structured = StructuredOutputsParams(json=args.json_schema)
+    elif args.regex is not None:
+        structured = StructuredOutputsParams(regex=args.regex)
+    elif args.choice:
+        structured = StructuredOutputsParams(choice=args.choice)
+    params = SamplingParams(  # checked before the model loads
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, stop=tuple(args.stop or ()),
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
+        bad_words=tuple(args.bad_word or ()), structured_outputs=structured,
+        output_kind=RequestOutputKind.DELTA)
     engine_options, _ = _options(args)
     engine = LLMEngine(args.model, EngineConfig.from_overrides(**engine_options),
                        progress=sys.stderr.isatty())
@@ -221,6 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument("--presence-penalty", type=float, default=0.0)
+    generate.add_argument("--frequency-penalty", type=float, default=0.0)
+    generate.add_argument("--repetition-penalty", type=float, default=1.0)
+    generate.add_argument("--min-tokens", type=int, default=0)
+    generate.add_argument("--bad-word", action="append", help="never generated (repeatable)")
+    shape = generate.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", help="the output follows this JSON schema (its text)")
+    shape.add_argument("--regex", help="the output fully matches this regex")
+    shape.add_argument("--choice", action="append", help="the output is one of these "
+                       "(repeatable)")
     generate.add_argument("--config", type=Path, help="YAML file of engine options")
     _add_option_flags(generate, EngineConfig, "engine options")
     generate.set_defaults(func=_generate)

@@ -42,15 +42,13 @@ Not ported, because jaxserve does not have the feature:
 - LoRA adapters (the zephyr-lora cases, test_lora_resolvers, test_default_mm_loras).
 - tools, function calling, reasoning and harmony parsing (most of test_serving_chat.py,
   test_completion_with_function_calling, tool_choice, reasoning effort, thinking budgets).
-- structured outputs / guided decoding / response_format json (the structured_outputs_*,
-  invalid_json_schema/regex/grammar and response_format_json_* cases), logit_bias
-  (test_chat_logit_bias_validation), min_tokens, min_characters, return_token_ids,
-  logprob_token_ids, truncation_side "right", beam search, prompt embeds: each is refused
-  with a 400 naming it, which test_protocol_surface.py checks.
+- min_characters, return_token_ids, logprob_token_ids, truncation_side "right", beam search,
+  prompt embeds: each is refused with a 400 naming it, which test_protocol_surface.py checks.
+  (Structured outputs, guided decoding, response_format json, logit_bias validation and
+  min_tokens are jaxserve's now: tests/test_server_sampling.py covers them over HTTP.)
 - multimodal input (vision, audio, video, image embeds; the metrics' multimodal server).
 - endpoints: embeddings, score, transcription, tokenize/detokenize, /version, /load,
   /invocations, run_batch, --root-path.
-- prompt_tokens_details.cached_tokens: no prefix cache yet (issue 31).
 - vLLM internals tested through mocks (finish_reason "error", a sampled token missing from its
   top logprobs, _usage_prompt_tokens, hidden deprecated metrics): no such objects here; where
   the behaviour shows over HTTP it is ported above.
