@@ -18,6 +18,12 @@ start-up:
              token: the weights are read once for both. Its head samples B rows, the row
              bucket of its rows (model and head are separate calls: T + B shapes, not T x B)
 
+A call holding a row with sampler controls (penalties, logit_bias, min_p, a token mask:
+structured output, allowed_token_ids, bad_words, min_tokens) dispatches the model without its
+head; `finish`, which the engine loop calls once the previous iteration is read, makes each
+such row's mask on the host and dispatches the head (model/step.py). Such rows decode one step
+per dispatch; their slots' token counts and logit_bias live on the device (`sampler_state`).
+
 The host arrays persist across steps (InputBatch): each running request holds a slot, written
 in full when it joins and then only where it changed (pages appended); a call's padded arrays are
 gathered from the slots. `dispatch` returns at once (the device runs on, the packed results start
@@ -117,7 +123,7 @@ class Head:
     """A controlled call's sampling, dispatched by `finish` once the host has its rows' masks."""
 
     chunks: list[ScheduledChunk]
-    last: jax.Array  # [>= rows, hidden] each row's last hidden state
+    last: jax.Array  # [M, hidden] each row's last hidden state (rows past its own: padding)
     sm: SamplingMetadata
     slots: np.ndarray  # [rows] the rows' slots (0: padding)
     carry: int  # which carry its tokens go to: 0 (a decode call) or 1
@@ -384,7 +390,7 @@ class ModelRunner:
             mask = request.token_mask
             if mask is not None and chunk.num_samples and not request.status.finished:
                 masks.append((i, mask))
-        # the grammars' masks in parallel (llguidance's threads), then each row's own limits
+        # the grammars' masks (structured_output.fill_rows), then each row's own limits
         fill_rows([(m.grammar, i) for i, m in masks if m.grammar is not None], bitmask)
         for i, mask in masks:
             mask.restrict(bitmask[i])
