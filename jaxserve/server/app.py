@@ -46,9 +46,10 @@ from jaxserve.server import protocol
 from jaxserve.server.body import SafeJSONResponse, read_json
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.connections import ConcurrencyLimit, uvicorn_config
+from jaxserve.server.fields import APIError
 from jaxserve.server.metrics import CONTENT_TYPE, Metrics, Seen
 from jaxserve.server.middleware import AccessLog, APIKey
-from jaxserve.server.protocol import APIError, GenerateRequest
+from jaxserve.server.protocol import GenerateRequest
 from jaxserve.server.responses import Formatter
 from jaxserve.server.streams import follow, merge, sse_event, until_disconnect
 

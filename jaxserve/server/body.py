@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from jaxserve.checks import show
-from jaxserve.server.protocol import APIError
+from jaxserve.server.fields import APIError
 
 
 class SafeJSONResponse(JSONResponse):

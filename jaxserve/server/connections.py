@@ -20,7 +20,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from jaxserve.server.protocol import APIError
+from jaxserve.server.fields import APIError
 
 log = logging.getLogger("jaxserve.server")
 

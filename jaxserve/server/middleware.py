@@ -6,7 +6,7 @@ import time
 
 from starlette.responses import JSONResponse
 
-from jaxserve.server.protocol import APIError
+from jaxserve.server.fields import APIError
 
 log = logging.getLogger("jaxserve.server")
 

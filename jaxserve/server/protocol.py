@@ -1,6 +1,7 @@
-"""The OpenAI API as jaxserve speaks it: request parsing (every error names its field) and the
-error envelope. The response bodies and stream chunks are responses.py's; the fields that
-constrain the output (response_format, structured_outputs, guided_*) are structured.py's.
+"""The OpenAI API as jaxserve speaks it: request parsing, every error naming its field. The
+error envelope and the field checks are fields.py's, the response bodies and stream chunks
+responses.py's; the fields that constrain the output (response_format, structured_outputs,
+guided_*) are structured.py's.
 
 Fields are checked by hand rather than by a schema library so that each 400 says which field is
 wrong and why, in vLLM's envelope: {"error": {"message", "type", "param", "code"}}. No field is
@@ -15,29 +16,8 @@ from typing import Any
 
 from jaxserve.checks import is_finite, is_int, show
 from jaxserve.request import RequestOutputKind, SamplingParams, StructuredOutputsParams
-
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 408: "RequestTimeoutError",
-               413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
-               429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
-               504: "TimeoutError"}
-
-
-class APIError(Exception):
-    """An error response: HTTP status, message, the offending request field, extra headers."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "Error"),
-                          "param": self.param, "code": self.status}}
-
+from jaxserve.server.fields import APIError, get_field, is_bool, is_str, is_text, same
+from jaxserve.server.structured import parse_structured
 
 # -- the fields of a request ------------------------------------------------------------------
 # Each field of OpenAI's and vLLM's CompletionRequest and ChatCompletionRequest is in one class:
@@ -65,31 +45,23 @@ _IMPLEMENTED = {
 }
 
 
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
 # accepted with any value of their type: nothing jaxserve does depends on them
 _NO_OP = {
-    "user": (_BOTH, _is_str, "a string"),  # the end user, for the provider's abuse monitoring
+    "user": (_BOTH, is_str, "a string"),  # the end user, for the provider's abuse monitoring
     "cache_salt": (_BOTH, lambda v: isinstance(v, str) and v != "", "a non-empty string"),
-    "session_id": (_BOTH, _is_str, "a string"),  # routing related requests
-    "return_token_offsets": (_BOTH, _is_bool, "a boolean"),
-    "return_mm_kwargs": (_BOTH, _is_bool, "a boolean"),
+    "session_id": (_BOTH, is_str, "a string"),  # routing related requests
+    "return_token_offsets": (_BOTH, is_bool, "a boolean"),
+    "return_mm_kwargs": (_BOTH, is_bool, "a boolean"),
     "routed_experts_prompt_start": (_BOTH, lambda v: is_int(v) and v >= 0,
                                     "a non-negative integer"),
     "metadata": (_CHAT, lambda v: isinstance(v, dict), "an object"),
-    "safety_identifier": (_CHAT, _is_str, "a string"),
-    "prompt_cache_key": (_CHAT, _is_str, "a string"),
+    "safety_identifier": (_CHAT, is_str, "a string"),
+    "prompt_cache_key": (_CHAT, is_str, "a string"),
     "prompt_cache_retention": (_CHAT, lambda v: v in ("in_memory", "24h"),
                                '"in_memory" or "24h"'),
     "prompt_cache_options": (_CHAT, lambda v: isinstance(v, dict), "an object"),
-    "parallel_tool_calls": (_CHAT, _is_bool, "a boolean"),
-    "include_reasoning": (_CHAT, _is_bool, "a boolean"),
+    "parallel_tool_calls": (_CHAT, is_bool, "a boolean"),
+    "include_reasoning": (_CHAT, is_bool, "a boolean"),
 }
 
 # not implemented: a 400 unless null or one of the values that mean "off"; () refuses any value
@@ -117,11 +89,6 @@ _STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscati
 _PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
-def _same(value: Any, off: Any) -> bool:
-    """value == off, with a bool never equal to a number (True == 1 in Python)."""
-    return value == off and isinstance(value, bool) == isinstance(off, bool)
-
-
 def check_fields(body: dict[str, Any], kind: str) -> None:
     """APIError(400) naming the first field of `body` that a `kind` ("completion" or "chat")
     request must not have: an unknown one, a no-op one of the wrong type, or one jaxserve does
@@ -135,7 +102,7 @@ def check_fields(body: dict[str, Any], kind: str) -> None:
             if value is not None and not check(value):
                 raise APIError(400, f"{name} must be {what}, got {show(value)}", param=name)
         elif refused is not None and kind in refused[0]:
-            if value is not None and not any(_same(value, off) for off in refused[1]):
+            if value is not None and not any(same(value, off) for off in refused[1]):
                 raise APIError(400, f"{name} is not supported by jaxserve (got {show(value)})",
                                param=name)
         else:
@@ -179,23 +146,14 @@ MAX_STOP = 64  # stop strings per request: each is searched for on every step
 MAX_N = 128  # samples per prompt, as OpenAI allows
 
 
-def _get(body: dict, name: str, check, what: str, default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not check(value):
-        raise APIError(400, f"{name} must be {what}, got {show(value)}", param=name)
-    return value
-
-
 def parse_completion(body: dict[str, Any],
                      defaults: dict[str, Any] | None = None) -> GenerateRequest:
     """A /v1/completions body -> GenerateRequest; APIError(400) naming the field otherwise."""
     check_fields(body, "completion")
     if "prompt" not in body or body["prompt"] is None:
         raise APIError(400, "prompt is required", param="prompt")
-    logprobs = _get(body, "logprobs", is_int, "an integer")
-    echo = _get(body, "echo", _is_bool, "a boolean", False)
+    logprobs = get_field(body, "logprobs", is_int, "an integer")
+    echo = get_field(body, "echo", is_bool, "a boolean", False)
     # echo with max_tokens 0 scores a prompt (as OpenAI's and vLLM's): one token is generated,
     # and dropped from the response
     echo_only = echo and body.get("max_tokens") == 0 and is_int(body["max_tokens"])
@@ -213,13 +171,13 @@ def parse_chat(body: dict[str, Any], defaults: dict[str, Any] | None = None) -> 
     check_fields(body, "chat")
     if "messages" not in body:
         raise APIError(400, "messages is required", param="messages")
-    wants = _get(body, "logprobs", _is_bool, "a boolean", False)
-    top = _get(body, "top_logprobs", is_int, "an integer")
+    wants = get_field(body, "logprobs", is_bool, "a boolean", False)
+    top = get_field(body, "top_logprobs", is_int, "an integer")
     if top not in (None, 0) and not wants:  # 0 is the default: it asks for nothing (as vLLM)
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    continue_final = _get(body, "continue_final_message", _is_bool, "a boolean", False)
+    continue_final = get_field(body, "continue_final_message", is_bool, "a boolean", False)
     # true unless the final message is continued (a new message's header would close it)
-    add_prompt = _get(body, "add_generation_prompt", _is_bool, "a boolean", not continue_final)
+    add_prompt = get_field(body, "add_generation_prompt", is_bool, "a boolean", not continue_final)
     if continue_final and add_prompt:
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
                        "true: the first continues the final message, the second starts a new "
@@ -234,7 +192,7 @@ def parse_chat(body: dict[str, Any], defaults: dict[str, Any] | None = None) -> 
     # as vLLM's: a new message is the assistant's; a continued one (or a template given no
     # generation prompt) keeps the final message's role
     req.role = "assistant" if add_prompt else req.messages[-1]["role"]
-    req.echo = _get(body, "echo", _is_bool, "a boolean", False)
+    req.echo = get_field(body, "echo", is_bool, "a boolean", False)
     return req
 
 
@@ -245,7 +203,7 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
     request that leaves them out, as vLLM's server takes them. `prompt_logprobs`: what echo
     asks for when the body does not name `prompt_logprobs` itself."""
     defaults = defaults or {}
-    stream = _get(body, "stream", _is_bool, "a boolean", False)
+    stream = get_field(body, "stream", is_bool, "a boolean", False)
     include_usage, continuous_usage = _stream_options(body, stream)
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -256,39 +214,37 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
     if stop is not None and len(stop) > MAX_STOP:
         raise APIError(400, f"stop has {len(stop)} strings; at most {MAX_STOP} are allowed",
                        param="stop")
-    n = _get(body, "n", is_int, "an integer", 1)
+    n = get_field(body, "n", is_int, "an integer", 1)
     if n > MAX_N:
         raise APIError(400, f"n must be at most {MAX_N}, got {n}", param="n")
-    named_prompt_lps = _get(body, "prompt_logprobs", is_int, "an integer")
+    named_prompt_lps = get_field(body, "prompt_logprobs", is_int, "an integer")
     if named_prompt_lps is not None and stream:  # as vLLM: they come whole, in the response
         raise APIError(400, "prompt_logprobs is not supported with stream: true",
                        param="prompt_logprobs")
-    truncate = _get(body, "truncate_prompt_tokens",
+    truncate = get_field(body, "truncate_prompt_tokens",
                     lambda v: is_int(v) and (v >= 1 or v == -1), "a positive integer or -1")
     names = {"max_tokens": "max_tokens"} | names
     kwargs = dict(
-        max_tokens=_get(body, names["max_tokens"], is_int, "an integer", default_max_tokens),
-        temperature=_get(body, "temperature", is_finite, "a number",
+        max_tokens=get_field(body, names["max_tokens"], is_int, "an integer", default_max_tokens),
+        temperature=get_field(body, "temperature", is_finite, "a number",
                          defaults.get("temperature", 1.0)),
-        top_p=_get(body, "top_p", is_finite, "a number", defaults.get("top_p", 1.0)),
-        top_k=_get(body, "top_k", is_int, "an integer", defaults.get("top_k")),
-        seed=_get(body, "seed", is_int, "an integer"),
+        top_p=get_field(body, "top_p", is_finite, "a number", defaults.get("top_p", 1.0)),
+        top_k=get_field(body, "top_k", is_int, "an integer", defaults.get("top_k")),
+        seed=get_field(body, "seed", is_int, "an integer"),
         stop=tuple(stop or ()),
-        stop_token_ids=tuple(_get(body, "stop_token_ids", _is_ids, "a list of integers", [])),
-        ignore_eos=_get(body, "ignore_eos", _is_bool, "a boolean", False),
-        include_stop_str_in_output=_get(body, "include_stop_str_in_output",
-                                        _is_bool, "a boolean", False),
+        stop_token_ids=tuple(get_field(body, "stop_token_ids", _is_ids, "a list of integers", [])),
+        ignore_eos=get_field(body, "ignore_eos", is_bool, "a boolean", False),
+        include_stop_str_in_output=get_field(body, "include_stop_str_in_output",
+                                        is_bool, "a boolean", False),
         logprobs=logprobs,
         prompt_logprobs=named_prompt_lps if named_prompt_lps is not None else prompt_logprobs,
-        priority=_get(body, "priority", is_int, "an integer", 0),
+        priority=get_field(body, "priority", is_int, "an integer", 0),
         n=n,
         output_kind=RequestOutputKind.DELTA,  # the server streams and gathers deltas
     )
     if body.get("slo_ms") is not None:  # the edf policy's time-to-first-token target
-        kwargs["slo_ms"] = _get(body, "slo_ms", is_finite, "a number")
+        kwargs["slo_ms"] = get_field(body, "slo_ms", is_finite, "a number")
     kwargs |= _controls(body, defaults)
-    # imported here: structured.py raises this module's APIError with its field helpers
-    from jaxserve.server.structured import parse_structured
 
     structured, constraint_names = parse_structured(body)
     names = names | constraint_names
@@ -298,17 +254,17 @@ def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,
         params = SamplingParams(**kwargs)
     except ValueError as error:
         raise client_error(error, names) from None
-    return GenerateRequest(model=_get(body, "model", lambda v: isinstance(v, str), "a string"),
+    return GenerateRequest(model=get_field(body, "model", lambda v: isinstance(v, str), "a string"),
                            prompts=[], params=params, stream=stream, include_usage=include_usage,
                            continuous_usage=continuous_usage,
-                           request_id=_get(body, "request_id", _is_text, "a non-empty string"),
+                           request_id=get_field(body, "request_id", is_text, "a non-empty string"),
                            names=names, prompt_logprobs=named_prompt_lps is not None,
                            truncate_prompt_tokens=truncate,
-                           add_special_tokens=_get(body, "add_special_tokens",
-                                                   _is_bool, "a boolean"))
+                           add_special_tokens=get_field(body, "add_special_tokens",
+                                                   is_bool, "a boolean"))
 
 
-def _is_strs(value: Any) -> bool:
+def is_strs(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
@@ -321,21 +277,21 @@ def _controls(body: dict, defaults: dict[str, Any]) -> dict[str, Any]:
     server, repetition_penalty and min_p default to the model's own when it has them."""
     number = (is_finite, "a number")
     return dict(
-        presence_penalty=_get(body, "presence_penalty", *number, 0.0),
-        frequency_penalty=_get(body, "frequency_penalty", *number, 0.0),
-        repetition_penalty=_get(body, "repetition_penalty", *number,
+        presence_penalty=get_field(body, "presence_penalty", *number, 0.0),
+        frequency_penalty=get_field(body, "frequency_penalty", *number, 0.0),
+        repetition_penalty=get_field(body, "repetition_penalty", *number,
                                 defaults.get("repetition_penalty", 1.0)),
-        min_p=_get(body, "min_p", *number, defaults.get("min_p", 0.0)),
-        min_tokens=_get(body, "min_tokens", is_int, "an integer", 0),
+        min_p=get_field(body, "min_p", *number, defaults.get("min_p", 0.0)),
+        min_tokens=get_field(body, "min_tokens", is_int, "an integer", 0),
         logit_bias=_logit_bias(body),
-        bad_words=_get(body, "bad_words", _is_strs, "a list of strings", []),
-        allowed_token_ids=_get(body, "allowed_token_ids", _is_ids, "a list of integers"),
+        bad_words=get_field(body, "bad_words", is_strs, "a list of strings", []),
+        allowed_token_ids=get_field(body, "allowed_token_ids", _is_ids, "a list of integers"),
     )
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:
     """OpenAI's logit_bias, {"50256": -100}: JSON's keys are strings, the sampler's token ids."""
-    bias = _get(body, "logit_bias", lambda v: isinstance(v, dict),
+    bias = get_field(body, "logit_bias", lambda v: isinstance(v, dict),
                 "an object mapping token ids to numbers")
     if bias is None:
         return None
@@ -355,7 +311,7 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     """stream_options -> (include_usage, continuous_usage_stats). continuous_usage_stats asks
     for the usage in every chunk, and so for the usage itself unless include_usage is false
     (vLLM's include_usage defaults to true)."""
-    options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    options = get_field(body, "stream_options", lambda v: isinstance(v, dict), "an object")
     if options is None:
         return False, False
     if not stream:
@@ -375,17 +331,6 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     include = options.get("include_usage")
     include = continuous if include is None else include
     return include, continuous and include
-
-
-def _is_text(value: Any) -> bool:
-    """A non-empty string that UTF-8 can encode (JSON can carry a lone surrogate)."""
-    if not isinstance(value, str) or not value:
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def param_of(error: Exception, names: dict[str, str]) -> str | None:

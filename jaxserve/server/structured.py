@@ -6,7 +6,7 @@ StructuredOutputsParams checks the constraint itself; protocol.py builds it."""
 from typing import Any
 
 from jaxserve.checks import show
-from jaxserve.server.protocol import APIError, _get, _is_bool, _is_str, _is_text, _same
+from jaxserve.server.fields import APIError, get_field, is_bool, is_str, is_text, same
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -25,7 +25,7 @@ def parse_structured(body: dict) -> tuple[dict[str, Any] | None, dict[str, str]]
     """What the output must match, from whichever field the client used: StructuredOutputsParams'
     keywords (None: free text), and the names its errors go by (its own and the engine's name
     `structured_outputs.<kind>`)."""
-    backend = _get(body, "guided_decoding_backend", _is_str, "a string")
+    backend = get_field(body, "guided_decoding_backend", is_str, "a string")
     if backend is not None and backend not in _BACKENDS:
         raise APIError(400, f"guided_decoding_backend must be one of {', '.join(_BACKENDS)} "
                        f"(jaxserve's structured output runs on llguidance), got {show(backend)}",
@@ -69,10 +69,10 @@ def _response_format(fmt: Any) -> dict[str, Any] | None:
         raise APIError(400, "response_format.json_schema must be an object with a name and a "
                        f"schema, got {show(spec)}", param="response_format")
     _only(spec, _JSON_SCHEMA_KEYS, "response_format.json_schema")
-    for key, check, what in (("name", _is_text, "a non-empty string"),
+    for key, check, what in (("name", is_text, "a non-empty string"),
                              ("schema", lambda v: isinstance(v, dict), "an object"),
-                             ("strict", _is_bool, "a boolean"),
-                             ("description", _is_str, "a string")):
+                             ("strict", is_bool, "a boolean"),
+                             ("description", is_str, "a string")):
         value = spec.get(key)
         if (value is not None or key in ("name", "schema")) and not check(value):
             raise APIError(400, f"response_format.json_schema.{key} must be {what}, got "
@@ -87,7 +87,7 @@ def _structured_outputs(value: Any) -> dict[str, Any]:
                        param="structured_outputs")
     _only(value, (*_STRUCTURED_KEYS, *_STRUCTURED_OFF), "structured_outputs")
     for key, offs in _STRUCTURED_OFF.items():
-        if value.get(key) is not None and not any(_same(value[key], off) for off in offs):
+        if value.get(key) is not None and not any(same(value[key], off) for off in offs):
             raise APIError(400, f"structured_outputs.{key} is not supported by jaxserve (got "
                            f"{show(value[key])})", param="structured_outputs")
     return {key: value[key] for key in _STRUCTURED_KEYS if value.get(key) is not None}
