@@ -13,17 +13,24 @@ from typing import Any, Literal
 
 from jaxserve.checks import is_finite, is_int, show
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 # transformers 5's defaults for keys a config.json leaves out, where the architectures differ
-# (all three: rms_norm_eps 1e-6, rope_theta 10000); a null num_key_value_heads is one per head
+# (all: rms_norm_eps 1e-6, rope_theta 10000); a null num_key_value_heads is one per head, a
+# null head_dim (and an absent one, but for Qwen3's 128) hidden_size / num_attention_heads
 _HF_DEFAULTS = {
-    "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None},
-    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
-    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8},
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None,
+                         "head_dim": None},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
+                         "head_dim": None},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
+                         "head_dim": 128},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
+                           "head_dim": None},
 }
 
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -49,7 +56,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder (Llama 2/3, Qwen2, Mistral)."""
+    """The shape of a Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral)."""
 
     architecture: str
     vocab_size: int
@@ -66,6 +73,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -152,13 +160,14 @@ class ModelConfig:
         # transformers: an absent key takes the architecture's default, a null one (and a null
         # head_dim) is derived from the heads
         num_kv_heads = hf.get("num_key_value_heads", defaults["num_key_value_heads"])
-        head_dim = hf.get("head_dim")
+        head_dim = hf.get("head_dim", defaults["head_dim"])
         max_len = _check_positive_int("max_position_embeddings", hf.get(
             "max_position_embeddings", defaults["max_position_embeddings"]))
         theta, scaling = _read_rope(hf, max_len)
-        # as transformers: Llama's attention_bias covers q, k, v and o; Qwen2 has q, k, v biases
-        # and no o bias; Mistral has none
-        attention_bias = bool(hf.get("attention_bias", False)) and arch == "LlamaForCausalLM"
+        # as transformers: Llama's and Qwen3's attention_bias covers q, k, v and o; Qwen2 has
+        # q, k, v biases and no o bias; Mistral has none
+        attention_bias = bool(hf.get("attention_bias", False)) and arch in (
+            "LlamaForCausalLM", "Qwen3ForCausalLM")
         qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
         sliding = _sliding_window(arch, hf)
         eos_ids = tuple(_id_list(hf.get("eos_token_id")))
@@ -182,6 +191,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -191,6 +201,7 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += 2 * self.head_dim if self.qk_norm else 0
         mlp = 3 * self.hidden_size * self.intermediate_size
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
@@ -257,16 +268,32 @@ def _id_list(value: Any) -> list[int]:
 
 def _sliding_window(arch: str, hf: dict[str, Any]) -> int | None:
     """The attention window, None for full attention, as transformers reads each architecture:
-    Llama has none; Mistral's defaults to 4096 when the key is absent (null: none); Qwen2's
-    applies only with use_sliding_window, to the layers from max_window_layers (default 28)
-    on, 4096 when absent."""
+    Llama has none; Mistral's defaults to 4096 when the key is absent (null: none); Qwen2's and
+    Qwen3's applies only with use_sliding_window (4096 when absent), to the layers that
+    `layer_types` names "sliding_attention", or when it is absent to the layers from
+    max_window_layers (default 28) on. A window for some layers is returned as one for all:
+    the kernels have none, so EngineConfig refuses a max_model_len longer than it, where the
+    two agree."""
     if arch == "MistralForCausalLM":
         return hf.get("sliding_window", 4096)
-    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window", False):
-        if hf.get("max_window_layers", 28) >= hf["num_hidden_layers"]:
-            return None  # no layer slides
-        return hf.get("sliding_window", 4096)
-    return None
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return None
+    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+    if window is None:
+        return None
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first = hf.get("max_window_layers", 28)
+        if not is_int(first):
+            raise ValueError(f"max_window_layers must be an integer, got {show(first)}")
+        slides = first < hf["num_hidden_layers"]
+    elif (isinstance(layer_types, list) and len(layer_types) == hf["num_hidden_layers"]
+          and all(t in ("full_attention", "sliding_attention") for t in layer_types)):
+        slides = "sliding_attention" in layer_types
+    else:
+        raise ValueError(f"layer_types must list 'full_attention' or 'sliding_attention' for "
+                         f"each of the {hf['num_hidden_layers']} layers, got {show(layer_types)}")
+    return _check_positive_int("sliding_window", window) if slides else None
 
 
 def _read_rope(hf: dict[str, Any], max_position_embeddings: int

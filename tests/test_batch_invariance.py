@@ -25,9 +25,10 @@ PAGE, PAGES_PER_ROW = 8, 8
 CPU = Backend("cpu", CpuAttention(), CpuOps())
 
 
-@pytest.fixture(scope="module", params=["llama", "tied"])
+@pytest.fixture(scope="module", params=["llama", "tied", "qwen3"])
 def model(request):
-    cfg = ModelConfig.from_hf_dir(HF_FIXTURES / "llama")
+    """qwen3: the per-head q/k norms' row sums (its head_dim is not hidden / heads)."""
+    cfg = ModelConfig.from_hf_dir(HF_FIXTURES / ("qwen3" if request.param == "qwen3" else "llama"))
     if request.param == "tied":  # the LM head is the embedding table: the transposed matmul
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     # the weights as the engine holds them for the CPU kernels: panels, layers stacked

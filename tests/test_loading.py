@@ -31,6 +31,11 @@ def test_reads_both_config_styles():
     assert v4.tie_word_embeddings and v4.head_dim == 32 and v4.dtype == "float32"
     qwen = ModelConfig.from_hf_dir(HF_FIXTURES / "qwen2")
     assert qwen.qkv_bias and not qwen.o_bias and qwen.sliding_window is None
+    assert not qwen.qk_norm
+    qwen3 = ModelConfig.from_hf_dir(HF_FIXTURES / "qwen3")  # layer_types: all full_attention
+    assert qwen3.qk_norm and not qwen3.qkv_bias and not qwen3.o_bias
+    assert (qwen3.head_dim, qwen3.num_kv_heads, qwen3.sliding_window) == (32, 2, None)
+    assert qwen3.tie_word_embeddings
     # the same rope described in the v5 style gives the same frequencies
     hf = json.loads((HF_FIXTURES / "llama3" / "config.json").read_text())
     params = dict(hf.pop("rope_scaling"), rope_theta=hf.pop("rope_theta"))
@@ -136,14 +141,15 @@ def test_malformed_numbers_are_errors_naming_the_field(change, message):
 
 
 def test_absent_keys_take_transformers_defaults_per_architecture():
-    """transformers 5's config classes: max_position_embeddings 2048 (Llama), 32768 (Qwen2),
-    131072 (Mistral); num_key_value_heads absent: one per head (Llama), 32 (Qwen2), 8
-    (Mistral), and null: one per head for all three; rms_norm_eps 1e-6, rope_theta 10000."""
+    """transformers 5's config classes: max_position_embeddings 2048 (Llama), 32768 (Qwen2,
+    Qwen3), 131072 (Mistral); num_key_value_heads absent: one per head (Llama), 32 (Qwen2,
+    Qwen3), 8 (Mistral), and null: one per head for all; rms_norm_eps 1e-6, rope_theta 10000."""
     base = {k: v for k, v in LLAMA_CONFIG.items() if k not in (
         "max_position_embeddings", "num_key_value_heads", "rms_norm_eps", "rope_parameters",
         "sliding_window")} | {"num_attention_heads": 32, "head_dim": 16}
     for arch, max_len, kv_heads in (("LlamaForCausalLM", 2048, 32),
                                     ("Qwen2ForCausalLM", 32768, 32),
+                                    ("Qwen3ForCausalLM", 32768, 32),
                                     ("MistralForCausalLM", 131072, 8)):
         hf = base | {"architectures": [arch]}
         cfg = ModelConfig.from_hf_dict(hf)
@@ -158,6 +164,43 @@ def test_absent_keys_take_transformers_defaults_per_architecture():
     # llama3 rope without original_max_position_embeddings: the model's length, defaulted too
     scaled = ModelConfig.from_hf_dict(base | {"rope_scaling": LLAMA3_SCALING})
     assert scaled.rope_scaling.original_max_position_embeddings == 2048
+
+
+def test_qwen3_config_read_as_transformers_reads_it():
+    """Qwen3Config: q/k norms always; head_dim 128 when absent (not hidden / heads; null:
+    hidden / heads, as the other families); attention_bias covers q, k, v and o; the sliding
+    window as Qwen2's, and `layer_types`, where given, names the sliding layers."""
+    base = LLAMA_CONFIG | {"architectures": ["Qwen3ForCausalLM"]}
+    cfg = ModelConfig.from_hf_dict(base)
+    assert cfg.qk_norm and not (cfg.qkv_bias or cfg.o_bias) and cfg.head_dim == 16
+    no_head_dim = {k: v for k, v in base.items() if k != "head_dim"}
+    assert ModelConfig.from_hf_dict(no_head_dim).head_dim == 128
+    assert ModelConfig.from_hf_dict(base | {"head_dim": None}).head_dim == 16
+    biased = ModelConfig.from_hf_dict(base | {"attention_bias": True})
+    assert biased.qkv_bias and biased.o_bias
+    assert cfg.num_params == ModelConfig.from_hf_dict(
+        LLAMA_CONFIG).num_params + 2 * 2 * cfg.head_dim  # two layers' q_norm and k_norm
+    # the window: only with use_sliding_window, for the layers from max_window_layers on, or
+    # those layer_types names
+    sliding = base | {"use_sliding_window": True, "sliding_window": 64}
+    assert ModelConfig.from_hf_dict(sliding).sliding_window is None  # 28 >= 2 layers
+    assert ModelConfig.from_hf_dict(sliding | {"max_window_layers": 1}).sliding_window == 64
+    types = ["full_attention", "sliding_attention"]
+    assert ModelConfig.from_hf_dict(sliding | {"layer_types": types}).sliding_window == 64
+    assert ModelConfig.from_hf_dict(sliding | {"max_window_layers": 0, "layer_types": [
+        "full_attention"] * 2}).sliding_window is None
+    assert ModelConfig.from_hf_dict(base | {"sliding_window": 64, "max_window_layers": 0,
+                                            "layer_types": types}).sliding_window is None
+    windowed = ModelConfig.from_hf_dict(sliding | {"layer_types": types})
+    assert ModelConfig.from_hf_dict(windowed.to_hf_dict()) == windowed  # jaxserve convert
+    for bad in (["full_attention"], ["full_attention", "chunked_attention"], "sliding"):
+        with pytest.raises(ValueError, match="layer_types must list 'full_attention' or "
+                                             "'sliding_attention' for each of the 2 layers"):
+            ModelConfig.from_hf_dict(sliding | {"layer_types": bad})
+    # a window the kernels cannot do is refused by name, not served as full attention
+    with pytest.raises(ValueError, match="sliding_window 64 is shorter than max_model_len 256"):
+        EngineConfig().resolve_max_model_len(windowed)
+    assert EngineConfig(max_model_len=64).resolve_max_model_len(windowed) == 64
 
 
 def test_sliding_window_shorter_than_max_model_len():
@@ -304,25 +347,53 @@ def test_shard_missing_from_the_index_is_named(tmp_path):
         load_state(path, ModelConfig.from_hf_dir(path), jnp.float32)
 
 
-def test_convert_to_orbax_and_dummy_weights(tmp_path):
+def test_qwen3_checkpoint_with_attention_bias_loads(tmp_path):
+    """attention_bias: q, k, v and o biases, read beside the q/k norms; a missing norm is
+    named."""
+    path = _copy_model(tmp_path, "qwen3")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"attention_bias": True}))
+    tensors = load_file(str(path / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    for layer in range(2):
+        for proj, size in (("q", 128), ("k", 64), ("v", 64), ("o", 64)):
+            tensors[f"model.layers.{layer}.self_attn.{proj}_proj.bias"] = rng.normal(
+                size=size).astype(np.float32)
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg = ModelConfig.from_hf_dir(path)
+    ids = [5, 9, 13]
+    biased = full_logits(*load_state(path, cfg, jnp.float32), cfg, ids)
+    plain_cfg = ModelConfig.from_hf_dir(HF_FIXTURES / "qwen3")
+    plain = full_logits(*load_state(HF_FIXTURES / "qwen3", plain_cfg, jnp.float32), plain_cfg,
+                        ids)
+    assert np.isfinite(biased).all() and not np.allclose(biased, plain)
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): "
+                                         r"model\.layers\.1\.self_attn\.k_norm\.weight"):
+        load_state(path, cfg, jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_convert_to_orbax_and_dummy_weights(tmp_path, name):
     out = tmp_path / "converted"
-    assert cli_main(["convert", str(HF_FIXTURES / "qwen2"), str(out)]) == 0
+    assert cli_main(["convert", str(HF_FIXTURES / name), str(out)]) == 0
     assert is_orbax_checkpoint(out)
     cfg = ModelConfig.from_hf_dir(out)
-    assert cfg == ModelConfig.from_hf_dir(HF_FIXTURES / "qwen2")
+    assert cfg == ModelConfig.from_hf_dir(HF_FIXTURES / name)
     ids = [3, 4, 5, 6, 7]
     a = full_logits(*load_state(out, cfg, jnp.float32), cfg, ids)
-    b = full_logits(*load_state(HF_FIXTURES / "qwen2", cfg, jnp.float32), cfg, ids)
+    b = full_logits(*load_state(HF_FIXTURES / name, cfg, jnp.float32), cfg, ids)
     np.testing.assert_array_equal(a, b)
     dummy = full_logits(*load_state(None, cfg, jnp.float32, load_format="dummy"), cfg, ids)
     assert np.isfinite(dummy).all() and not np.allclose(dummy, b)
     half = tmp_path / "bf16"  # the written config.json names the dtype written
-    assert cli_main(["convert", str(HF_FIXTURES / "qwen2"), str(half), "--dtype", "bfloat16"]) == 0
+    assert cli_main(["convert", str(HF_FIXTURES / name), str(half), "--dtype", "bfloat16"]) == 0
     assert ModelConfig.from_hf_dir(half).dtype == "bfloat16"
     # a chat template kept in its own file travels too, and a read-only source's files come
     # out writable (a second convert into the same directory overwrites them)
     source = tmp_path / "with-template"
-    shutil.copytree(HF_FIXTURES / "qwen2", source)
+    shutil.copytree(HF_FIXTURES / name, source)
     (source / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     for file in source.iterdir():
         if file.is_file():

@@ -92,7 +92,7 @@ def test_greedy_paged_chunked_matches_transformers(name):
     exp = _expected(name)
     llm = LLM(HF_FIXTURES / name, page_size=4, prefill_chunk_sizes=(8,), max_num_seqs=4,
               max_num_batched_tokens=16, num_pages=128)
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=len(exp["greedy"][0]), temperature=0.0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in exp["prompts"]], params)
     for out, want in zip(outputs, exp["greedy"], strict=True):
         assert out.outputs[0].token_ids == want

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Qwen2, Mistral) in Flax NNX over the paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Qwen2/3, Mistral) in Flax NNX over the paged KV cache.
 
 Attribute names mirror Hugging Face's parameter names (model.layers.0.self_attn.q_proj ...), so
 the loader maps a checkpoint mechanically. Callers split graph and state once and jit pure
@@ -89,6 +89,9 @@ class Attention(nnx.Module):
         self.k_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
         self.v_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
         self.o_proj = _linear(cfg.num_heads * d, e, cfg.o_bias, dtype, rngs)
+        # Qwen3: each head's q and k RMS-normed over head_dim (one weight for all heads)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
     def __call__(self, x, cos, sin, kv: KVCache, md: AttentionMetadata | RaggedMetadata,
@@ -96,8 +99,11 @@ class Attention(nnx.Module):
         """md and write_index address this layer's pages of kv."""
         b, c, _ = x.shape
         linear, kv_heads, d = backend.ops.linear, self.num_kv_heads, self.head_dim
-        q = apply_rope(linear(self.q_proj, x).reshape(b, c, self.num_heads, d), cos, sin)
-        k = apply_rope(linear(self.k_proj, x).reshape(b, c, kv_heads, d), cos, sin)
+        q = linear(self.q_proj, x).reshape(b, c, self.num_heads, d)
+        k = linear(self.k_proj, x).reshape(b, c, kv_heads, d)
+        if self.q_norm is not None:  # before RoPE, as transformers' Qwen3
+            q, k = self.q_norm(q, backend), self.k_norm(k, backend)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = linear(self.v_proj, x)
         kv = backend.attention.write(kv, k.reshape(b * c, kv_heads, d),
                                      v.reshape(b * c, kv_heads, d), write_index)
