@@ -89,8 +89,8 @@ CONFIGS = {
 def causal_logits(model: LlamaForCausalLM, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] at positions 0..T-1 -> logits [B, T, vocab] float32, causal attention."""
     cfg = model.config
-    if cfg.sliding_window is not None:
-        raise ValueError("causal_logits has no sliding window")
+    if cfg.sliding_window is not None or cfg.qk_norm:
+        raise ValueError("causal_logits has no sliding window and no per-head q/k norm (Qwen3)")
     b, t = tokens.shape
     x = model.model.embed_tokens(tokens)  # [B, T, hidden]
     freqs = jnp.arange(t, dtype=jnp.float32)[:, None] * rope_inv_freq(cfg)
