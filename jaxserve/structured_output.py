@@ -235,8 +235,9 @@ def fill_rows(matchers: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -
 
 
 def _source(params: StructuredOutputsParams) -> tuple[str, str, dict]:
-    """(kind, llguidance source text, JSON options) of a request's structured output; the
-    text is canonical (a schema's keys sorted) so equal values share one cache entry."""
+    """(kind, llguidance source text, JSON options) of a request's structured output. A
+    schema's text is re-serialised as given (a dict and its text share a cache entry); its
+    keys are not sorted: the output's properties come in the schema's order."""
     kind = params.kind
     json_options = ({"whitespace_flexible": False} if params.disable_any_whitespace else
                     {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE})
@@ -250,7 +251,7 @@ def _source(params: StructuredOutputsParams) -> tuple[str, str, dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from None
         try:
-            text = json.dumps(schema, sort_keys=True)
+            text = json.dumps(schema)
         except (TypeError, ValueError) as e:
             raise ValueError(f"structured_outputs.json: not JSON: {e}") from None
         # defaults, not overrides: a schema's own "x-guidance" options win (as in vLLM)

@@ -219,7 +219,7 @@ def test_compile_cache(walkers):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     first = compiler.compile(StructuredOutputsParams(json=schema))
     assert compiler.compiles == 1 and compiler.cache_hits == 0 and first.compile_seconds > 0
-    same = [StructuredOutputsParams(json=dict(reversed(schema.items()))),
+    same = [StructuredOutputsParams(json=dict(schema)),
             StructuredOutputsParams(json=json.dumps(schema, indent=2))]
     assert all(compiler.compile(p) is first for p in same)
     assert compiler.compiles == 1 and compiler.cache_hits == 2
@@ -228,6 +228,21 @@ def test_compile_cache(walkers):
     compiler.compile(StructuredOutputsParams(regex="a"))  # the LRU's third: drops `first`
     assert compiler.compile(StructuredOutputsParams(json=schema)) is not first
     assert compiler.compiles == 4
+
+
+def test_properties_come_in_the_schemas_order(walkers):
+    """The schema's property order is the output's (as vLLM's): the cache key keeps it."""
+    compiler = GrammarCompiler(walkers["demo"].tok, 300, [257])
+    props = {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}}
+    orders = [props, dict(reversed(props.items()))]
+    for order in orders:
+        schema = {"type": "object", "properties": order, "required": list(order)}
+        m = compiler.matcher(compiler.compile(StructuredOutputsParams(
+            json=schema, disable_any_whitespace=True)))
+        first, second = list(order)
+        assert m.accept(list(f'{{"{first}":1,"{second}":2}}'.encode()))
+        assert m.is_terminated
+    assert compiler.compiles == 2
 
 
 @pytest.mark.parametrize(("fields", "message"), [
