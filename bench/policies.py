@@ -40,8 +40,13 @@ def task_token(task: int) -> int:
 
 
 def two_class_workload(n: int, rate: float, seed: int, max_model_len: int,
-                       slo_ms: dict[str, float], bursts: bool = True) -> list[RequestSpec]:
+                       slo_ms: dict[str, float], bursts: bool = True,
+                       shared_prefix_len: int = 0) -> list[RequestSpec]:
+    """`shared_prefix_len`: each task's prompts open with the task's own prefix of that many
+    tokens (a system prompt per application), the rest of the prompt random."""
     rng = np.random.default_rng(seed)
+    prefixes = [np.random.default_rng(1000 + task).integers(3, 256, shared_prefix_len).tolist()
+                for task in range(len(TASKS))]
     if bursts:
         horizon = 2 * n / rate
         burst = tuple(Burst(t, 10.0, 3.0) for t in np.arange(20.0, horizon, 40.0))
@@ -53,11 +58,12 @@ def two_class_workload(n: int, rate: float, seed: int, max_model_len: int,
         interactive = rng.random() < 0.7
         task = int(rng.integers(0, 4)) + (0 if interactive else 4)
         label, prompt_median, output_median = TASKS[task]
-        prompt_len = int(np.clip(rng.lognormal(np.log(prompt_median), 0.4), 2,
-                                 max_model_len // 2))
+        prompt_len = shared_prefix_len + int(np.clip(
+            rng.lognormal(np.log(prompt_median), 0.4), 2, max_model_len // 2 - shared_prefix_len))
         output_len = int(np.clip(rng.lognormal(np.log(output_median), 0.3), 1,
                                  max_model_len - prompt_len))
-        prompt = (task_token(task), *rng.integers(3, 256, size=prompt_len - 1).tolist())
+        prompt = (task_token(task), *prefixes[task],
+                  *rng.integers(3, 256, size=prompt_len - shared_prefix_len - 1).tolist())
         specs.append(RequestSpec(float(arrival), prompt_len, output_len,
                                  priority=0 if interactive else 1, slo_ms=slo_ms[label],
                                  label=label, prompt_ids=prompt))
@@ -103,6 +109,9 @@ def main() -> None:
     parser.add_argument("--interactive-slo-ms", type=float, default=1000.0)
     parser.add_argument("--batch-slo-ms", type=float, default=15000.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shared-prefix-len", type=int, default=0,
+                        help="each task's prompts open with a shared prefix this long; adds "
+                             "fcfs without the prefix cache and the lpm policy to the variants")
     parser.add_argument("--plot-dir", type=Path)
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
@@ -114,7 +123,8 @@ def main() -> None:
     rate = args.request_rate
     if rate is None:
         rate = args.load * capacity(base, fit, args.num_pages, max_model_len, slo_ms)
-    specs = two_class_workload(args.num_prompts, rate, args.seed, max_model_len, slo_ms)
+    specs = two_class_workload(args.num_prompts, rate, args.seed, max_model_len, slo_ms,
+                               shared_prefix_len=args.shared_prefix_len)
     tmp = Path(tempfile.mkdtemp())
     start = time.perf_counter()
     predictor = learned_predictor(max_model_len, slo_ms, tmp / "predictor.json")
@@ -129,6 +139,10 @@ def main() -> None:
         "mlfq": dict(policy="mlfq"),
         "edf": dict(policy="edf"),
     }
+    if args.shared_prefix_len:  # every variant caches prefixes (the default): the policy
+        # that orders by the cache, and fcfs without it
+        variants |= {"fcfs-nocache": dict(policy="fcfs", enable_prefix_caching=False),
+                     "lpm": dict(policy="lpm")}
     rows, results, report = {}, {}, {}
     for name, overrides in variants.items():
         config = dataclasses.replace(base, **overrides)
@@ -143,6 +157,7 @@ def main() -> None:
             "out tok/s": metrics["output_throughput"], "goodput": metrics["request_goodput"],
             "good %": 100 * metrics["request_goodput"] / metrics["request_throughput"],
             "preempt": metrics["num_preemptions"], "sim s": elapsed,
+            "hit %": 100 * result.prefix_cache_hits / max(1, result.prefix_cache_queries),
         }
         results[name] = result
         report[name] = {"metrics": metrics, "ttft_ms_by_class": classes}
