@@ -1,8 +1,8 @@
 """The engine loop, once: the engine, the simulator and the tests' fake all step through it.
 
-    schedule -> dispatch this iteration -> read the previous one -> OutputProcessor.update
-                                           (the tokens kept, every stop, finished requests)
-             -> finish this iteration (the samples that needed the previous one's tokens)
+    schedule -> dispatch this iteration -> read the previous one -> feed its tokens to the
+    token masks -> finish this iteration (the samples that needed those tokens) ->
+    OutputProcessor.update (the tokens kept, every stop, finished requests)
 
 A runner (`Runner`) is what the loop and `LLMEngine` drive: `dispatch(out) -> handle` starts
 the iteration's device work and returns at once, `collect(handle) -> {request id: Samples}`
