@@ -21,6 +21,7 @@ from jaxserve.config import (
     kv_cache_dtype,
 )
 from jaxserve.model_config import SUPPORTED_DTYPES, ModelConfig
+from jaxserve.request import MAX_LOGIT_BIAS
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,13 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
 
     return KVCache.bytes_per_page(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim,
                                   DTYPES[dtype])
+
+
+def sampler_state_bytes(vocab_size: int, max_num_seqs: int) -> int:
+    """The device state of the sampler controls (runner.sampler_state): per slot (max_num_seqs
+    and the padding slot), token counts (int32) and prompt-token flags (bool) over the
+    vocabulary, and logit_bias's MAX_LOGIT_BIAS ids (int32) and values (float32)."""
+    return (max_num_seqs + 1) * (vocab_size * (4 + 1) + MAX_LOGIT_BIAS * (4 + 4))
 
 
 def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | None = None,
@@ -127,6 +135,7 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
         "num_pages": num_pages, "usable_pages": usable, "kv_tokens": usable * config.page_size,
         "kv_cache_bytes": num_pages * per_page, "max_model_len": max_len,
         "pages_per_max_len_sequence": pages_per_seq, "max_num_seqs": config.max_num_seqs,
+        "sampler_state_bytes": sampler_state_bytes(cfg.vocab_size, config.max_num_seqs),
         "concurrency": rows, "problems": problems,
     }
 
@@ -165,6 +174,9 @@ def format_plan(p: dict) -> str:
     lines.append(f"           max_model_len {p['max_model_len']} = "
                  f"{p['pages_per_max_len_sequence']} pages per sequence; max_num_seqs "
                  f"{p['max_num_seqs']}")
+    lines.append(f"sampler    {_size(p['sampler_state_bytes'])} of per-slot state for the "
+                 "sampler controls (token counts, prompt tokens, logit_bias), beside the KV "
+                 "cache")
     lines.append(f"{'context':>10} {'pages/seq':>10} {'seqs that fit':>14} {'seqs running':>13}")
     for r in p["concurrency"]:
         lines.append(f"{r['context']:>10} {r['pages_per_sequence']:>10} "

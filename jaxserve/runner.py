@@ -253,6 +253,10 @@ class ModelRunner:
         return state_bytes(self.state)
 
     @property
+    def sampler_state_bytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(self.sampler_state))
+
+    @property
     def kv_bytes_per_page(self) -> int:
         m = self.model_config
         return KVCache.bytes_per_page(m.num_layers, self.page_size, m.num_kv_heads, m.head_dim,

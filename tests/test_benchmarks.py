@@ -357,6 +357,7 @@ def test_plan(stories_dir, capsys):
         {"context": 64, "pages_per_sequence": 8, "sequences_that_fit": 31, "sequences_running": 16},
         {"context": 512, "pages_per_sequence": 64, "sequences_that_fit": 3, "sequences_running": 3}]
     assert not p["problems"]
+    assert p["sampler_state_bytes"] == 17 * (512 * 5 + 1024 * 8)  # 16 slots + padding
     assert main(["plan", str(stories_dir), "--num-pages", "16"]) == 0  # 15 pages < 32 needed
     assert "would refuse to start" in capsys.readouterr().out
     assert main(["plan", str(stories_dir), "--num-pages", "10000000000"]) == 0  # 76 TiB of KV

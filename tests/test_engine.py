@@ -128,6 +128,8 @@ def test_auto_dtype_computes_a_16_bit_checkpoint_in_float32_on_the_cpu(tmp_path)
     assert (planned["dtype"], planned["checkpoint_dtype"]) == ("float32", "bfloat16")
     assert "the checkpoint is bfloat16" in format_plan(planned)
     runner = ModelRunner(model, cfg, EngineConfig(**(BASE | dict(max_num_seqs=2))))
+    assert runner.sampler_state_bytes == plan(model, EngineConfig(
+        num_pages=64, max_num_seqs=2))["sampler_state_bytes"]  # the plan's, from the arrays
     assert runner.dtype == jnp.float32
     assert all(w.dtype == jnp.float32 for w in jax.tree.leaves(runner.weights))  # and RoPE
     asked = ModelRunner(model, cfg, EngineConfig(**(BASE | dict(max_num_seqs=2,
