@@ -22,7 +22,8 @@ A call holding a row with sampler controls (penalties, logit_bias, min_p, a toke
 structured output, allowed_token_ids, bad_words, min_tokens) dispatches the model without its
 head; `finish`, which the engine loop calls once the previous iteration is read, makes each
 such row's mask on the host and dispatches the head (model/step.py). Such rows decode one step
-per dispatch; their slots' token counts and logit_bias live on the device (`sampler_state`).
+per dispatch; their slots' token counts and logit_bias live on the device
+(sampler_controls.py).
 
 The host arrays persist across steps (InputBatch): each running request holds a slot, written
 in full when it joins and then only where it changed (pages appended); a call's padded arrays are
@@ -59,12 +60,11 @@ from jaxserve.input_batch import InputBatch
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.llama import rope_tables, stack_layers
 from jaxserve.model.loader import load_state, state_bytes
-from jaxserve.model.sampler import Controls, SamplerState, SamplingMetadata
+from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
 from jaxserve.model_config import ModelConfig
-from jaxserve.request import MAX_LOGIT_BIAS, Request
-from jaxserve.structured_output import fill_rows
-from jaxserve.token_masks import bitmask_width
+from jaxserve.request import Request
+from jaxserve.sampler_controls import Head, SamplerControls
 
 log = logging.getLogger("jaxserve")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -116,19 +116,6 @@ class PrefillCall:
     chunks: list[ScheduledChunk]
     packed: jax.Array  # [B, W]
     prompt: jax.Array | None = None  # [B, C, W - 1]
-
-
-@dataclass
-class Head:
-    """A controlled call's sampling, dispatched by `finish` once the host has its rows' masks."""
-
-    chunks: list[ScheduledChunk]
-    last: jax.Array  # [M, hidden] each row's last hidden state (rows past its own: padding)
-    sm: SamplingMetadata
-    slots: np.ndarray  # [rows] the rows' slots (0: padding)
-    carry: int  # which carry its tokens go to: 0 (a decode call) or 1
-    carry_index: np.ndarray  # [rows]
-    call: PrefillCall | None  # the call whose packed it gives (None: the decode call's)
 
 
 @dataclass
@@ -224,7 +211,7 @@ class ModelRunner:
         self.input_batch = InputBatch(self.pages_per_seq, model_config.vocab_size,
                                       config.max_num_seqs)
         # per slot: the controlled requests' token counts, prompt tokens and logit_bias
-        self.sampler_state = self._sampler_state(self.input_batch.num_slots)
+        self.controls = SamplerControls(model_config.vocab_size, self.input_batch.num_slots)
         self.num_compilations = 0  # XLA compiles while this runner dispatched
         self._compiles_at_warmup = 0
 
@@ -254,7 +241,7 @@ class ModelRunner:
 
     @property
     def sampler_state_bytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree.leaves(self.sampler_state))
+        return self.controls.nbytes
 
     @property
     def kv_bytes_per_page(self) -> int:
@@ -272,34 +259,6 @@ class ModelRunner:
                              f"{self.kv_bytes_per_page} per page")
         return pages
 
-    def _sampler_state(self, slots: int) -> SamplerState:
-        vocab = self.model_config.vocab_size
-        state = SamplerState(counts=jnp.zeros((slots, vocab), jnp.int32),
-                             prompt=jnp.zeros((slots, vocab), bool),
-                             bias_ids=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.int32),
-                             bias_values=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.float32))
-        return jax.device_put(state, jax.devices()[0])
-
-    def _write_controls(self) -> None:
-        """Write the device state of the controlled requests the latest update gave a slot:
-        the counts of the tokens they generated so far, their prompt's tokens, their bias."""
-        batch, vocab = self.input_batch, self.model_config.vocab_size
-        if batch.num_slots > self.sampler_state.counts.shape[0]:  # the batch grew its slots
-            old, self.sampler_state = self.sampler_state, self._sampler_state(batch.num_slots)
-            self.sampler_state = jax.tree.map(lambda new, o: new.at[:o.shape[0]].set(o),
-                                              self.sampler_state, old)
-        for slot, request in batch.written:
-            counts = np.bincount(request.output_ids, minlength=vocab).astype(np.int32)
-            prompt = np.zeros((vocab,), bool)
-            prompt[request.prompt_ids] = True
-            ids = np.zeros((MAX_LOGIT_BIAS,), np.int32)
-            values = np.zeros((MAX_LOGIT_BIAS,), np.float32)
-            bias = request.params.logit_bias or {}
-            ids[:len(bias)] = list(bias)
-            values[:len(bias)] = list(bias.values())
-            self.sampler_state = self.fns.write_slot(self.sampler_state, np.int32(slot), counts,
-                                                     prompt, ids, values)
-
     def _controlled(self, chunks: list[ScheduledChunk]) -> bool:
         return any(c.request.params.controlled for c in chunks)
 
@@ -315,7 +274,7 @@ class ModelRunner:
         carries, carry_rows = [self._zeros, self._zeros], {}
         self.input_batch.update(out.chunks)
         if self.input_batch.written:
-            self._write_controls()
+            self.controls.write(self.fns, self.input_batch)
         decode = [c for c in out.chunks if c.num_tokens == 1]
         prefill = [c for c in out.chunks if c.num_tokens > 1]
         alone = [c.request.params.prompt_logprobs is not None for c in prefill]
@@ -371,37 +330,14 @@ class ModelRunner:
         carries = list(self._carries)
         with self._counting():
             for head in flight.heads:
-                packed, carries[head.carry], self.sampler_state = self.fns.head(
-                    self.weights, head.last, head.sm, self._controls(head), self.sampler_state,
-                    carries[head.carry], head.carry_index, rows=len(head.slots))
-                packed.copy_to_host_async()
+                packed, carries[head.carry] = self.controls.sample(
+                    self.fns, self.weights, head, carries[head.carry], self.input_batch)
                 if head.call is None:  # [B, W]: one step (collect reads it as [1, B, W])
                     flight.decode_packed = packed
                 else:
                     head.call.packed = packed
         flight.heads = []
         self._carries = tuple(carries)
-
-    def _controls(self, head: Head) -> Controls:
-        batch, slots = self.input_batch, head.slots
-        bitmask = np.full((len(slots), bitmask_width(self.model_config.vocab_size)), -1,
-                          np.int32)
-        counted = np.zeros((len(slots),), bool)
-        masks = []
-        for i, chunk in enumerate(head.chunks):
-            request = chunk.request
-            counted[i] = chunk.num_samples > 0 and request.params.controlled
-            mask = request.token_mask
-            if mask is not None and chunk.num_samples and not request.status.finished:
-                masks.append((i, mask))
-        # the grammars' masks (structured_output.fill_rows), then each row's own limits
-        fill_rows([(m.grammar, i) for i, m in masks if m.grammar is not None], bitmask)
-        for i, mask in masks:
-            mask.restrict(bitmask[i])
-        return Controls(slots=slots, presence=batch.presence[slots],
-                        frequency=batch.frequency[slots], repetition=batch.repetition[slots],
-                        min_p=batch.min_p[slots], counted=counted,
-                        owns_state=batch.controlled[slots], bitmask=bitmask)
 
     def collect(self, flight: Inflight) -> dict[str, Samples]:
         """Wait for an iteration's results: the tokens each request sampled."""
@@ -615,11 +551,7 @@ class ModelRunner:
                                              PrefillCall([], None))]))
             self._carries = (self._zeros, self._zeros)
             if b == self.row_buckets[0]:  # and the write of a slot's state, once
-                vocab = self.model_config.vocab_size
-                self.sampler_state = self.fns.write_slot(
-                    self.sampler_state, np.int32(0), np.zeros((vocab,), np.int32),
-                    np.zeros((vocab,), bool), np.zeros((MAX_LOGIT_BIAS,), np.int32),
-                    np.zeros((MAX_LOGIT_BIAS,), np.float32))
+                self.controls.warm(self.fns)
             return
         md = AttentionMetadata(positions=np.zeros((b, c), np.int32), query_lens=np.zeros((b,), np.int32),
                                seq_lens=np.zeros((b,), np.int32),

@@ -8,27 +8,30 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # module prefix -> prefixes it must never import
+RUNNER = ("jaxserve.runner", "jaxserve.sampler_controls")  # the two that touch both worlds
 FORBIDDEN = {
-    "jaxserve.core": ("jax", "flax", "optax", "jaxserve.model", "jaxserve.runner",
-                      "jaxserve.engine", "jaxserve.server", "jaxserve.backends",
-                      "pallas_kernels", "cpu_kernels"),
+    "jaxserve.core": ("jax", "flax", "optax", "jaxserve.model", *RUNNER, "jaxserve.engine",
+                      "jaxserve.server", "jaxserve.backends", "pallas_kernels", "cpu_kernels"),
     # the model names no platform: the backend it is handed does the kernels
-    "jaxserve.model": ("jaxserve.core", "jaxserve.runner", "jaxserve.engine",
-                       "jaxserve.async_engine", "jaxserve.server", "jaxserve.tokenizer",
-                       "jaxserve.backends", "pallas_kernels", "cpu_kernels"),
-    "jaxserve.backends": ("jaxserve.core", "jaxserve.runner", "jaxserve.engine",
-                          "jaxserve.async_engine", "jaxserve.server"),
+    "jaxserve.model": ("jaxserve.core", *RUNNER, "jaxserve.engine", "jaxserve.async_engine",
+                       "jaxserve.server", "jaxserve.tokenizer", "jaxserve.backends",
+                       "pallas_kernels", "cpu_kernels"),
+    "jaxserve.backends": ("jaxserve.core", *RUNNER, "jaxserve.engine", "jaxserve.async_engine",
+                          "jaxserve.server"),
     "jaxserve.checks": ("jaxserve.",),
     "jaxserve.config": ("jaxserve.",),
     "jaxserve.model_config": ("jaxserve.",),
     "jaxserve.request": ("jaxserve.",),
-    "jaxserve.sim": ("jaxserve.runner", "jaxserve.model", "jax"),
+    "jaxserve.sim": (*RUNNER, "jaxserve.model", "jax"),
     # the engine loop, shared with the simulator and the tests' fake: host only
-    "jaxserve.engine_core": ("jax", "flax", "jaxserve.model", "jaxserve.runner",
-                             "jaxserve.server", "pallas_kernels"),
-    "jaxserve.server": ("jaxserve.runner", "jaxserve.model"),
+    "jaxserve.engine_core": ("jax", "flax", "jaxserve.model", *RUNNER, "jaxserve.server",
+                             "pallas_kernels"),
+    "jaxserve.server": (*RUNNER, "jaxserve.model"),
     # the runner's persistent host arrays: numpy only
-    "jaxserve.input_batch": ("jax", "flax", "jaxserve.model", "jaxserve.runner"),
+    "jaxserve.input_batch": ("jax", "flax", "jaxserve.model", *RUNNER),
+    # the host half of the sampler controls (the masks, the grammars): numpy only
+    "jaxserve.token_masks": ("jax", "flax", "jaxserve.model", *RUNNER),
+    "jaxserve.structured_output": ("jax", "flax", "jaxserve.model", *RUNNER),
     "pallas_kernels": ("jaxserve", "cpu_kernels"),
     "cpu_kernels": ("jaxserve",),
 }
