@@ -20,7 +20,6 @@ from jaxserve.core.scheduler import ScheduledChunk
 from jaxserve.input_batch import InputBatch
 from jaxserve.model.sampler import Controls, SamplerState, SamplingMetadata
 from jaxserve.request import MAX_LOGIT_BIAS
-from jaxserve.structured_output import fill_rows
 from jaxserve.token_masks import bitmask_width
 
 
@@ -102,7 +101,10 @@ class SamplerControls:
             if mask is not None and chunk.num_samples and not request.status.finished:
                 masks.append((i, mask))
         # the grammars' masks (structured_output.fill_rows), then each row's own limits
-        fill_rows([(m.grammar, i) for i, m in masks if m.grammar is not None], bitmask)
+        grammars = [(m.grammar, i) for i, m in masks if m.grammar is not None]
+        if grammars:
+            from jaxserve.structured_output import fill_rows  # llguidance: only when one is used
+            fill_rows(grammars, bitmask)
         for i, mask in masks:
             mask.restrict(bitmask[i])
         return Controls(slots=slots, presence=batch.presence[slots],

@@ -71,3 +71,21 @@ def test_the_model_names_no_platform_or_kernel_option(path):
     text = path.read_text()
     for word in ("matmul_impl", "attention_impl", '"cpu"', '"gpu"', '"tpu"', "jax.default_backend"):
         assert word not in text, f"{path.name} names {word}"
+
+
+def _module_level_imports(path: Path):
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+@pytest.mark.parametrize(("module", "path"), list(_modules()), ids=lambda x: str(x))
+def test_the_grammar_library_loads_only_where_a_grammar_is_used(module, path):
+    """llguidance is structured_output's alone, and structured_output is imported inside the
+    functions that compile or fill a grammar: an engine serving no structured output starts
+    without the grammar library (an accelerator image may lack it)."""
+    if module != "jaxserve.structured_output":
+        names = list(_module_level_imports(path))
+        assert "jaxserve.structured_output" not in names and "llguidance" not in names, module
