@@ -4,18 +4,22 @@
 #            static, the device's idle share, batch-1 decode against the weight-bandwidth roofline
 #   startup  the same engine's start-up (weights + warm-up) with an empty compilation cache, then
 #            with the cache the first run filled
-#   compile  bench/compile_time.py: compile seconds, layers scanned and unrolled, 8B shape included
+#   compile  bench/compile_time.py: compile seconds, layers scanned and unrolled, 8B shape
+#            included (not by default: measured 2026-12-04, bench/RESULTS.md)
+#   steps    bench/profile_step.py: the 8B shape's decode step alone, 2 rows unrolled (the
+#            GPU's default) and scanned, 32 rows unrolled
 #   tests    the kernel tests, compiled by Triton for real
 #   kernels  bench/kernels.py: decode/prefill µs and GB/s vs copy bandwidth (not by default)
 #   tune     bench/tune_decode.py: the decode kernel's tuning arguments at 64 x 4096 (not by default)
-# Usage: bash bench/gpu_check.sh [comma-separated parts; default engine,startup,compile,tests].
-# Results go to $OUT (or bench/out).
+# Usage: bash bench/gpu_check.sh [comma-separated parts; default engine,startup,tests,steps].
+# Results go to $OUT (or bench/out). Runs on the machine's own jax, the project not installed:
+# the engine and the kernel tests need none of the server's or the grammars' packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-parts=${1:-engine,startup,compile,tests}
+parts=${1:-engine,startup,tests,steps}
 engine_args=(--model bench/models/llama3-8b --dtype bfloat16 --max-num-seqs 32
              --max-num-batched-tokens 1024 --prefill-chunk-sizes 256 --row-buckets 8,32
              --num-pages 4096 --max-model-len 2048)
@@ -46,7 +50,16 @@ if [[ $parts == *compile* ]]; then
   echo "== compile time"; timeout 60 python3 bench/compile_time.py 2>&1 | grep -v '^{'
 fi
 if [[ $parts == *tests* ]]; then
-  echo "== kernel tests"; timeout 60 python3 -m pytest -q tests/test_kernels.py 2>&1 | tail -3
+  echo "== kernel tests"; timeout 60 python3 -m pytest -q --noconftest tests/test_kernels.py 2>&1 | tail -3
+fi
+if [[ $parts == *steps* ]]; then
+  echo "== decode step alone: Llama-3-8B shape, bf16, layers unrolled and scanned"
+  for run in "2 false" "2 true" "32 false"; do
+    set -- $run
+    echo "-- $1 rows, scan_layers $2"
+    timeout 45 python3 bench/profile_step.py --model bench/models/llama3-8b --dtype bfloat16 \
+      --rows "$1" --context 300 --iters 10 --top 8 --scan-layers "$2" 2>&1 | grep -v "^compiling"
+  done
 fi
 if [[ $parts == *kernels* ]]; then
   echo "== kernel benchmark"; timeout 150 python3 bench/kernels.py --output-json "$out/kernels.json"

@@ -59,6 +59,9 @@ def op_totals(profile: jax.profiler.ProfileData, steps: int,
     planes = [p for p in profile.planes if p.name.startswith("/device:")]
     if planes:
         lines = [ln for p in planes for ln in p.lines if ln.name == "XLA Ops"]
+        if not lines:  # other jax versions name the device's lines otherwise: say which
+            print("no 'XLA Ops' line on the device; its lines:",
+                  sorted({f"{p.name}: {ln.name}" for p in planes for ln in p.lines}))
     else:  # the executor's threads (its pool's, and the client's, which runs a step with a
         # custom call in it); other jax versions may name them otherwise
         host = [ln for p in profile.planes for ln in p.lines]
@@ -122,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention-impl", default="auto", help="as the engine's option")
     parser.add_argument("--matmul-impl", default="auto", help="as the engine's option")
     parser.add_argument("--kv-cache-dtype", default="auto", help="as the engine's option")
+    parser.add_argument("--dtype", default="auto", help="as the engine's option")
+    parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
+                        help="as the engine's option (auto: the backend's choice)")
     args = parser.parse_args(argv)
     if args.rows < 2 or args.context < 1:
         raise SystemExit("--rows must be at least 2 and --context at least 1")
@@ -140,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
         config = EngineConfig(load_format="dummy", max_num_seqs=args.rows,
                               row_buckets=(args.rows,), enable_prompt_logprobs=False,
                               attention_impl=args.attention_impl, matmul_impl=args.matmul_impl,
-                              kv_cache_dtype=args.kv_cache_dtype,
+                              kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
+                              scan_layers={"auto": None, "true": True,
+                                           "false": False}[args.scan_layers],
                               max_num_batched_tokens=max(args.rows, args.rows * args.prefill),
                               prefill_chunk_sizes=(max(args.prefill, 2),))
         config = replace(config, num_pages=args.rows * config.pages_per_seq(max_len) + 1)
