@@ -81,8 +81,8 @@ class Ops:
     name = "xla"
     # whether the engine stacks the layers under jax.lax.scan (config.scan_layers None): one
     # layer compiled whatever the depth, and as fast as unrolled where XLA reads a scanned
-    # layer's weights in place
-    scan_layers = True
+    # layer's weights in place (select.py turns it off where it does not)
+    scan_layers: bool = True
 
     def linear(self, layer: nnx.Linear, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
         return layer(x)

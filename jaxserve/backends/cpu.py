@@ -76,7 +76,7 @@ class CpuOps(Ops):
     # The kernels take a layer's weights as whole buffers: under scan XLA slices each layer's
     # out of the stack into a copy every step (bench/compile_time.py, 32 layers: a decode step
     # 2.2x the unrolled one's), so the CPU backend keeps its layers unrolled
-    scan_layers = False
+    scan_layers: bool = False
 
     @property
     def name(self) -> str:

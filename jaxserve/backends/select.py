@@ -115,7 +115,12 @@ def select_backend(attention_impl: str, matmul_impl: str, dtype: str, head_dim: 
         "cpu": CpuAttention(),
         "reference": Attention(),
     }[attention_name]
-    ops = Ops() if matmul_name == "xla" else CpuOps(amx=matmul_name == "amx")
+    # On the GPU XLA's dot is a cuBLAS call that takes its weights as a whole buffer, so under
+    # scan each layer's are sliced out of the stack into a copy every step: on an H200 the
+    # Llama-3-8B shape's bf16 decode step (2 rows) took 12.8 ms scanned against 5.8 ms
+    # unrolled, where compiling it unrolled took no longer (7 s; bench/RESULTS.md)
+    ops = (Ops(scan_layers=platform != "gpu") if matmul_name == "xla"
+           else CpuOps(amx=matmul_name == "amx"))
     if attention_name in ("pallas", "tpu"):
         name = {"pallas": "gpu", "tpu": "tpu"}[attention_name]
     elif "cpu" in (attention_name, matmul_name) or matmul_name == "amx":
