@@ -173,6 +173,9 @@ def _options(args) -> tuple[dict[str, Any], dict[str, Any]]:
             {k: v for k, v in options.items() if k in server})
 
 
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}  # vLLM's
+
+
 def _add_option_flags(parser: argparse.ArgumentParser, cls: type, title: str,
                       skip: tuple[str, ...] = ()) -> None:
     """A --flag per dataclass field, typed from its annotation; unset flags leave no attribute.
@@ -193,8 +196,9 @@ def _add_option_flags(parser: argparse.ArgumentParser, cls: type, title: str,
             spec = {"type": typing.get_args(base)[0], "nargs": "+"}
         else:
             spec = {"type": _nullable(base) if nullable else base}
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
-                           default=argparse.SUPPRESS, help=f"default: {f.default}", **spec)
+        flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]
+        group.add_argument(*flags, dest=f.name, default=argparse.SUPPRESS,
+                           help=f"default: {f.default}", **spec)
 
 
 def _nullable(base: type):

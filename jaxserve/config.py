@@ -150,13 +150,16 @@ class EngineConfig:
     # false unrolls them (compile time grows with depth). None: the backend's choice (scan,
     # except the CPU's matmul kernels, which run faster unrolled)
     scan_layers: bool | None = None
+    # tensor parallelism (vLLM's name, -tp): the model's heads, MLP columns, vocabulary and KV
+    # pool split over this many devices of one mesh (jaxserve/sharding.py)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "min_batch_size",
-                     "decode_steps", "kv_cache_bytes_cpu"):
+                     "decode_steps", "kv_cache_bytes_cpu", "tensor_parallel_size"):
             if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, "
                                  f"got {show(getattr(self, name))}")

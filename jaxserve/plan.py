@@ -48,12 +48,36 @@ def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
     return state_bytes(abstract_model(cfg, DTYPES[dtype])[1])
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
+def weight_bytes_per_device(cfg: ModelConfig, dtype: str, tp: int) -> int:
+    """One device's weights under tensor_parallel_size `tp` (jaxserve/sharding.py): each split
+    weight's 1/tp (k_proj and v_proj with their heads repeated where fewer than tp), the
+    norms whole."""
+    import jax
+
+    from jaxserve.model.loader import abstract_model
+    from jaxserve.runner import DTYPES
+    from jaxserve.sharding import _names, weight_spec
+
+    repeats = max(tp // cfg.num_kv_heads, 1)
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_model(cfg, DTYPES[dtype])[1]):
+        names = _names(path)
+        size = leaf.size * leaf.dtype.itemsize
+        if any(n in ("k_proj", "v_proj") for n in names):
+            size *= repeats
+        split = any(weight_spec(names, leaf.ndim))
+        total += size // tp if split else size
+    return total
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str, tp: int = 1) -> int:
+    """All devices' shares together (KV heads repeated to one a device where fewer than tp)."""
     from jaxserve.model.kv_cache import KVCache
     from jaxserve.runner import DTYPES
+    from jaxserve.sharding import kv_heads_per_device
 
-    return KVCache.bytes_per_page(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim,
-                                  DTYPES[dtype])
+    heads = cfg.num_kv_heads if tp == 1 else kv_heads_per_device(cfg, tp) * tp
+    return KVCache.bytes_per_page(cfg.num_layers, 1, heads, cfg.head_dim, DTYPES[dtype])
 
 
 def sampler_state_bytes(vocab_size: int, max_num_seqs: int) -> int:
@@ -72,19 +96,28 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     cfg = ModelConfig.from_hf_dir(path)
     device = device or this_device()
     from jaxserve.backends import resolve_attention_impl
+    from jaxserve.sharding import check_tensor_parallel
 
     dtype = compute_dtype(config.dtype, cfg.dtype, device.backend, cfg.num_params,
                           config.kv_cache_bytes_cpu)
-    kv_dtype = kv_cache_dtype(dtype, device.backend,
-                              resolve_attention_impl(config.attention_impl, device.backend,
-                                                     cfg.head_dim, config.page_size),
-                              config.kv_cache_dtype)
+    attention = resolve_attention_impl(config.attention_impl, device.backend, cfg.head_dim,
+                                       config.page_size)
+    kv_dtype = kv_cache_dtype(dtype, device.backend, attention, config.kv_cache_dtype)
     weights = {dt: weight_bytes(cfg, dt) for dt in SUPPORTED_DTYPES}
-    per_token = kv_bytes_per_token(cfg, kv_dtype)
+    tp = config.tensor_parallel_size
+    problems = []
+    try:  # the devices are the serving machine's, not necessarily this one's
+        check_tensor_parallel(cfg, tp, attention, tp)
+    except ValueError as error:
+        problems.append(str(error))
+        tp = 1
+    weights_per_device = weight_bytes_per_device(cfg, dtype, tp)
+    per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
     per_page = per_token * config.page_size
     max_len = config.resolve_max_model_len(cfg)
     if device.bytes_limit is not None:  # the runner sizes after loading the weights
-        free = device.bytes_limit - device.bytes_in_use - weights[dtype]
+        # each device holds its 1/tp share of every page
+        free = (device.bytes_limit - device.bytes_in_use - weights_per_device) * tp
         source = "free accelerator memory after the weights"
     else:
         free = config.kv_cache_bytes_cpu
@@ -104,10 +137,10 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
         fit = usable // need
         rows.append({"context": ctx, "pages_per_sequence": need, "sequences_that_fit": fit,
                      "sequences_running": min(fit, config.max_num_seqs)})
-    problems = []
     if config.num_pages:  # a pool the memory cannot hold fails at start-up
         if device.bytes_limit is not None:
-            room, where = free, "free accelerator memory after the weights"
+            room, where = free, ("free accelerator memory after the weights" if tp == 1 else
+                                 f"{tp} devices' free memory after their weights")
         else:
             room, where = host_memory_bytes() - weights[dtype], "host memory after the weights"
         if num_pages * per_page > room:
@@ -125,7 +158,9 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
         "model": str(path), "architecture": cfg.architecture, "num_params": cfg.num_params,
         "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "dtype": dtype, "checkpoint_dtype": cfg.dtype, "kv_dtype": kv_dtype,
-        "weight_bytes": weights,
+        "weight_bytes": weights, "tensor_parallel_size": tp,
+        "weight_bytes_per_device": weights_per_device,
+        "kv_bytes_per_page_per_device": per_page // tp,
         "kv_bytes_per_token": per_token, "page_size": config.page_size,
         "kv_bytes_per_page": per_page,
         "device": {"backend": device.backend, "name": device.name,
@@ -164,6 +199,10 @@ def format_plan(p: dict) -> str:
     lines.append(f"KV cache   {_size(p['kv_bytes_per_token'])} per token ({p['kv_dtype']}: 2 x "
                  f"{p['layers']} layers x {p['kv_heads']} heads x {p['head_dim']}), "
                  f"{_size(p['kv_bytes_per_page'])} per page of {p['page_size']} tokens")
+    if p["tensor_parallel_size"] > 1:
+        lines.append(f"tensor par {p['tensor_parallel_size']} devices, each holding "
+                     f"{_size(p['weight_bytes_per_device'])} of the weights and "
+                     f"{_size(p['kv_bytes_per_page_per_device'])} of each page")
     d = p["device"]
     memory = (f", {_size(d['bytes_limit'])} total, {_size(d['bytes_in_use'])} in use"
               if d["bytes_limit"] is not None else "")

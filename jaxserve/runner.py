@@ -33,17 +33,19 @@ collecting iteration t.
 """
 
 import contextlib
+import functools
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
+from jax.sharding import NamedSharding
 
 from jaxserve.backends import select_backend
 from jaxserve.config import EngineConfig, compute_dtype, kv_cache_dtype
@@ -65,6 +67,16 @@ from jaxserve.model.step import make_step_fns
 from jaxserve.model_config import ModelConfig
 from jaxserve.request import Request
 from jaxserve.sampler_controls import Head, SamplerControls
+from jaxserve.sharding import (
+    MODEL_AXIS,
+    Shards,
+    check_tensor_parallel,
+    kv_heads_per_device,
+    kv_spec,
+    make_mesh,
+    repeat_kv_heads,
+    shard_state,
+)
 
 log = logging.getLogger("jaxserve")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -157,13 +169,22 @@ class ModelRunner:
         self.kv_dtype = self.backend.attention.pool_dtype(self.kv_dtype_name)
         enable_compilation_cache(config.compilation_cache_dir)
         start = time.perf_counter()
+        tp = self.tensor_parallel_size = config.tensor_parallel_size
+        check_tensor_parallel(model_config, tp, self.attention_impl, len(jax.devices()))
         self.graphdef, self.state = load_state(model_path, model_config, self.dtype,
                                                config.load_format, config.seed)
-        self.graphdef, self.state = self.backend.ops.pack_weights(self.graphdef, self.state)
+        if tp == 1:  # split, the kernels take each shard's weights as they are
+            self.graphdef, self.state = self.backend.ops.pack_weights(self.graphdef, self.state)
         self.scan_layers = (self.backend.ops.scan_layers if config.scan_layers is None
                             else config.scan_layers)
         if self.scan_layers:  # one layer compiled, whatever the depth
             self.graphdef, self.state = stack_layers(self.graphdef, self.state, consume=True)
+        self.shards = None
+        if tp > 1:  # each device its part of every split weight (jaxserve/sharding.py)
+            mesh = make_mesh(tp)
+            self.backend = replace(self.backend, model_axis=MODEL_AXIS)
+            self.state, weight_specs = shard_state(
+                repeat_kv_heads(self.state, model_config, tp), mesh)
         log.info("weights: %.1f MiB (%s) in %.1f s; backend %s (attention %s, matmul %s, "
                  "layers %s)", state_bytes(self.state) / 2**20, jnp.dtype(self.dtype).name,
                  time.perf_counter() - start, self.backend.name, self.attention_impl,
@@ -177,11 +198,23 @@ class ModelRunner:
                 f"sequence of max_model_len {self.max_model_len} needs (page 0 is the null page): "
                 "raise num_pages or lower max_model_len")
         m = model_config
-        # committed, like the caches the steps return (see _zeros below)
-        self.kv = jax.device_put(
-            self.backend.attention.zeros(m.num_layers, self.num_pages, self.page_size,
-                                         m.num_kv_heads, m.head_dim, self.kv_dtype_name),
-            jax.devices()[0])
+        kv_heads = m.num_kv_heads if tp == 1 else kv_heads_per_device(m, tp) * tp
+        make_kv = functools.partial(self.backend.attention.zeros, m.num_layers, self.num_pages,
+                                    self.page_size, kv_heads, m.head_dim, self.kv_dtype_name)
+        if tp > 1:  # made in place, each device its KV heads
+            spec = kv_spec(jax.eval_shape(make_kv))
+            self.shards = Shards(mesh, weight_specs, spec)
+            self.kv = jax.jit(make_kv, out_shardings=jax.tree.map(
+                lambda p: NamedSharding(mesh, p), spec))()
+        else:  # committed, like the caches the steps return (see _zeros below)
+            self.kv = jax.device_put(make_kv(), jax.devices()[0])
+        if tp > 1:
+            weights, pages = (sum(a.addressable_shards[0].data.nbytes for a in arrays)
+                              for arrays in (jax.tree.leaves(self.state), self.kv.pools))
+            log.info("tensor parallel over %d devices: %.1f MiB of weights and %.1f MiB of KV "
+                     "pages on each", tp, weights / 2**20, pages / 2**20)
+        # where the arrays every shard holds whole live
+        self.placement = self.shards.replicated if self.shards else jax.devices()[0]
         # Decode rows come in buckets from 2 (powers of two unless config.row_buckets): with a
         # single row, XLA may turn the one-token K/V write into a dynamic-update-slice fused
         # into the attention's read, and copy the pool.
@@ -200,18 +233,19 @@ class ModelRunner:
         # what the jitted steps take: the state's arrays and the RoPE tables
         self.weights = (jax.tree.leaves(self.state),
                         jax.device_put(rope_tables(model_config, self.max_model_len, self.dtype),
-                                       jax.devices()[0]))
+                                       self.placement))
         self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state), self.backend,
-                                 config.max_top_logprobs, self.carry_size)
+                                 config.max_top_logprobs, self.carry_size, self.shards)
         # committed to the device like the step outputs that replace it: jit keys its cache on
         # committedness, so an uncommitted zeros would compile every step a second time
-        self._zeros = jax.device_put(jnp.zeros((self.carry_size,), jnp.int32), jax.devices()[0])
+        self._zeros = jax.device_put(jnp.zeros((self.carry_size,), jnp.int32), self.placement)
         self._carries = (self._zeros, self._zeros)
         self._carry_rows: dict[str, int] = {}  # request id -> index into the two carries
         self.input_batch = InputBatch(self.pages_per_seq, model_config.vocab_size,
                                       config.max_num_seqs)
         # per slot: the controlled requests' token counts, prompt tokens and logit_bias
-        self.controls = SamplerControls(model_config.vocab_size, self.input_batch.num_slots)
+        self.controls = SamplerControls(model_config.vocab_size, self.input_batch.num_slots,
+                                        self.placement)
         self.num_compilations = 0  # XLA compiles while this runner dispatched
         self._compiles_at_warmup = 0
 
@@ -245,14 +279,18 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_page(self) -> int:
-        m = self.model_config
-        return KVCache.bytes_per_page(m.num_layers, self.page_size, m.num_kv_heads, m.head_dim,
+        """A page of every layer, all devices' shares together (KV heads repeated to one a
+        device where the model has fewer than tensor_parallel_size)."""
+        m, tp = self.model_config, self.tensor_parallel_size
+        heads = m.num_kv_heads if tp == 1 else kv_heads_per_device(m, tp) * tp
+        return KVCache.bytes_per_page(m.num_layers, self.page_size, heads, m.head_dim,
                                       self.kv_dtype)
 
     def _pages_that_fit(self) -> int:
         stats = jax.devices()[0].memory_stats() if self.platform == "gpu" else None
-        free = stats["bytes_limit"] - stats["bytes_in_use"] if stats else (
-            self.config.kv_cache_bytes_cpu)
+        # a device's free memory holds its share of each page: tp of them, a whole page
+        free = (stats["bytes_limit"] - stats["bytes_in_use"]) * self.tensor_parallel_size if (
+            stats) else self.config.kv_cache_bytes_cpu
         pages = int(free * self.config.kv_cache_memory_fraction) // self.kv_bytes_per_page
         if pages < 2:
             raise ValueError(f"no room for the KV cache: {free} bytes free, "
@@ -545,7 +583,7 @@ class ModelRunner:
         if kind == "head":  # a controlled call's sampling, its b rows all padding
             slots = np.zeros((b,), np.int32)
             last = jax.device_put(jnp.zeros((self.carry_size, self.model_config.hidden_size),
-                                            self.dtype), jax.devices()[0])  # committed
+                                            self.dtype), self.placement)  # committed
             self.finish(Inflight(heads=[Head([], last, self._sampling(slots, slots), slots, 1,
                                              np.full((b,), self.carry_size, np.int32),
                                              PrefillCall([], None))]))

@@ -39,8 +39,10 @@ class Head:
 class SamplerControls:
     """The device state of the controlled requests' slots, and the sampling of their calls."""
 
-    def __init__(self, vocab_size: int, num_slots: int):
+    def __init__(self, vocab_size: int, num_slots: int, placement=None):
+        """`placement`: the device or sharding the state lives on (None: the first device)."""
         self.vocab_size = vocab_size
+        self.placement = placement or jax.devices()[0]
         self.state = self._zeros(num_slots)
 
     @property
@@ -53,7 +55,7 @@ class SamplerControls:
                              prompt=jnp.zeros((slots, vocab), bool),
                              bias_ids=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.int32),
                              bias_values=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.float32))
-        return jax.device_put(state, jax.devices()[0])
+        return jax.device_put(state, self.placement)
 
     def write(self, fns, batch: InputBatch) -> None:
         """Write the state of the controlled requests the batch's latest update gave a slot:

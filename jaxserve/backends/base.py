@@ -83,6 +83,9 @@ class Ops:
     # layer compiled whatever the depth, and as fast as unrolled where XLA reads a scanned
     # layer's weights in place (select.py turns it off where it does not)
     scan_layers: bool = True
+    # tensor parallelism's sums of the shards' partial products in one fixed order, the same
+    # whatever the rows (Backend.sum_shards); else one all-reduce, whose order XLA may choose
+    ordered_shard_sums = False
 
     def linear(self, layer: nnx.Linear, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
         return layer(x)
@@ -117,6 +120,32 @@ class Backend:
     name: str  # "gpu" | "tpu" | "cpu" | "reference"
     attention: Attention
     ops: Ops
+    # tensor parallelism (jaxserve/sharding.py): the mesh axis the heads, the MLP's columns and
+    # the vocabulary are split over, the model running once per shard under shard_map on its
+    # part of each weight; None: the whole model on one device
+    model_axis: str | None = None
+
+    def sum_shards(self, x: jax.Array) -> jax.Array:
+        """A row-split layer's partial products (each shard's heads or MLP columns) summed:
+        the layer's whole output on every shard."""
+        if self.model_axis is None:
+            return x
+        if not self.ops.ordered_shard_sums:
+            return jax.lax.psum(x, self.model_axis)  # one all-reduce
+        parts = jax.lax.all_gather(x, self.model_axis)  # [shards, ...], summed in shard order
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
+
+    def gather_vocab(self, logits: jax.Array) -> jax.Array:  # [..., vocab / shards] -> [..., vocab]
+        if self.model_axis is None:
+            return logits
+        return jax.lax.all_gather(logits, self.model_axis, axis=logits.ndim - 1, tiled=True)
+
+    def vocab_offset(self, rows: int) -> jax.Array | int:
+        """The first token id of this shard's part of the vocabulary (`rows` ids a shard)."""
+        return 0 if self.model_axis is None else jax.lax.axis_index(self.model_axis) * rows
 
 
 REFERENCE = Backend("reference", Attention(), Ops())

@@ -77,6 +77,10 @@ class CpuOps(Ops):
     # out of the stack into a copy every step (bench/compile_time.py, 32 layers: a decode step
     # 2.2x the unrolled one's), so the CPU backend keeps its layers unrolled
     scan_layers: bool = False
+    # batch invariance under tensor parallelism: XLA's all-reduce on the CPU adds 4 or more
+    # shards' parts in an order that depends on the buffer's shape, so a row's sum changed with
+    # the call's rows (tiny Qwen2, tp=4: a prompt alone against the same prompt in a batch)
+    ordered_shard_sums = True
 
     @property
     def name(self) -> str:

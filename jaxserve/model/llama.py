@@ -98,17 +98,18 @@ class Attention(nnx.Module):
                  write_index, backend):
         """md and write_index address this layer's pages of kv."""
         b, c, _ = x.shape
-        linear, kv_heads, d = backend.ops.linear, self.num_kv_heads, self.head_dim
-        q = linear(self.q_proj, x).reshape(b, c, self.num_heads, d)
-        k = linear(self.k_proj, x).reshape(b, c, kv_heads, d)
+        linear, d = backend.ops.linear, self.head_dim
+        # -1 heads: under tensor parallelism a shard holds its own part of them
+        q = linear(self.q_proj, x).reshape(b, c, -1, d)
+        k = linear(self.k_proj, x).reshape(b, c, -1, d)
         if self.q_norm is not None:  # before RoPE, as transformers' Qwen3
             q, k = self.q_norm(q, backend), self.k_norm(k, backend)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = linear(self.v_proj, x)
-        kv = backend.attention.write(kv, k.reshape(b * c, kv_heads, d),
-                                     v.reshape(b * c, kv_heads, d), write_index)
+        kv = backend.attention.write(kv, k.reshape(b * c, -1, d), v.reshape(b * c, -1, d),
+                                     write_index)
         out = backend.attention(q, kv, md, d**-0.5)
-        return linear(self.o_proj, out.reshape(b, c, -1)), kv
+        return backend.sum_shards(linear(self.o_proj, out.reshape(b, c, -1))), kv
 
 
 class MLP(nnx.Module):
@@ -121,7 +122,7 @@ class MLP(nnx.Module):
     def __call__(self, x, backend):
         linear = backend.ops.linear
         gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
-        return linear(self.down_proj, jax.nn.silu(gate) * up)
+        return backend.sum_shards(linear(self.down_proj, jax.nn.silu(gate) * up))
 
 
 class DecoderLayer(nnx.Module):
@@ -165,7 +166,7 @@ class LlamaForCausalLM(nnx.Module):
         """`rope`: rope_tables' cos and sin (positions past them read the last row); without
         them the step computes its positions' cos and sin itself, to the same bits. A list of
         layers runs unrolled, stacked layers (`stack_layers`) under jax.lax.scan."""
-        x = self.model.embed_tokens(tokens)  # [B, C, hidden]
+        x = self.embed(tokens, backend)  # [B, C, hidden]
         if rope is None:
             angles = rope_angles(self.config, md.positions)  # [B, C, head_dim]
             cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
@@ -194,11 +195,25 @@ class LlamaForCausalLM(nnx.Module):
                                       (stacked, jnp.arange(num_layers, dtype=jnp.int32)))
         return self.model.norm(x, backend), kv
 
+    def embed(self, tokens: jax.Array, backend) -> jax.Array:  # [B, C] -> [B, C, hidden]
+        """Each token's row of the embedding table; split by vocabulary over shards, the one
+        shard holding a token's row gives it and the others zeros, summed (exact)."""
+        if backend.model_axis is None:
+            return self.model.embed_tokens(tokens)
+        table = self.model.embed_tokens.embedding[...]
+        local = tokens - backend.vocab_offset(table.shape[0])
+        inside = (local >= 0) & (local < table.shape[0])
+        rows = jnp.take(table, jnp.where(inside, local, 0), axis=0)
+        return backend.sum_shards(jnp.where(inside[..., None], rows, jnp.zeros_like(rows)))
+
     def logits(self, hidden: jax.Array, backend) -> jax.Array:  # [..., vocab]
-        """float32 logits; a tied head multiplies by the embedding table [vocab, hidden]."""
+        """float32 logits; a tied head multiplies by the embedding table [vocab, hidden]. Split
+        by vocabulary over shards, each computes its part and the parts are gathered."""
         if self.lm_head is not None:
-            return backend.ops.linear(self.lm_head, hidden).astype(jnp.float32)
-        return backend.ops.tied_logits(hidden, self.model.embed_tokens.embedding[...])
+            logits = backend.ops.linear(self.lm_head, hidden).astype(jnp.float32)
+        else:
+            logits = backend.ops.tied_logits(hidden, self.model.embed_tokens.embedding[...])
+        return backend.gather_vocab(logits)
 
 
 def stack_layers(graphdef: nnx.GraphDef, state: nnx.State,

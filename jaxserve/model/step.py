@@ -26,12 +26,14 @@ samples with the controls once the host has the rows' token masks (made from the
 iteration's tokens, while the device runs the model). Plain calls never pay for them.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.sampler import (
@@ -71,10 +73,12 @@ class StepFns:
 
 
 def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
-                  carry_size: int) -> StepFns:
+                  carry_size: int, shards=None) -> StepFns:
     """The functions take `weights` as (the state's flat list of arrays, rope_tables' cos and
     sin); `state_treedef` rebuilds the state from the list: flattening NNX variables on every
-    call would cost the host a millisecond per step."""
+    call would cost the host a millisecond per step. `shards` (jaxserve/sharding.py): the
+    model runs per shard of its mesh under shard_map, the weights and the KV pool split as
+    its specs say, every other array whole on each shard."""
     def pad(tokens):  # [B] -> [M]
         return jnp.zeros((carry_size,), jnp.int32).at[:tokens.shape[0]].set(tokens)
 
@@ -161,14 +165,33 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
         packed = sample(model.logits(last[:rows], backend), sm, num_top, backend.ops)
         return packed, carry.at[carry_index].set(packed[:, 0], mode="drop")
 
+    def on_mesh(fn, args: str, outs: str):
+        """fn per shard: `args` and `outs` spell where each positional argument and output
+        lives, w the weights, k the KV cache, r whole on every shard."""
+        if shards is None:
+            return fn
+        where = {"w": (shards.weights, (P(), P())), "k": shards.kv, "r": P()}
+
+        @functools.wraps(fn)
+        def run(*arrays, **static):
+            out_specs = tuple(where[c] for c in outs)
+            return jax.shard_map(functools.partial(fn, **static), mesh=shards.mesh,
+                                 in_specs=tuple(where[c] for c in args),
+                                 out_specs=out_specs if len(outs) > 1 else out_specs[0],
+                                 check_vma=False)(*arrays)
+        return run
+
     return StepFns(
-        prefill=jax.jit(prefill, donate_argnums=(1,)),
-        prefill_with_prompt_logprobs=jax.jit(prefill_with_prompt_logprobs, donate_argnums=(1,)),
-        decode=jax.jit(decode, donate_argnums=(1,), static_argnames=("steps",)),
-        ragged=jax.jit(ragged, donate_argnums=(1,)),
-        ragged_head=jax.jit(ragged_head, static_argnames=("rows",)),
-        decode_hidden=jax.jit(decode_hidden, donate_argnums=(1,)),
-        prefill_hidden=jax.jit(prefill_hidden, donate_argnums=(1,)),
-        head=jax.jit(head, donate_argnums=(4,), static_argnames=("rows",)),
+        prefill=jax.jit(on_mesh(prefill, "wkrrrrr", "rrk"), donate_argnums=(1,)),
+        prefill_with_prompt_logprobs=jax.jit(
+            on_mesh(prefill_with_prompt_logprobs, "wkrrrrrr", "rrrrk"), donate_argnums=(1,)),
+        decode=jax.jit(on_mesh(decode, "wkrrrrrr", "rrk"), donate_argnums=(1,),
+                       static_argnames=("steps",)),
+        ragged=jax.jit(on_mesh(ragged, "wkrrrrr", "rk"), donate_argnums=(1,)),
+        ragged_head=jax.jit(on_mesh(ragged_head, "wrrrr", "rr"), static_argnames=("rows",)),
+        decode_hidden=jax.jit(on_mesh(decode_hidden, "wkrrrrr", "rk"), donate_argnums=(1,)),
+        prefill_hidden=jax.jit(on_mesh(prefill_hidden, "wkrr", "rk"), donate_argnums=(1,)),
+        head=jax.jit(on_mesh(head, "wrrrrrr", "rrr"), donate_argnums=(4,),
+                     static_argnames=("rows",)),
         write_slot=jax.jit(write_slot, donate_argnums=(0,)),
     )

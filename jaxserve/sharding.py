@@ -1,0 +1,132 @@
+"""Tensor parallelism: one model over the devices of a `jax.sharding.Mesh` (axes data, model).
+
+Megatron's split, as vLLM's `--tensor-parallel-size`: q/k/v and the MLP's gate/up split by
+columns (each shard its own heads and intermediate columns), o and down by rows (each shard's
+partial product summed across the `model` axis: two all-reduces a layer), the embedding table
+and the LM head split by vocabulary (a token's row comes from the shard that holds it; each
+shard's logits are gathered for sampling). The KV pool is split by KV heads; where there are
+fewer KV heads than shards, each head is repeated so every shard holds one, as vLLM does.
+
+The model runs once per shard under `jax.shard_map` (model/step.py), on its own part of each
+array, so every backend's kernels (the C++ kernels on the CPU, Pallas on the GPU) see plain local
+arrays; `Backend.model_axis` tells the model where to sum and gather.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.model_config import ModelConfig
+
+MODEL_AXIS = "model"
+# a weight's split by the last part of its name: the mesh axis of each of its trailing dims
+# (a stacked layer's leading layer axis is never split)
+_COLUMNS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # [in, out]: out split
+_ROWS = ("o_proj", "down_proj")  # [in, out]: in split
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int, attention_name: str,
+                          num_devices: int) -> None:
+    """A ValueError naming tensor_parallel_size where the model or the machine cannot take tp."""
+    if tp > num_devices:
+        raise ValueError(f"tensor_parallel_size {tp} needs {tp} devices; "
+                         f"{num_devices} found")
+    if tp == 1:
+        return
+    for name, value in (("attention heads", cfg.num_heads),
+                        ("MLP intermediate size", cfg.intermediate_size),
+                        ("vocabulary", cfg.vocab_size)):
+        if value % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {value} "
+                             f"{name}")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp} and the model's {cfg.num_kv_heads} KV "
+                         "heads: one must divide the other")
+    if cfg.o_bias:
+        raise ValueError("tensor_parallel_size > 1 with an o_proj bias is not supported")
+    if attention_name == "tpu":
+        raise ValueError("tensor_parallel_size > 1 with the tpu attention is not supported "
+                         "yet (its K/V pool is one combined array); use attention_impl="
+                         "'reference'")
+
+
+def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
+    return max(cfg.num_kv_heads // tp, 1)
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Where the steps' arrays live: the mesh, each weight's PartitionSpec (in the order of the
+    state's leaves) and the KV cache's."""
+
+    mesh: Mesh
+    weights: list  # [PartitionSpec], one per weight leaf
+    kv: KVCache  # the KV cache's spec tree
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+
+def make_mesh(tp: int) -> Mesh:
+    devices = np.array(jax.devices()[:tp]).reshape(1, tp)
+    return Mesh(devices, ("data", MODEL_AXIS))
+
+
+def _names(path) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+
+
+def weight_spec(names: list[str], ndim: int) -> P:
+    """The split of the weight at `names` (its path in the state) with `ndim` dims."""
+    tail: tuple = ()
+    if any(n in _COLUMNS for n in names):
+        tail = (None, MODEL_AXIS) if "kernel" in names else (MODEL_AXIS,)
+    elif any(n in _ROWS for n in names):
+        tail = (MODEL_AXIS, None) if "kernel" in names else (None,)
+    elif "embed_tokens" in names:  # [vocab, hidden]
+        tail = (MODEL_AXIS, None)
+    elif "lm_head" in names:  # kernel [hidden, vocab]
+        tail = (None, MODEL_AXIS) if "kernel" in names else (MODEL_AXIS,)
+    return P(*([None] * (ndim - len(tail)) + list(tail)))
+
+
+def repeat_kv_heads(state, cfg: ModelConfig, tp: int):
+    """Fewer KV heads than shards: k_proj's and v_proj's columns (and biases) of each head
+    repeated tp / num_kv_heads times, so shard s holds head s // (tp / num_kv_heads), the one
+    its query heads read."""
+    repeats = tp // cfg.num_kv_heads
+    if repeats <= 1:
+        return state
+
+    def repeat(path, x):
+        names = _names(path)
+        if not any(n in ("k_proj", "v_proj") for n in names):
+            return x
+        heads = x.reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
+        return jnp.repeat(heads, repeats, axis=-2).reshape(*x.shape[:-1], -1)
+
+    return jax.tree_util.tree_map_with_path(repeat, state)
+
+
+def shard_state(state, mesh: Mesh) -> tuple[object, list]:
+    """The state's arrays placed on their shards, and their specs in leaf order."""
+    specs = []
+
+    def place(path, x):
+        spec = weight_spec(_names(path), x.ndim)
+        specs.append(spec)
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(place, state), specs
+
+
+def kv_spec(kv: KVCache) -> KVCache:
+    """A pool [rows, page_size, kv_heads, head_dim] split by KV heads."""
+    return KVCache(pools=tuple(P(None, None, MODEL_AXIS, None) for _ in kv.pools),
+                   num_pages=kv.num_pages)

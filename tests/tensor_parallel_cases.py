@@ -1,0 +1,120 @@
+"""Tensor parallelism's checks, run by test_tensor_parallel.py in a process of its own with 8
+host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8, which must be set before jax
+starts): one JSON object on stdout, the tests assert on it.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tensor_parallel_cases.py
+
+For each model and tensor_parallel_size: the logits of a prompt (the model's own forward, run per
+shard as the steps run it) against tp=1's, the engine's greedy ids (batched, and one prompt alone
+against the same prompt in a batch: batch invariance), each weight's and the KV pool's bytes on
+one device, the all-reduces and all-gathers the compiled decode step holds, and compilations
+after warm-up.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.model.kv_cache import AttentionMetadata
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_tp", ROOT / "bench" / "tensor_parallel.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+MODELS = {name: ROOT / "tests" / "fixtures" / "hf" / name for name in ("llama", "qwen2", "mistral")}
+MODELS["stories260K"] = ROOT / "models" / "stories260K"
+ENGINE = dict(max_num_seqs=4, page_size=8, num_pages=80, prefill_chunk_sizes=(16,),
+              max_num_batched_tokens=32, row_buckets=(4,), enable_prompt_logprobs=False)
+PROMPTS = [[1, 5, 9, 20, 33, 7, 2, 11, 3], [1, 40, 2, 3], [1, 17, 8, 30, 4, 4, 9]]
+
+
+def prompt_logits(runner, tokens: list[int]) -> np.ndarray:  # [T, vocab] float32
+    """The model's logits at every position of a fresh prompt, through the runner's own
+    weights, KV pool and backend (under shard_map on its mesh, as the steps run)."""
+    t = len(tokens)
+    pages = -(-t // runner.page_size)
+    md = AttentionMetadata(positions=np.arange(t, dtype=np.int32)[None],
+                           query_lens=np.array([t], np.int32), seq_lens=np.array([t], np.int32),
+                           page_table=np.arange(1, 1 + runner.pages_per_seq, dtype=np.int32)[None])
+    assert pages <= runner.pages_per_seq
+    treedef = jax.tree.structure(runner.state)
+
+    def forward(weights, kv, tokens, md):
+        leaves, rope = weights
+        model = nnx.merge(runner.graphdef, jax.tree.unflatten(treedef, leaves))
+        hidden, _ = model(tokens, kv, md, runner.backend, rope)
+        return model.logits(hidden[0], runner.backend)
+
+    if runner.shards is not None:
+        forward = jax.shard_map(forward, mesh=runner.shards.mesh,
+                                in_specs=((runner.shards.weights, (P(), P())), runner.shards.kv,
+                                          P(), P()), out_specs=P(), check_vma=False)
+    return np.asarray(jax.jit(forward)(runner.weights, runner.kv,
+                                       np.array([tokens], np.int32), md))
+
+
+def logprobs(output) -> list:
+    return [sorted(v.logprob for v in d.values()) for d in output.logprobs]
+
+
+def run_model(path: Path, tps: tuple[int, ...], **options) -> dict:
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    results = {}
+    for tp in tps:
+        llm = LLM(path, tensor_parallel_size=tp, **ENGINE, **options)
+        runner = llm.engine.runner
+        batched = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        alone = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)[0]
+        results[tp] = {
+            "ids": [o.outputs[0].token_ids for o in batched],
+            "alone_same": (alone.outputs[0].token_ids == batched[0].outputs[0].token_ids
+                           and logprobs(alone.outputs[0]) == logprobs(batched[0].outputs[0])),
+            "logits": prompt_logits(runner, PROMPTS[0]).tolist(),
+            "bytes": bench.shard_bytes(runner),
+            "collectives": bench.decode_collectives(runner),
+            "num_layers": runner.model_config.num_layers,
+            "scan_layers": runner.scan_layers,
+            "num_pages": runner.num_pages,
+            "hidden_size": runner.model_config.hidden_size,
+            "vocab_size": runner.model_config.vocab_size,
+            "rows": runner.row_buckets[0],
+            "compilations_after_warmup": runner.num_compilations_after_warmup,
+        }
+    return results
+
+
+def stories_reference(tp: int) -> dict:
+    """stories260K's C-reference cases through a tp-way engine: the ids it gives."""
+    path = MODELS["stories260K"]
+    cases = json.loads((path / "reference_outputs.json").read_text())["cases"]
+    llm = LLM(path, tensor_parallel_size=tp, page_size=4, prefill_chunk_sizes=(8,), max_num_seqs=8,
+              max_num_batched_tokens=32, num_pages=512, enable_prompt_logprobs=False)
+    outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases],
+                        [SamplingParams(max_tokens=len(c["generated_ids"]), temperature=0.0,
+                                        ignore_eos=True) for c in cases])
+    return {"ids": [o.outputs[0].token_ids for o in outs],
+            "expected": [c["generated_ids"] for c in cases]}
+
+
+def main() -> None:
+    if len(jax.devices()) < 8:
+        sys.exit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    report = {name: run_model(path, (1, 2, 4)) for name, path in MODELS.items()
+              if name != "stories260K"}
+    report["stories260K"] = run_model(MODELS["stories260K"], (1, 4))
+    report["stories260K_reference"] = stories_reference(4)
+    # XLA's dot and attention: the shards' sums as all-reduces
+    report["llama_reference_backend"] = run_model(MODELS["llama"], (1, 2),
+                                                  **bench.BACKENDS["reference"])
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

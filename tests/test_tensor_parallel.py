@@ -1,0 +1,151 @@
+"""Tensor parallelism (jaxserve/sharding.py) on 8 host CPU devices: each model's logits and greedy
+ids against one device, batch invariance within each configuration, each device's share of the
+weights and the KV pool, the decode step's collectives, stories260K's C-reference ids at tp=4.
+The 8 devices need XLA_FLAGS before jax starts, so tensor_parallel_cases.py runs them in a
+process of its own and reports JSON; bad settings are checked here, on this process's devices."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM
+from jaxserve.config import EngineConfig
+from jaxserve.model_config import ModelConfig
+from jaxserve.plan import Device, plan
+from jaxserve.sharding import check_tensor_parallel
+
+HERE = Path(__file__).resolve().parent
+MODELS = ("llama", "qwen2", "mistral", "stories260K")
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, str(HERE / "tensor_parallel_cases.py")], env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_logits_within_1e_5_of_one_device_and_the_same_greedy_ids(report, model):
+    runs = report[model]
+    one = np.array(runs["1"]["logits"])
+    for tp, run in runs.items():
+        logits = np.array(run["logits"])
+        # float32 sums of the shards' partial products, in another order than one device's;
+        # stories260K's logits run to about 20, the tiny random models' to about 1
+        tolerance = 1e-5 * max(1.0, float(np.abs(one).max()) / 10)
+        assert np.abs(logits - one).max() <= tolerance, (tp, np.abs(logits - one).max())
+        assert run["ids"] == runs["1"]["ids"], tp
+
+
+def test_stories260k_gives_the_c_references_ids_at_tp4(report):
+    assert report["stories260K_reference"]["ids"] == report["stories260K_reference"]["expected"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_batch_invariance_holds_in_each_configuration(report, model):
+    """A prompt alone gives the bits it gives in a batch (ids and logprobs), at every tp."""
+    for tp, run in report[model].items():
+        assert run["alone_same"], tp
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_each_device_holds_its_share_of_every_split_weight_and_the_kv_pool(report, model):
+    for tp, run in report[model].items():
+        tp = int(tp)
+        weights = run["bytes"]["weights"]
+        split = {k: v for k, v in weights.items() if "norm" not in k}
+        assert split, weights
+        for name, (local, whole) in split.items():
+            assert local * tp == whole, (tp, name, local, whole)
+        for name, (local, whole) in weights.items():
+            if "norm" in name:  # the norms' weights: whole on every device
+                assert local == whole, (tp, name)
+        for local, whole in run["bytes"]["kv"]:
+            assert local * tp == whole, (tp, local, whole)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_no_step_gathers_a_weight_and_none_compiles_after_warm_up(report, model):
+    """The decode step gathers only activations: the logits [rows, vocab] and, on the CPU
+    backend, the shards' partial sums [shards, rows, 1, hidden]."""
+    for tp, run in report[model].items():
+        assert run["compilations_after_warmup"] == 0, tp
+        rows, hidden, vocab = run["rows"], run["hidden_size"], run["vocab_size"]
+        allowed = {f"f32[{rows},{vocab}]", f"f32[{tp},{rows},1,{hidden}]"}
+        for shape in run["collectives"]["all_gathers"]:
+            assert shape in allowed, (tp, shape, allowed)
+
+
+def test_the_decode_step_sums_twice_a_layer(report):
+    """Two sums a layer (after o_proj, after down_proj) and one for the embedding; the logits
+    gathered once. XLA's dot (reference backend, layers scanned: one layer's body): all-reduces;
+    the CPU kernels (layers unrolled): the parts gathered and added in shard order (the
+    all-reduce's order changes with the rows)."""
+    for model in MODELS:
+        for tp, run in report[model].items():
+            collectives = run["collectives"]
+            if tp == "1":
+                assert collectives == {"all_reduces": 0, "all_gathers": []}
+            else:
+                assert not run["scan_layers"]
+                assert collectives["all_reduces"] == 0
+                assert len(collectives["all_gathers"]) == 2 * run["num_layers"] + 2, (model, tp)
+    reference = report["llama_reference_backend"]["2"]
+    assert reference["scan_layers"]
+    assert reference["collectives"]["all_reduces"] == 2 + 1
+    assert len(reference["collectives"]["all_gathers"]) == 1  # the logits
+    assert reference["ids"] == report["llama_reference_backend"]["1"]["ids"]
+
+
+def test_plan_gives_each_devices_bytes_as_the_runner_holds_them(report):
+    """`jaxserve plan -tp 4` on stories260K: one device's weights and share of a page, as the
+    tp=4 runner's arrays hold them."""
+    result = plan(HERE.parent / "models" / "stories260K",
+                  EngineConfig(tensor_parallel_size=4, page_size=8),
+                  device=Device("cpu", "cpu", None, None))
+    held = report["stories260K"]["4"]["bytes"]
+    assert result["weight_bytes_per_device"] == sum(local for local, _ in held["weights"].values())
+    pages = report["stories260K"]["4"]["num_pages"]
+    assert result["kv_bytes_per_page_per_device"] * pages == sum(local for local, _ in held["kv"])
+    assert not result["problems"]
+    bad = plan(HERE.parent / "models" / "stories260K", EngineConfig(tensor_parallel_size=3),
+               device=Device("cpu", "cpu", None, None))
+    assert any("does not divide the model's 8 attention heads" in p for p in bad["problems"])
+
+
+def _config(**changes) -> ModelConfig:
+    base = dict(num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=128,
+                o_bias=False)
+    return type("Cfg", (), dict(base, **changes))()
+
+
+def test_bad_tensor_parallel_settings_are_clear_errors_at_start_up(tmp_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 4 "
+                                         "attention heads"):
+        check_tensor_parallel(_config(), 3, "cpu", 8)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's "
+                                         "102 MLP intermediate size"):
+        check_tensor_parallel(_config(intermediate_size=102), 4, "cpu", 8)
+    with pytest.raises(ValueError, match="does not divide the model's 129 vocabulary"):
+        check_tensor_parallel(_config(vocab_size=129), 2, "cpu", 8)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 and the model's 3 KV heads"):
+        check_tensor_parallel(_config(num_heads=12, num_kv_heads=3), 4, "cpu", 8)
+    with pytest.raises(ValueError, match="tensor_parallel_size 8 needs 8 devices; 2 found"):
+        check_tensor_parallel(_config(), 8, "cpu", 2)
+    with pytest.raises(ValueError, match="tpu attention"):
+        check_tensor_parallel(_config(), 2, "tpu", 8)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(HERE / "fixtures" / "hf" / "llama", tensor_parallel_size=0)
+    devices = len(jax.devices())
+    with pytest.raises(ValueError, match=f"needs {devices + 1} devices; {devices} found"):
+        LLM(HERE / "fixtures" / "hf" / "llama", tensor_parallel_size=devices + 1)
