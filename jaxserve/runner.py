@@ -74,6 +74,7 @@ from jaxserve.sharding import (
     kv_heads_per_device,
     kv_spec,
     make_mesh,
+    place_on_shards,
     repeat_kv_heads,
     shard_state,
 )
@@ -171,8 +172,10 @@ class ModelRunner:
         start = time.perf_counter()
         tp = self.tensor_parallel_size = config.tensor_parallel_size
         check_tensor_parallel(model_config, tp, self.attention_impl, len(jax.devices()))
-        self.graphdef, self.state = load_state(model_path, model_config, self.dtype,
-                                               config.load_format, config.seed)
+        mesh = make_mesh(tp) if tp > 1 else None
+        self.graphdef, self.state = load_state(
+            model_path, model_config, self.dtype, config.load_format, config.seed,
+            place_on_shards(mesh, model_config, tp) if mesh else None)
         if tp == 1:  # split, the kernels take each shard's weights as they are
             self.graphdef, self.state = self.backend.ops.pack_weights(self.graphdef, self.state)
         self.scan_layers = (self.backend.ops.scan_layers if config.scan_layers is None
@@ -181,7 +184,6 @@ class ModelRunner:
             self.graphdef, self.state = stack_layers(self.graphdef, self.state, consume=True)
         self.shards = None
         if tp > 1:  # each device its part of every split weight (jaxserve/sharding.py)
-            mesh = make_mesh(tp)
             self.backend = replace(self.backend, model_axis=MODEL_AXIS)
             self.state, weight_specs = shard_state(
                 repeat_kv_heads(self.state, model_config, tp), mesh)

@@ -96,22 +96,33 @@ def weight_spec(names: list[str], ndim: int) -> P:
     return P(*([None] * (ndim - len(tail)) + list(tail)))
 
 
-def repeat_kv_heads(state, cfg: ModelConfig, tp: int):
+def _repeat_heads(names: list[str], x, cfg: ModelConfig, tp: int):
     """Fewer KV heads than shards: k_proj's and v_proj's columns (and biases) of each head
     repeated tp / num_kv_heads times, so shard s holds head s // (tp / num_kv_heads), the one
-    its query heads read."""
+    its query heads read. Numpy or jax; a weight already repeated is returned as it is."""
     repeats = tp // cfg.num_kv_heads
-    if repeats <= 1:
-        return state
+    if (repeats <= 1 or not any(n in ("k_proj", "v_proj") for n in names)
+            or x.shape[-1] != cfg.num_kv_heads * cfg.head_dim):
+        return x
+    heads = x.reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return xp.repeat(heads, repeats, axis=-2).reshape(*x.shape[:-1], -1)
 
-    def repeat(path, x):
-        names = _names(path)
-        if not any(n in ("k_proj", "v_proj") for n in names):
-            return x
-        heads = x.reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
-        return jnp.repeat(heads, repeats, axis=-2).reshape(*x.shape[:-1], -1)
 
-    return jax.tree_util.tree_map_with_path(repeat, state)
+def repeat_kv_heads(state, cfg: ModelConfig, tp: int):
+    """_repeat_heads over a whole state."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: _repeat_heads(_names(path), x, cfg, tp), state)
+
+
+def place_on_shards(mesh: Mesh, cfg: ModelConfig, tp: int):
+    """The loader's `place`: a checkpoint tensor (host memory) put straight onto its shards,
+    each device sent only its part; no device holds the whole tensor first."""
+    def place(path: tuple, tensor):
+        names = [str(p) for p in path]
+        x = _repeat_heads(names, np.asarray(tensor), cfg, tp)
+        return jax.device_put(x, NamedSharding(mesh, weight_spec(names, x.ndim)))
+    return place
 
 
 def shard_state(state, mesh: Mesh) -> tuple[object, list]:

@@ -111,10 +111,10 @@ def _safetensor_files(path: Path) -> list[Path]:
     return files
 
 
-def _open_safetensors(safe_open, file: Path):
+def _open_safetensors(safe_open, file: Path, framework: str = "flax"):
     """safe_open, with an error that names the file when it is not a safetensors file."""
     try:
-        return safe_open(file, framework="flax")
+        return safe_open(file, framework=framework)
     except Exception as error:
         head = file.read_bytes()[:64] if file.is_file() else b""
         hint = (" (a git-lfs pointer: fetch the weights with `git lfs pull`)"
@@ -123,8 +123,11 @@ def _open_safetensors(safe_open, file: Path):
         raise ValueError(f"{file}: cannot read it as safetensors{hint}: {error}") from None
 
 
-def load_hf_state(path: str | Path, cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    """Read a local Hugging Face directory's safetensors (single or sharded) into the state."""
+def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
+                  place=None) -> tuple[nnx.GraphDef, nnx.State]:
+    """Read a local Hugging Face directory's safetensors (single or sharded) into the state.
+    `place(path, tensor)`: the array a checkpoint tensor (host memory, the model's layout)
+    becomes, e.g. put straight onto its shards (jaxserve/sharding.py); else on the device."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -132,7 +135,8 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype) -> tuple[nnx.GraphD
     expected = _flat(abstract)
     values: dict[tuple, jax.Array] = {}
     for file in _safetensor_files(path):
-        with _open_safetensors(safe_open, file) as f:
+        # placed: read into host memory, each device then sent its part
+        with _open_safetensors(safe_open, file, "flax" if place is None else "numpy") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 target = _hf_path(name, expected)
                 if target is None:
@@ -152,7 +156,8 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype) -> tuple[nnx.GraphD
                         f"the model expects {want}"
                     )
                 tensor = tensor.T if transpose else tensor
-                values[key] = jnp.asarray(tensor, dtype=expected[key].dtype)
+                values[key] = (jnp.asarray(tensor, dtype=expected[key].dtype) if place is None
+                               else place(key, tensor).astype(expected[key].dtype))
     missing = [_hf_name(k) for k in expected if k not in values]
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing)}")
@@ -201,13 +206,14 @@ def load_orbax_state(path: str | Path, cfg: ModelConfig, dtype) -> tuple[nnx.Gra
 
 
 def load_state(path: str | Path, cfg: ModelConfig, dtype, load_format: str = "auto",
-               seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's graph and weights from a directory (HF or orbax) or random ("dummy")."""
+               seed: int = 0, place=None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and weights from a directory (HF or orbax) or random ("dummy");
+    `place`: as load_hf_state's (the others make their arrays on the device)."""
     if load_format == "dummy":
         return random_state(cfg, dtype, seed)
     if is_orbax_checkpoint(path):
         return load_orbax_state(path, cfg, dtype)
-    return load_hf_state(path, cfg, dtype)
+    return load_hf_state(path, cfg, dtype, place)
 
 
 def state_bytes(state: nnx.State) -> int:
