@@ -56,12 +56,12 @@ def weight_bytes_per_device(cfg: ModelConfig, dtype: str, tp: int) -> int:
 
     from jaxserve.model.loader import abstract_model
     from jaxserve.runner import DTYPES
-    from jaxserve.sharding import _names, weight_spec
+    from jaxserve.sharding import path_names, weight_spec
 
     repeats = max(tp // cfg.num_kv_heads, 1)
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_model(cfg, DTYPES[dtype])[1]):
-        names = _names(path)
+        names = path_names(path)
         size = leaf.size * leaf.dtype.itemsize
         if any(n in ("k_proj", "v_proj") for n in names):
             size *= repeats

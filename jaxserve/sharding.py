@@ -78,7 +78,8 @@ def make_mesh(tp: int) -> Mesh:
     return Mesh(devices, ("data", MODEL_AXIS))
 
 
-def _names(path) -> list[str]:
+def path_names(path) -> list[str]:
+    """A state path's keys as strings (module and variable names, layer indices)."""
     return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
@@ -112,7 +113,7 @@ def _repeat_heads(names: list[str], x, cfg: ModelConfig, tp: int):
 def repeat_kv_heads(state, cfg: ModelConfig, tp: int):
     """_repeat_heads over a whole state."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: _repeat_heads(_names(path), x, cfg, tp), state)
+        lambda path, x: _repeat_heads(path_names(path), x, cfg, tp), state)
 
 
 def place_on_shards(mesh: Mesh, cfg: ModelConfig, tp: int):
@@ -130,7 +131,7 @@ def shard_state(state, mesh: Mesh) -> tuple[object, list]:
     specs = []
 
     def place(path, x):
-        spec = weight_spec(_names(path), x.ndim)
+        spec = weight_spec(path_names(path), x.ndim)
         specs.append(spec)
         return jax.device_put(x, NamedSharding(mesh, spec))
 
