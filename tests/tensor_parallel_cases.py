@@ -6,7 +6,8 @@ starts): one JSON object on stdout, the tests assert on it.
 
 For each model and tensor_parallel_size: the logits of a prompt (the model's own forward, run per
 shard as the steps run it) against tp=1's, the engine's greedy ids (batched, and one prompt alone
-against the same prompt in a batch: batch invariance), each weight's and the KV pool's bytes on
+against the same prompt in a batch: batch invariance), sampler controls and structured
+output, each weight's and the KV pool's bytes on
 one device, the all-reduces and all-gathers the compiled decode step holds, and compilations
 after warm-up.
 """
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.kv_cache import AttentionMetadata
+from jaxserve.request import StructuredOutputsParams
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_tp", ROOT / "bench" / "tensor_parallel.py")
@@ -103,6 +105,23 @@ def stories_reference(tp: int) -> dict:
             "expected": [c["generated_ids"] for c in cases]}
 
 
+def controlled_outputs(tp: int) -> list:
+    """Sampler controls, a seeded random sample, structured output and prompt logprobs through a
+    tp-way stories260K engine: ids, text and the prompt logprobs' top tokens."""
+    llm = LLM(MODELS["stories260K"], tensor_parallel_size=tp, max_num_seqs=4, page_size=8,
+              num_pages=300, prefill_chunk_sizes=(16,), max_num_batched_tokens=32,
+              row_buckets=(4,))
+    params = [SamplingParams(max_tokens=20, temperature=0.0, presence_penalty=0.7,
+                             repetition_penalty=1.3, prompt_logprobs=2),
+              SamplingParams(max_tokens=30, temperature=0.8, seed=7, min_p=0.05),
+              SamplingParams(max_tokens=40, temperature=0.0,
+                             structured_outputs=StructuredOutputsParams(choice=["Lily", "Tom"]))]
+    outs = llm.generate(["Once upon a time", "The cat", "Her name was"], params)
+    return [[o.outputs[0].token_ids, o.outputs[0].text,
+             [sorted(d) for d in o.prompt_logprobs[1:]] if o.prompt_logprobs else None]
+            for o in outs] + [llm.stats()["num_compilations_after_warmup"]]
+
+
 def main() -> None:
     if len(jax.devices()) < 8:
         sys.exit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -110,6 +129,7 @@ def main() -> None:
               if name != "stories260K"}
     report["stories260K"] = run_model(MODELS["stories260K"], (1, 4))
     report["stories260K_reference"] = stories_reference(4)
+    report["stories260K_controls"] = {tp: controlled_outputs(tp) for tp in (1, 2)}
     # XLA's dot and attention: the shards' sums as all-reduces
     report["llama_reference_backend"] = run_model(MODELS["llama"], (1, 2),
                                                   **bench.BACKENDS["reference"])

@@ -51,6 +51,15 @@ def test_stories260k_gives_the_c_references_ids_at_tp4(report):
     assert report["stories260K_reference"]["ids"] == report["stories260K_reference"]["expected"]
 
 
+def test_sampler_controls_structured_output_and_prompt_logprobs_as_on_one_device(report):
+    """Penalties, a seeded min_p sample, a choice grammar and prompt logprobs at tp=2: the ids,
+    text and prompt logprobs' tokens of tp=1, and no compile after warm-up."""
+    runs = report["stories260K_controls"]
+    assert runs["2"] == runs["1"]
+    *outputs, compilations = runs["2"]
+    assert outputs[2][1] in ("Lily", "Tom") and outputs[0][2] and compilations == 0
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_batch_invariance_holds_in_each_configuration(report, model):
     """A prompt alone gives the bits it gives in a batch (ids and logprobs), at every tp."""
