@@ -69,12 +69,12 @@ from jaxserve.request import Request
 from jaxserve.sampler_controls import Head, SamplerControls
 from jaxserve.sharding import (
     MODEL_AXIS,
+    ShardPlacement,
     Shards,
     check_tensor_parallel,
     kv_heads_per_device,
     kv_spec,
     make_mesh,
-    place_on_shards,
     repeat_kv_heads,
     shard_state,
 )
@@ -175,7 +175,7 @@ class ModelRunner:
         mesh = make_mesh(tp) if tp > 1 else None
         self.graphdef, self.state = load_state(
             model_path, model_config, self.dtype, config.load_format, config.seed,
-            place_on_shards(mesh, model_config, tp) if mesh else None)
+            ShardPlacement(mesh, model_config, tp) if mesh else None)
         if tp == 1:  # split, the kernels take each shard's weights as they are
             self.graphdef, self.state = self.backend.ops.pack_weights(self.graphdef, self.state)
         self.scan_layers = (self.backend.ops.scan_layers if config.scan_layers is None

@@ -116,14 +116,26 @@ def repeat_kv_heads(state, cfg: ModelConfig, tp: int):
         lambda path, x: _repeat_heads(path_names(path), x, cfg, tp), state)
 
 
-def place_on_shards(mesh: Mesh, cfg: ModelConfig, tp: int):
-    """The loader's `place`: a checkpoint tensor (host memory) put straight onto its shards,
-    each device sent only its part; no device holds the whole tensor first."""
-    def place(path: tuple, tensor):
-        names = [str(p) for p in path]
-        x = _repeat_heads(names, np.asarray(tensor), cfg, tp)
-        return jax.device_put(x, NamedSharding(mesh, weight_spec(names, x.ndim)))
-    return place
+@dataclass(frozen=True)
+class ShardPlacement:
+    """The loader's `place`: where each weight goes (jaxserve/model/loader.py). Called with a
+    checkpoint tensor in host memory, it puts it straight onto its shards, each device sent
+    only its part; random weights are made on their shards (`transform`, `sharding`). No
+    device holds a whole weight first."""
+
+    mesh: Mesh
+    cfg: ModelConfig
+    tp: int
+
+    def transform(self, path: tuple, x):  # the model's layout -> the sharded model's
+        return _repeat_heads([str(p) for p in path], x, self.cfg, self.tp)
+
+    def sharding(self, path: tuple, ndim: int) -> NamedSharding:
+        return NamedSharding(self.mesh, weight_spec([str(p) for p in path], ndim))
+
+    def __call__(self, path: tuple, tensor):
+        x = self.transform(path, np.asarray(tensor))
+        return jax.device_put(x, self.sharding(path, x.ndim))
 
 
 def shard_state(state, mesh: Mesh) -> tuple[object, list]:

@@ -130,6 +130,11 @@ def main() -> None:
     report["stories260K"] = run_model(MODELS["stories260K"], (1, 4))
     report["stories260K_reference"] = stories_reference(4)
     report["stories260K_controls"] = {tp: controlled_outputs(tp) for tp in (1, 2)}
+    # random weights made on their shards: the same weights as on one device
+    report["dummy_logits"] = {tp: prompt_logits(LLM(MODELS["llama"], load_format="dummy",
+                                                    tensor_parallel_size=tp,
+                                                    **ENGINE).engine.runner, PROMPTS[0]).tolist()
+                              for tp in (1, 4)}
     # XLA's dot and attention: the shards' sums as all-reduces
     report["llama_reference_backend"] = run_model(MODELS["llama"], (1, 2),
                                                   **bench.BACKENDS["reference"])

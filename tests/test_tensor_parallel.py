@@ -47,6 +47,12 @@ def test_logits_within_1e_5_of_one_device_and_the_same_greedy_ids(report, model)
         assert run["ids"] == runs["1"]["ids"], tp
 
 
+def test_random_weights_made_on_their_shards_are_one_devices(report):
+    """load_format="dummy" at tp=4 makes each weight on its shards, the values tp=1 makes."""
+    one, four = (np.array(report["dummy_logits"][tp]) for tp in ("1", "4"))
+    assert np.abs(four - one).max() <= 1e-5
+
+
 def test_stories260k_gives_the_c_references_ids_at_tp4(report):
     assert report["stories260K_reference"]["ids"] == report["stories260K_reference"]["expected"]
 

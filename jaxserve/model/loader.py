@@ -4,6 +4,7 @@ Nothing is ever downloaded: a model is a local directory. An orbax checkpoint wr
 `jaxserve convert` (or the demo model's training) holds `config.json` and `params/`.
 """
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -53,12 +54,17 @@ def _nest(flat: dict[tuple, jax.Array]) -> dict:
     return root
 
 
-def random_state(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
-    """load_format="dummy": norms at 1, biases at 0, the rest N(0, 0.02), made on the device."""
+def random_state(cfg: ModelConfig, dtype, seed: int,
+                 place=None) -> tuple[nnx.GraphDef, nnx.State]:
+    """load_format="dummy": norms at 1, biases at 0, the rest N(0, 0.02), made on the device;
+    with `place` (jaxserve/sharding.py's ShardPlacement) each made on its shards, the same
+    values (jax's random bits do not depend on the sharding)."""
     graphdef, abstract = abstract_model(cfg, dtype)
     flat = _flat(abstract)
+    shardings = None if place is None else {
+        path: place.sharding(path, leaf.ndim) for path, leaf in flat.items()}
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=shardings)
     def init(key):
         values = {}
         for i, (path, leaf) in enumerate(sorted(flat.items(), key=lambda kv: str(kv[0]))):
@@ -69,6 +75,8 @@ def random_state(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx.
             else:
                 noise = jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32)
                 values[path] = (0.02 * noise).astype(leaf.dtype)
+            if place is not None:
+                values[path] = place.transform(path, values[path])
         return values
 
     values = init(jax.random.key(seed))
@@ -208,9 +216,9 @@ def load_orbax_state(path: str | Path, cfg: ModelConfig, dtype) -> tuple[nnx.Gra
 def load_state(path: str | Path, cfg: ModelConfig, dtype, load_format: str = "auto",
                seed: int = 0, place=None) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's graph and weights from a directory (HF or orbax) or random ("dummy");
-    `place`: as load_hf_state's (the others make their arrays on the device)."""
+    `place`: as load_hf_state's and random_state's (orbax's arrays are made on the device)."""
     if load_format == "dummy":
-        return random_state(cfg, dtype, seed)
+        return random_state(cfg, dtype, seed, place)
     if is_orbax_checkpoint(path):
         return load_orbax_state(path, cfg, dtype)
     return load_hf_state(path, cfg, dtype, place)
