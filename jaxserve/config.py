@@ -235,7 +235,8 @@ class EngineConfig:
         return cls.from_overrides(**(data | overrides))
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
-        """The context limit: the override, bounded by the model, checked against its window."""
+        """The context limit: the override, bounded by the model, checked against its window
+        and LongRoPE's short factors' range."""
         limit = self.max_model_len or model.max_position_embeddings
         if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
             raise ValueError(
@@ -246,6 +247,15 @@ class EngineConfig:
             raise ValueError(
                 f"sliding_window {model.sliding_window} is shorter than max_model_len {limit}; "
                 f"sliding-window attention is not supported: set max_model_len <= {model.sliding_window}"
+            )
+        scaling = model.rope_scaling
+        original = None if scaling is None else scaling.original_max_position_embeddings
+        if scaling is not None and scaling.rope_type == "longrope" and limit > original:
+            raise ValueError(
+                f"max_model_len {limit} is longer than original_max_position_embeddings "
+                f"{original}: past it LongRoPE turns every position by rope_scaling.long_factor "
+                f"(transformers recomputes the whole sequence), which is not supported: set "
+                f"max_model_len <= {original}"
             )
         return limit
 

@@ -7,6 +7,7 @@ of any value it refuses.
 import contextlib
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -14,24 +15,29 @@ from typing import Any, Literal
 from jaxserve.checks import is_finite, is_int, show
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM")
+                           "MistralForCausalLM", "Phi3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+PHI3_ROPE_TYPES = ("default", "longrope")  # Phi-3's own, as transformers' Phi3Config
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 # transformers 5's defaults for keys a config.json leaves out, where the architectures differ
-# (all: rms_norm_eps 1e-6, rope_theta 10000); a null num_key_value_heads is one per head, a
-# null head_dim (and an absent one, but for Qwen3's 128) hidden_size / num_attention_heads
+# (all: rope_theta 10000); a null num_key_value_heads is one per head, a null head_dim (and an
+# absent one, but for Qwen3's 128) hidden_size / num_attention_heads
 _HF_DEFAULTS = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048, "num_key_value_heads": None,
-                         "head_dim": None},
+                         "head_dim": None, "rms_norm_eps": 1e-6},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
-                         "head_dim": None},
+                         "head_dim": None, "rms_norm_eps": 1e-6},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
-                         "head_dim": 128},
+                         "head_dim": 128, "rms_norm_eps": 1e-6},
     "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
-                           "head_dim": None},
+                           "head_dim": None, "rms_norm_eps": 1e-6},
+    "Phi3ForCausalLM": {"max_position_embeddings": 4096, "num_key_value_heads": None,
+                        "head_dim": None, "rms_norm_eps": 1e-5},
 }
+# Phi3Config's default, and the value Phi-3 reads over one inside rope_scaling
+_PHI3_ORIGINAL_MAX_POSITIONS = 4096
 
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                  "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
@@ -39,24 +45,36 @@ _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling; `rope_type` is one of SUPPORTED_ROPE_TYPES other than default."""
+    """RoPE frequency scaling; `rope_type` is one of SUPPORTED_ROPE_TYPES or PHI3_ROPE_TYPES
+    other than default.
 
-    rope_type: Literal["linear", "llama3"]
+    longrope (Phi-3): transformers divides each frequency by its `short_factor` while a
+    sequence is at most `original_max_position_embeddings` long and by its `long_factor` past
+    that (recomputing the whole sequence), and multiplies cos and sin by `attention_factor`.
+    Only the first is served: EngineConfig refuses a longer max_model_len."""
+
+    rope_type: Literal["linear", "llama3", "longrope"]
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()  # longrope: one per rotary frequency
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self):
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor"):
             _check_positive_number(f"rope_scaling.{name}", getattr(self, name))
         _check_positive_int("rope_scaling.original_max_position_embeddings",
                             self.original_max_position_embeddings)
+        for name in ("short_factor", "long_factor"):
+            for value in getattr(self, name):
+                _check_positive_number(f"rope_scaling.{name}", value)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral)."""
+    """The shape of a Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3)."""
 
     architecture: str
     vocab_size: int
@@ -70,6 +88,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    partial_rotary_factor: float = 1.0  # Phi-3: RoPE turns the first rotary_dim of each head
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -97,6 +116,21 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        factor = _check_positive_number("partial_rotary_factor", self.partial_rotary_factor)
+        if factor > 1 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise ValueError(
+                f"partial_rotary_factor {factor} rotates {self.rotary_dim} of head_dim "
+                f"{self.head_dim}; RoPE needs an even number of them, at least 2 and at most all"
+            )
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(scaling, name)) != self.rotary_dim // 2:
+                    raise ValueError(
+                        f"rope_scaling.{name} must have {self.rotary_dim // 2} entries (one per "
+                        f"frequency of {self.rotary_dim} rotary dims), got "
+                        f"{len(getattr(scaling, name))}"
+                    )
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
 
@@ -163,9 +197,9 @@ class ModelConfig:
         head_dim = hf.get("head_dim", defaults["head_dim"])
         max_len = _check_positive_int("max_position_embeddings", hf.get(
             "max_position_embeddings", defaults["max_position_embeddings"]))
-        theta, scaling = _read_rope(hf, max_len)
+        theta, scaling, partial = _read_rope(arch, hf, max_len)
         # as transformers: Llama's and Qwen3's attention_bias covers q, k, v and o; Qwen2 has
-        # q, k, v biases and no o bias; Mistral has none
+        # q, k, v biases and no o bias; Mistral and Phi-3 have none
         attention_bias = bool(hf.get("attention_bias", False)) and arch in (
             "LlamaForCausalLM", "Qwen3ForCausalLM")
         qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
@@ -185,9 +219,10 @@ class ModelConfig:
                 "num_key_value_heads", num_heads if num_kv_heads is None else num_kv_heads),
             head_dim=hidden // num_heads if head_dim is None else head_dim,
             max_position_embeddings=max_len,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=hf.get("rms_norm_eps", defaults["rms_norm_eps"]),
             rope_theta=theta,
             rope_scaling=scaling,
+            partial_rotary_factor=partial,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
@@ -199,6 +234,11 @@ class ModelConfig:
         )
 
     @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dims RoPE turns (the first ones), as transformers rounds."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def num_params(self) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += 2 * self.head_dim if self.qk_norm else 0
@@ -208,10 +248,16 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers-5 style config.json for this shape (used by saved checkpoints)."""
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.partial_rotary_factor}
+        extra: dict[str, Any] = {}
         if self.rope_scaling is not None:
-            rope |= dataclasses.asdict(self.rope_scaling)
-        return {
+            rope |= {key: list(value) if isinstance(value, tuple) else value  # as JSON reads
+                     for key, value in dataclasses.asdict(self.rope_scaling).items()}
+            if self.architecture == "Phi3ForCausalLM":  # the one it reads
+                extra["original_max_position_embeddings"] = (
+                    self.rope_scaling.original_max_position_embeddings)
+        return extra | {
             "architectures": [self.architecture], "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
@@ -268,14 +314,16 @@ def _id_list(value: Any) -> list[int]:
 
 def _sliding_window(arch: str, hf: dict[str, Any]) -> int | None:
     """The attention window, None for full attention, as transformers reads each architecture:
-    Llama has none; Mistral's defaults to 4096 when the key is absent (null: none); Qwen2's and
-    Qwen3's applies only with use_sliding_window (4096 when absent), to the layers that
-    `layer_types` names "sliding_attention", or when it is absent to the layers from
-    max_window_layers (default 28) on. A window for some layers is returned as one for all:
+    Llama has none; Mistral's (every layer's) defaults to 4096 when the key is absent (null:
+    none), Phi-3's (every layer's) to none; Qwen2's and Qwen3's applies only with
+    use_sliding_window (4096 when absent), to the layers that `layer_types` names
+    "sliding_attention", or when it is absent to the layers from max_window_layers (default 28)
+    on. A window for some layers is returned as one for all:
     the kernels have none, so EngineConfig refuses a max_model_len longer than it, where the
     two agree."""
-    if arch == "MistralForCausalLM":
-        return hf.get("sliding_window", 4096)
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        window = hf.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+        return None if window is None else _check_positive_int("sliding_window", window)
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return None
     window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
@@ -296,21 +344,30 @@ def _sliding_window(arch: str, hf: dict[str, Any]) -> int | None:
     return _check_positive_int("sliding_window", window) if slides else None
 
 
-def _read_rope(hf: dict[str, Any], max_position_embeddings: int
-               ) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`
-    (4). As transformers 5 reads them, a non-empty `rope_scaling` wins over `rope_parameters`."""
+def _read_rope(arch: str, hf: dict[str, Any], max_position_embeddings: int
+               ) -> tuple[float, RopeScaling | None, float]:
+    """(theta, scaling, partial_rotary_factor) from `rope_parameters` (transformers 5) or
+    `rope_theta`/`rope_scaling` (4). As transformers 5 reads them, a non-empty `rope_scaling`
+    wins over `rope_parameters`. Phi-3 alone reads longrope (its old names "su" and "yarn"
+    too) and a partial_rotary_factor (the rope dict's, else the top-level key's)."""
     base = dict(hf.get("rope_parameters") or {})
     params = dict(hf.get("rope_scaling") or {}) or base
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = _check_positive_number("rope_theta", params.get(
         "rope_theta", hf.get("rope_theta", base.get("rope_theta", 10000.0))))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
+    partial, supported, where = 1.0, SUPPORTED_ROPE_TYPES, ""
+    if arch == "Phi3ForCausalLM":
+        rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
+        partial = _check_positive_number("partial_rotary_factor", params.get(
+            "partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        supported, where = PHI3_ROPE_TYPES, f" for {arch}"
+    if rope_type not in supported:
+        raise ValueError(f"rope type {rope_type!r} is not supported{where}; supported: "
+                         f"{', '.join(supported)}")
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial
+    if rope_type == "longrope":
+        return theta, _longrope(hf, params, max_position_embeddings), partial
     needed = ("factor",) if rope_type == "linear" else (
         "factor", "low_freq_factor", "high_freq_factor")
     missing = [k for k in needed if k not in params]
@@ -321,4 +378,33 @@ def _read_rope(hf: dict[str, Any], max_position_embeddings: int
         values["original_max_position_embeddings"] = params.get(
             "original_max_position_embeddings", hf.get("original_max_position_embeddings",
                                                        max_position_embeddings))
-    return theta, RopeScaling(rope_type=rope_type, **values)
+    return theta, RopeScaling(rope_type=rope_type, **values), partial
+
+
+def _longrope(hf: dict[str, Any], params: dict[str, Any],
+              max_position_embeddings: int) -> RopeScaling:
+    """Phi-3's LongRoPE as transformers reads it: the top-level original_max_position_embeddings
+    (4096 when absent), `factor` max_position_embeddings / that when absent, and the attention
+    factor sqrt(1 + ln(factor) / ln(original)) (1 for a factor <= 1) when absent."""
+    missing = [k for k in ("short_factor", "long_factor") if k not in params]
+    if missing:
+        raise ValueError(f"rope_scaling of type 'longrope' needs {', '.join(missing)}")
+    lists = {}
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(params[key], list):
+            raise ValueError(f"rope_scaling.{key} must be a list of numbers, "
+                             f"got {show(params[key])}")
+        lists[key] = tuple(_check_positive_number(f"rope_scaling.{key}", x) for x in params[key])
+    original = _check_positive_int("original_max_position_embeddings", hf.get(
+        "original_max_position_embeddings", _PHI3_ORIGINAL_MAX_POSITIONS))
+    if original < 2:  # its logarithm divides
+        raise ValueError(f"original_max_position_embeddings must be at least 2, got {original}")
+    factor = params.get("factor")
+    factor = max_position_embeddings / original if factor is None else _check_positive_number(
+        "rope_scaling.factor", factor)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(rope_type="longrope", factor=factor,
+                       original_max_position_embeddings=original,
+                       attention_factor=attention, **lists)

@@ -1,6 +1,7 @@
 """Config parsing, weight loading, conversion and their error messages."""
 
 import json
+import math
 import re
 import shutil
 
@@ -14,11 +15,12 @@ from test_model_hf import full_logits
 from jaxserve.cli import main as cli_main
 from jaxserve.config import EngineConfig
 from jaxserve.engine import generation_defaults
-from jaxserve.model.llama import rope_inv_freq
+from jaxserve.model.llama import rope_inv_freq, rope_tables
 from jaxserve.model.loader import is_orbax_checkpoint, load_state
 from jaxserve.model_config import ModelConfig
 
 LLAMA_CONFIG = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
+PHI3_LONGROPE = json.loads((HF_FIXTURES / "phi3_longrope" / "config.json").read_text())
 
 
 def test_reads_both_config_styles():
@@ -142,19 +144,21 @@ def test_malformed_numbers_are_errors_naming_the_field(change, message):
 
 def test_absent_keys_take_transformers_defaults_per_architecture():
     """transformers 5's config classes: max_position_embeddings 2048 (Llama), 32768 (Qwen2,
-    Qwen3), 131072 (Mistral); num_key_value_heads absent: one per head (Llama), 32 (Qwen2,
-    Qwen3), 8 (Mistral), and null: one per head for all; rms_norm_eps 1e-6, rope_theta 10000."""
+    Qwen3), 131072 (Mistral), 4096 (Phi-3); num_key_value_heads absent: one per head (Llama,
+    Phi-3), 32 (Qwen2, Qwen3), 8 (Mistral), and null: one per head for all; rms_norm_eps 1e-6
+    (1e-5 for Phi-3), rope_theta 10000."""
     base = {k: v for k, v in LLAMA_CONFIG.items() if k not in (
         "max_position_embeddings", "num_key_value_heads", "rms_norm_eps", "rope_parameters",
         "sliding_window")} | {"num_attention_heads": 32, "head_dim": 16}
-    for arch, max_len, kv_heads in (("LlamaForCausalLM", 2048, 32),
-                                    ("Qwen2ForCausalLM", 32768, 32),
-                                    ("Qwen3ForCausalLM", 32768, 32),
-                                    ("MistralForCausalLM", 131072, 8)):
+    for arch, max_len, kv_heads, eps in (("LlamaForCausalLM", 2048, 32, 1e-6),
+                                         ("Qwen2ForCausalLM", 32768, 32, 1e-6),
+                                         ("Qwen3ForCausalLM", 32768, 32, 1e-6),
+                                         ("MistralForCausalLM", 131072, 8, 1e-6),
+                                         ("Phi3ForCausalLM", 4096, 32, 1e-5)):
         hf = base | {"architectures": [arch]}
         cfg = ModelConfig.from_hf_dict(hf)
         assert (cfg.max_position_embeddings, cfg.num_kv_heads, cfg.rms_norm_eps,
-                cfg.rope_theta, cfg.rope_scaling) == (max_len, kv_heads, 1e-6, 10000.0, None), arch
+                cfg.rope_theta, cfg.rope_scaling) == (max_len, kv_heads, eps, 10000.0, None), arch
         assert ModelConfig.from_hf_dict(hf | {"num_key_value_heads": None}).num_kv_heads == 32
     # Qwen2's 32 is a literal default, not one per head: 4 heads and no key cannot be grouped
     with pytest.raises(ValueError, match="num_attention_heads 4 is not a multiple of "
@@ -201,6 +205,82 @@ def test_qwen3_config_read_as_transformers_reads_it():
     with pytest.raises(ValueError, match="sliding_window 64 is shorter than max_model_len 256"):
         EngineConfig().resolve_max_model_len(windowed)
     assert EngineConfig(max_model_len=64).resolve_max_model_len(windowed) == 64
+
+
+def test_phi3_config_read_as_transformers_reads_it():
+    """Phi3Config: no biases or q/k norms; a sliding window over every layer, none when absent;
+    LongRoPE ("su" and "yarn" its old names) with the top-level original_max_position_embeddings
+    (4096 when absent), `factor` max / original and the attention factor sqrt(1 + ln factor /
+    ln original) when absent, served up to original_max_position_embeddings alone;
+    partial_rotary_factor from the rope dict, else the top level."""
+    cfg = ModelConfig.from_hf_dir(HF_FIXTURES / "phi3_longrope")  # transformers 4's layout
+    scaling = cfg.rope_scaling
+    assert (cfg.partial_rotary_factor, cfg.rotary_dim, cfg.tie_word_embeddings) == (0.75, 12, True)
+    assert (scaling.rope_type, scaling.original_max_position_embeddings, scaling.factor) == (
+        "longrope", 64, 4.0)
+    assert scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
+    assert scaling.short_factor == (1.0, 1.3, 1.9, 2.6, 3.4, 4.5)
+    assert not (cfg.qkv_bias or cfg.o_bias or cfg.qk_norm) and cfg.sliding_window is None
+    assert rope_inv_freq(cfg).shape == (6,)
+    cos, sin = rope_tables(cfg, 2, jnp.float32)  # [2, 12]: position 0 at the attention factor
+    assert cos.shape == (2, 12) and np.all(np.asarray(cos[0]) == np.float32(
+        scaling.attention_factor)) and not np.asarray(sin[0]).any()
+    rope = {k: v for k, v in PHI3_LONGROPE["rope_scaling"].items() if k != "type"}
+    v5 = {k: v for k, v in PHI3_LONGROPE.items() if k not in (
+        "rope_scaling", "rope_theta", "partial_rotary_factor")} | {"rope_parameters": rope | {
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 4096}}  # Phi-3 reads the top-level one
+    assert ModelConfig.from_hf_dict(v5) == cfg
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg  # jaxserve convert
+    assert ModelConfig.from_hf_dict(PHI3_LONGROPE | {"rope_scaling": rope | {"type": "su"}}) == cfg
+    given = ModelConfig.from_hf_dict(PHI3_LONGROPE | {"rope_scaling": rope | {
+        "type": "longrope", "factor": 2.0, "attention_factor": 1.5}})
+    assert (given.rope_scaling.factor, given.rope_scaling.attention_factor) == (2.0, 1.5)
+    bare = ModelConfig.from_hf_dict({k: v for k, v in PHI3_LONGROPE.items() if k not in (
+        "original_max_position_embeddings", "max_position_embeddings", "rms_norm_eps")})
+    assert (bare.rope_scaling.original_max_position_embeddings, bare.rope_scaling.factor,
+            bare.rope_scaling.attention_factor, bare.rms_norm_eps) == (4096, 1.0, 1.0, 1e-5)
+    plain = ModelConfig.from_hf_dir(HF_FIXTURES / "phi3")  # transformers 5's layout
+    assert (plain.rope_scaling, plain.rotary_dim, plain.sliding_window) == (None, 16, None)
+    # past original_max_position_embeddings transformers turns the whole sequence by
+    # long_factor: refused by name, not served with the short factors
+    with pytest.raises(ValueError, match="max_model_len 256 is longer than "
+                                         "original_max_position_embeddings 64: past it LongRoPE"):
+        EngineConfig().resolve_max_model_len(cfg)
+    assert EngineConfig(max_model_len=64).resolve_max_model_len(cfg) == 64
+    # a window (every layer's), refused past max_model_len as Mistral's
+    windowed = ModelConfig.from_hf_dir(HF_FIXTURES / "phi3").to_hf_dict() | {"sliding_window": 64}
+    assert ModelConfig.from_hf_dict(windowed).sliding_window == 64
+    with pytest.raises(ValueError, match="sliding_window 64 is shorter than max_model_len 256"):
+        EngineConfig().resolve_max_model_len(ModelConfig.from_hf_dict(windowed))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+     "rope type 'linear' is not supported for Phi3ForCausalLM; supported: default, longrope"),
+    ({"rope_scaling": {"type": "longrope", "long_factor": [1.0] * 6}},
+     "rope_scaling of type 'longrope' needs short_factor"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 6}},
+     "rope_scaling.short_factor must have 6 entries (one per frequency of 12 rotary dims), got 8"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 6, "long_factor": "x"}},
+     "rope_scaling.long_factor must be a list of numbers, got 'x'"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 5 + [None],
+                       "long_factor": [1.0] * 6}},
+     "rope_scaling.short_factor must be a finite number > 0, got None"),
+    ({"partial_rotary_factor": 0.7},
+     "partial_rotary_factor 0.7 rotates 11 of head_dim 16; RoPE needs an even number"),
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor 1.5 rotates 24 of head_dim 16"),
+    ({"sliding_window": "64"}, "sliding_window must be a positive integer, got '64'"),
+])
+def test_unsupported_phi3_config_is_a_clear_error(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(PHI3_LONGROPE | change)
+
+
+def test_longrope_is_phi3s_alone():
+    with pytest.raises(ValueError, match="rope type 'longrope' is not supported; supported: "
+                                         "default, linear, llama3"):
+        ModelConfig.from_hf_dict(LLAMA_CONFIG | {"rope_scaling": PHI3_LONGROPE["rope_scaling"]})
 
 
 def test_sliding_window_shorter_than_max_model_len():
@@ -374,7 +454,35 @@ def test_qwen3_checkpoint_with_attention_bias_loads(tmp_path):
         load_state(path, cfg, jnp.float32)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_phi3_fused_tensors_are_split_and_a_wrong_shape_is_named(tmp_path):
+    """qkv_proj's rows are q, k, v and gate_up_proj's gate, up (test_model_hf holds the logits
+    to transformers'); placed (numpy, as for tensor parallelism) they give the same logits; a
+    fused tensor of the wrong shape is a ValueError naming it and the rows expected."""
+    path = _copy_model(tmp_path, "phi3")
+    cfg = ModelConfig.from_hf_dir(path)
+    ids = [5, 9, 13, 21]
+    want = full_logits(*load_state(path, cfg, jnp.float32), cfg, ids)
+    placed = load_state(path, cfg, jnp.float32, place=lambda key, tensor: jnp.asarray(tensor))
+    np.testing.assert_array_equal(full_logits(*placed, cfg, ids), want)
+    tensors = load_file(str(path / "model.safetensors"))
+    good = dict(tensors)
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    tensors[qkv] = tensors[qkv][:-16]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(
+            f"tensor '{qkv}' has shape (112, 64) in the checkpoint but the model expects "
+            "(128, 64) (64 q_proj rows + 32 k_proj rows + 32 v_proj rows)")):
+        load_state(path, cfg, jnp.float32)
+    gate_up = "model.layers.0.mlp.gate_up_proj.weight"
+    tensors = good | {gate_up: np.ascontiguousarray(good[gate_up].T)}
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(
+            f"tensor '{gate_up}' has shape (64, 256) in the checkpoint but the model expects "
+            "(256, 64) (128 gate_proj rows + 128 up_proj rows)")):
+        load_state(path, cfg, jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi3_longrope"])
 def test_convert_to_orbax_and_dummy_weights(tmp_path, name):
     out = tmp_path / "converted"
     assert cli_main(["convert", str(HF_FIXTURES / name), str(out)]) == 0

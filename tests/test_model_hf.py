@@ -59,7 +59,8 @@ def test_prompt_logits_match_transformers(name, layers):
         np.testing.assert_allclose(ours, expected[f"prompt_{i}"], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3"])  # default and llama3-scaled RoPE
+# default, llama3-scaled and LongRoPE over 3/4 of each head (its attention factor on cos, sin)
+@pytest.mark.parametrize("name", ["llama", "llama3", "phi3_longrope"])
 def test_rope_tables_give_the_bits_computed_in_the_step(name):
     """The engine's steps read cos and sin from rope_tables; a step computing them itself (the
     model's default) gives the same hidden states, bit for bit, past the table clipped."""
@@ -90,8 +91,10 @@ def test_rope_tables_give_the_bits_computed_in_the_step(name):
 @pytest.mark.parametrize("name", HF_MODELS)
 def test_greedy_paged_chunked_matches_transformers(name):
     exp = _expected(name)
+    # LongRoPE is served up to original_max_position_embeddings (64 there) alone
+    limit = {"phi3_longrope": 64}.get(name)
     llm = LLM(HF_FIXTURES / name, page_size=4, prefill_chunk_sizes=(8,), max_num_seqs=4,
-              max_num_batched_tokens=16, num_pages=128)
+              max_num_batched_tokens=16, num_pages=128, max_model_len=limit)
     params = SamplingParams(max_tokens=len(exp["greedy"][0]), temperature=0.0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in exp["prompts"]], params)
     for out, want in zip(outputs, exp["greedy"], strict=True):

@@ -35,7 +35,7 @@ from jaxserve.demo.data import (
     load_corpus,
     training_windows,
 )
-from jaxserve.model.llama import LlamaForCausalLM, apply_rope, rope_inv_freq
+from jaxserve.model.llama import LlamaForCausalLM, apply_rope, rope_tables
 from jaxserve.model.loader import save_orbax
 from jaxserve.model_config import ModelConfig
 from jaxserve.tokenizer import ByteTokenizer
@@ -93,9 +93,7 @@ def causal_logits(model: LlamaForCausalLM, tokens: jax.Array) -> jax.Array:
         raise ValueError("causal_logits has no sliding window and no per-head q/k norm (Qwen3)")
     b, t = tokens.shape
     x = model.model.embed_tokens(tokens)  # [B, T, hidden]
-    freqs = jnp.arange(t, dtype=jnp.float32)[:, None] * rope_inv_freq(cfg)
-    freqs = jnp.concatenate([freqs, freqs], axis=-1)[None]  # [1, T, head_dim]
-    cos, sin = jnp.cos(freqs).astype(x.dtype), jnp.sin(freqs).astype(x.dtype)
+    cos, sin = (table[None] for table in rope_tables(cfg, t, x.dtype))  # [1, T, rotary_dim]
     causal = jnp.tril(jnp.ones((t, t), bool))  # [T(query), S(key)]
     kv_heads, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     for layer in model.model.layers:

@@ -1,9 +1,11 @@
-"""The Llama-family decoder (Llama 2/3, Qwen2/3, Mistral) in Flax NNX over the paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Phi-3) in Flax NNX over the paged KV
+cache.
 
 Attribute names mirror Hugging Face's parameter names (model.layers.0.self_attn.q_proj ...), so
-the loader maps a checkpoint mechanically. Callers split graph and state once and jit pure
-functions of the state (see model/step.py). `backend` (jaxserve/backends) does every matmul,
-row sum and attention call: the model names no platform.
+the loader maps a checkpoint mechanically (and splits Phi-3's fused qkv_proj and gate_up_proj).
+Callers split graph and state once and jit pure functions of the state (see model/step.py).
+`backend` (jaxserve/backends) does every matmul, row sum and attention call: the model names
+no platform.
 
 A loaded model holds its layers as a list, which the forward runs unrolled; `stack_layers`
 turns them into one layer whose weights carry a leading layer axis, which it runs under
@@ -21,13 +23,17 @@ from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model_config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [head_dim // 2] float32
-    """RoPE inverse frequencies, with linear or llama3 scaling, computed in float32 as HF does."""
-    exponents = np.arange(0, cfg.head_dim, 2, dtype=np.float32) / np.float32(cfg.head_dim)
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [rotary_dim // 2] float32
+    """RoPE inverse frequencies, with linear, llama3 or LongRoPE (short factors) scaling,
+    computed in float32 as HF does."""
+    exponents = np.arange(0, cfg.rotary_dim, 2, dtype=np.float32) / np.float32(cfg.rotary_dim)
     inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "longrope":
+        short = np.asarray(scaling.short_factor, np.float32)
+        return (1.0 / (short * np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
     if scaling.rope_type == "linear":
         return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     # llama3: long wavelengths divided by `factor`, short ones kept, a smooth blend between.
@@ -44,26 +50,35 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [head_dim // 2] float32
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_angles(cfg: ModelConfig, positions: jax.Array) -> jax.Array:  # [..., head_dim] f32
-    """Each position's rotation angles, the half-dimension frequencies repeated (HF's layout)."""
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of each position's angles, [..., rotary_dim] each: the half-dimension
+    frequencies repeated (HF's layout), times LongRoPE's attention factor, in float32 and then
+    cast, as HF does."""
     freqs = positions[..., None].astype(jnp.float32) * rope_inv_freq(cfg)
-    return jnp.concatenate([freqs, freqs], axis=-1)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    scale = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.attention_factor
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def rope_tables(cfg: ModelConfig, num_positions: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of every position's angles, [num_positions, head_dim] each: a step that reads
+    """rope_cos_sin of every position, [num_positions, rotary_dim] each: a step that reads
     them from these tables computes no cosine. Left to compute them, XLA on the CPU fuses cos
     and sin into every layer's rotation of q and k and recomputes them per head and layer:
     about a tenth of a prefill call's time."""
-    angles = rope_angles(cfg, jnp.arange(num_positions, dtype=jnp.int32))
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    return rope_cos_sin(cfg, jnp.arange(num_positions, dtype=jnp.int32), dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [B, C, heads, head_dim]; cos/sin: [B, C, head_dim]. HF's rotate-half convention."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    """x: [B, C, heads, head_dim]; cos/sin: [B, C, rotary_dim]. HF's rotate-half convention
+    over each head's first rotary_dim dims; the rest (Phi-3's partial_rotary_factor) pass."""
+    rotary_dim = cos.shape[-1]
+    half, turned = rotary_dim // 2, x[..., :rotary_dim]
+    rotated = jnp.concatenate([-turned[..., half:], turned[..., :half]], axis=-1)
+    out = turned * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out if rotary_dim == x.shape[-1] else jnp.concatenate([out, x[..., rotary_dim:]], -1)
 
 
 class RMSNorm(nnx.Module):
@@ -168,8 +183,7 @@ class LlamaForCausalLM(nnx.Module):
         layers runs unrolled, stacked layers (`stack_layers`) under jax.lax.scan."""
         x = self.embed(tokens, backend)  # [B, C, hidden]
         if rope is None:
-            angles = rope_angles(self.config, md.positions)  # [B, C, head_dim]
-            cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+            cos, sin = rope_cos_sin(self.config, md.positions, x.dtype)  # [B, C, rotary_dim]
         else:
             cos, sin = (jnp.take(t, md.positions, axis=0, mode="clip").astype(x.dtype)
                         for t in rope)

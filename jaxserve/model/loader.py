@@ -96,6 +96,36 @@ def _hf_path(name: str, expected: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[tu
     return (parts, False) if parts in expected else None
 
 
+# Phi-3's fused tensors -> the model's own, in the checkpoint's row order
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _fused_parts(name: str, cfg: ModelConfig) -> list[tuple[str, int | None]]:
+    """[(tensor name, rows)]: a fused tensor's parts, each its rows of the fused one; any other
+    tensor is its own one part (rows None)."""
+    stem, _, leaf = name.rpartition(".")
+    parent, _, proj = stem.rpartition(".")
+    if leaf != "weight" or proj not in _FUSED:
+        return [(name, None)]
+    q, kv, i = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                cfg.intermediate_size)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": i, "up_proj": i}
+    return [(f"{parent}.{part}.weight", rows[part]) for part in _FUSED[proj]]
+
+
+def _split_rows(name: str, tensor, parts: list[tuple[str, int | None]], hidden: int) -> list:
+    """The tensor's parts (_fused_parts'), a fused [rows, hidden] one split by rows."""
+    if parts[0][1] is None:
+        return [tensor]
+    want = (sum(rows for _, rows in parts), hidden)
+    if tuple(tensor.shape) != want:
+        layout = " + ".join(f"{rows} {part.split('.')[-2]} rows" for part, rows in parts)
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint but "
+                         f"the model expects {want} ({layout})")
+    ends = np.cumsum([rows for _, rows in parts])
+    return [tensor[end - rows:end] for (_, rows), end in zip(parts, ends, strict=True)]
+
+
 def _safetensor_files(path: Path) -> list[Path]:
     """The shards an index names; else model.safetensors alone, as transformers reads it (an
     adapter_model.safetensors or consolidated.safetensors beside it is another format's copy);
@@ -146,26 +176,29 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
         # placed: read into host memory, each device then sent its part
         with _open_safetensors(safe_open, file, "flax" if place is None else "numpy") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                target = _hf_path(name, expected)
-                if target is None:
+                parts = _fused_parts(name, cfg)
+                targets = [_hf_path(part, expected) for part, _ in parts]
+                if None in targets:
                     if name.endswith(_IGNORED_SUFFIXES) or (
                         name == "lm_head.weight" and cfg.tie_word_embeddings
                     ):
                         continue
                     raise ValueError(f"checkpoint tensor {name!r} in {file.name} has no place in "
                                      f"the {cfg.architecture} model")
-                key, transpose = target
-                tensor = f.get_tensor(name)
-                # shapes compared in the checkpoint's layout ([out, in] for a linear layer)
-                want = tuple(expected[key].shape)[::-1] if transpose else tuple(expected[key].shape)
-                if tuple(tensor.shape) != want:
-                    raise ValueError(
-                        f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint but "
-                        f"the model expects {want}"
-                    )
-                tensor = tensor.T if transpose else tensor
-                values[key] = (jnp.asarray(tensor, dtype=expected[key].dtype) if place is None
-                               else place(key, tensor).astype(expected[key].dtype))
+                pieces = _split_rows(name, f.get_tensor(name), parts, cfg.hidden_size)
+                for (part, _), (key, transpose), tensor in zip(parts, targets, pieces,
+                                                               strict=True):
+                    # shapes compared in the checkpoint's layout ([out, in] for a linear layer)
+                    want = (tuple(expected[key].shape)[::-1] if transpose
+                            else tuple(expected[key].shape))
+                    if tuple(tensor.shape) != want:
+                        raise ValueError(
+                            f"tensor {part!r} has shape {tuple(tensor.shape)} in the checkpoint "
+                            f"but the model expects {want}"
+                        )
+                    tensor = tensor.T if transpose else tensor
+                    values[key] = (jnp.asarray(tensor, dtype=expected[key].dtype) if place is None
+                                   else place(key, tensor).astype(expected[key].dtype))
     missing = [_hf_name(k) for k in expected if k not in values]
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing)}")
