@@ -68,7 +68,7 @@ def step_args(cfg: ModelConfig, dtype, backend, state, kv, rows: int, chunk: int
     sm = SamplingMetadata(_spec((rows,), jnp.float32), _spec((rows,), jnp.int32),
                           _spec((rows,), jnp.float32), _spec((rows,), jnp.uint32),
                           _spec((rows,), jnp.int32), _spec((rows,), jnp.bool_))
-    rope = (_spec((cfg.max_position_embeddings, cfg.head_dim), dtype),) * 2
+    rope = (_spec((cfg.max_position_embeddings, cfg.rotary_dim), dtype),) * 2
     weights = (jax.tree.leaves(state), rope)
     return weights, md, sm
 

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_tp", ROOT / "bench" / "tensor_parallel.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
-MODELS = {name: ROOT / "tests" / "fixtures" / "hf" / name for name in ("llama", "qwen2", "mistral")}
+MODELS = {name: ROOT / "tests" / "fixtures" / "hf" / name
+          for name in ("llama", "qwen2", "mistral", "phi3")}
 MODELS["stories260K"] = ROOT / "models" / "stories260K"
 ENGINE = dict(max_num_seqs=4, page_size=8, num_pages=80, prefill_chunk_sizes=(16,),
               max_num_batched_tokens=32, row_buckets=(4,), enable_prompt_logprobs=False)

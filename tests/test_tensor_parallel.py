@@ -21,7 +21,7 @@ from jaxserve.plan import Device, plan
 from jaxserve.sharding import check_tensor_parallel
 
 HERE = Path(__file__).resolve().parent
-MODELS = ("llama", "qwen2", "mistral", "stories260K")
+MODELS = ("llama", "qwen2", "mistral", "phi3", "stories260K")
 
 
 @pytest.fixture(scope="module")
