@@ -46,8 +46,10 @@ def _modules():
             yield ".".join(p for p in rel.parts if p != "__init__"), path
 
 
-def _imports(path: Path):
-    for node in ast.walk(ast.parse(path.read_text())):
+def _imports(path: Path, module_level: bool = False):
+    """The modules a file imports (module_level: only its top-level statements')."""
+    tree = ast.parse(path.read_text())
+    for node in tree.body if module_level else ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -73,19 +75,11 @@ def test_the_model_names_no_platform_or_kernel_option(path):
         assert word not in text, f"{path.name} names {word}"
 
 
-def _module_level_imports(path: Path):
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
-
-
 @pytest.mark.parametrize(("module", "path"), list(_modules()), ids=lambda x: str(x))
 def test_the_grammar_library_loads_only_where_a_grammar_is_used(module, path):
     """llguidance is structured_output's alone, and structured_output is imported inside the
     functions that compile or fill a grammar: an engine serving no structured output starts
     without the grammar library (an accelerator image may lack it)."""
     if module != "jaxserve.structured_output":
-        names = list(_module_level_imports(path))
+        names = list(_imports(path, module_level=True))
         assert "jaxserve.structured_output" not in names and "llguidance" not in names, module
