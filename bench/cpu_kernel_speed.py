@@ -5,6 +5,7 @@
     python bench/cpu_kernel_speed.py --parts decode --baseline HEAD~1   # a change against before
     python bench/cpu_kernel_speed.py --parts prefill --baseline HEAD~1
     python bench/cpu_kernel_speed.py --parts matmul --baseline HEAD~1
+    python bench/cpu_kernel_speed.py --parts quant   # int8 / fp8 weights against float32
 
     matmul   the peer model's 57 linear layers in a chain (8 layers + LM head), x of M rows
              (each layer reading x, which lets XLA run some side by side; with --dependent each
@@ -15,6 +16,11 @@
     prefill  one layer's paged attention for prompt chunks: the plain-XLA block walk
              (attention_impl="reference") against cpu_prefill.cc (and, with --baseline REV, the
              kernel as at REV, alternating)
+    quant    one weight of 4096 x 14336 (a Llama-3-8B MLP projection) as float32 panels and as
+             int8 and float8_e4m3fn panels with a scale per column (matmul_cpu_quant_panels),
+             x of 1, 8 and 32 rows: ms, GB/s of weight bytes read and the speed-up over
+             float32. The int8 weight's 56 MiB is past most CPUs' last-level cache, so each
+             call reads it from memory, as a decode step does
     decode   64 slots x 200 tokens over 8 layers: cpu_decode.cc's GB/s of K and V read (on
              float32 pages and on bfloat16 ones: kv_cache_dtype="bfloat16"), beside the
              machine's streaming read of a buffer larger than its caches; with
@@ -47,6 +53,7 @@ from cpu_kernels.matmul import (
     matmul_cpu,
     matmul_cpu_amx,
     matmul_cpu_panels,
+    matmul_cpu_quant_panels,
     pack_amx,
     pack_panels,
 )
@@ -119,6 +126,36 @@ def matmul_rows(shapes, ms, runs: int, rng, baseline: str | None = None,
                 best[kind] = min(best[kind], best_time(fn, x, operands[kind], runs=2))
         rows.append({"m": m, **{f"{k}_ms": 1e3 * t for k, t in best.items()},
                      **{f"{k}_gflops": flops / t / 1e9 for k, t in best.items()}})
+    return rows
+
+
+def quant_rows(k: int, n: int, ms, runs: int, rng) -> list[dict]:
+    """One weight [K, N] as float32 panels and as int8 and fp8 ones (scaled per column to each
+    type's range), alternating; per M: ms, GB/s of weight bytes, speed-up over float32."""
+    w = rng.standard_normal((k, n), np.float32) * 0.05
+    amax = np.abs(w).max(axis=0)
+    int8 = (np.round(w / (amax / 127)).astype(np.int8), amax / 127)
+    fp8 = (jnp.asarray(w / (amax / 448)).astype(jnp.float8_e4m3fn), amax / 448)
+    operands = {"float32": (pack_panels(jnp.asarray(w)),)}
+    for kind, (q, scale) in {"int8": int8, "fp8": fp8}.items():
+        operands[kind] = (pack_panels(jnp.asarray(q)), jnp.asarray(scale, jnp.float32))
+    del w, int8, fp8
+    kinds = {"float32": jax.jit(lambda x, p: matmul_cpu_panels(x, p, n))}
+    for kind in ("int8", "fp8"):
+        kinds[kind] = jax.jit(lambda x, p, s: matmul_cpu_quant_panels(x, p, s, n))
+    rows = []
+    for m in ms:
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+        best = dict.fromkeys(kinds, float("inf"))
+        for _ in range(runs):  # alternating
+            for kind, fn in kinds.items():
+                best[kind] = min(best[kind], best_time(fn, x, *operands[kind], runs=2))
+        row = {"m": m}
+        for kind, seconds in best.items():
+            row |= {f"{kind}_ms": 1e3 * seconds,
+                    f"{kind}_gb_per_s": operands[kind][0].nbytes / seconds / 1e9,
+                    f"{kind}_speedup": best["float32"] / seconds}
+        rows.append(row)
     return rows
 
 
@@ -225,8 +262,8 @@ def _timed(fn) -> float:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test)")
-    parser.add_argument("--parts", nargs="+", default=["matmul", "prefill", "decode"],
-                        choices=["matmul", "prefill", "decode"])
+    parser.add_argument("--parts", nargs="+", default=["matmul", "quant", "prefill", "decode"],
+                        choices=["matmul", "quant", "prefill", "decode"])
     parser.add_argument("--baseline", metavar="REV",
                         help="the kernels also as built from git revision REV (the packed "
                              "matmul, prefill and decode attention), alternating")
@@ -239,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
         shapes, ms, runs = linear_shapes(64, 32, 128, 2, 256), [1, 8, 40], 2
         cases, attn = [(2, 32, 0), (1, 16, 16)], (4, 2, 16)
         decode = dict(slots=4, context=40, layers=2)
+        quant = 256, 320
         read_bytes = 16 << 20
     else:  # bench/peer_hf.py's model: 8 layers of 512, 8 query / 4 KV heads of 64, vocab 8192
         shapes, ms, runs = linear_shapes(512, 256, 1024, 8, 8192), [1, 2, 4, 8, 16, 32, 48, 64,
@@ -246,6 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
         cases, attn = [(4, 256, 0), (8, 128, 0), (1, 256, 256), (32, 32, 0), (4, 256, 256)], (
             8, 4, 64)
         decode = dict(slots=64, context=200, layers=8)
+        quant = 4096, 14336
         read_bytes = 1 << 30
     out = {}
     print(f"jax {jax.__version__} on {jax.default_backend()}")
@@ -270,6 +309,17 @@ def main(argv: list[str] | None = None) -> dict:
                   + (f" {r['amx_ms']:9.2f} ({r['amx_gflops']:5.0f})" if "amx_ms" in r else "")
                   + (f" {r['amx_baseline_ms']:11.2f} ({r['amx_baseline_gflops']:5.0f})"
                      if "amx_baseline_ms" in r else ""))
+    if "quant" in args.parts:
+        out["quant"] = quant_rows(*quant, [1, 8, 32], runs, rng)
+        print(f"\nquantised weights: one [{quant[0]}, {quant[1]}] weight as panels "
+              f"({quant[0] * quant[1] * 4 / 2**20:.3g} MiB in float32, "
+              f"{quant[0] * quant[1] / 2**20:.3g} MiB in int8 or fp8); ms (GB/s of weight bytes) "
+              "and the speed-up over float32")
+        print(f"{'rows':>6} {'float32':>18} {'int8':>26} {'float8_e4m3fn':>26}")
+        for r in out["quant"]:
+            print(f"{r['m']:>6} {r['float32_ms']:9.2f} ({r['float32_gb_per_s']:5.1f})"
+                  + "".join(f" {r[f'{kind}_ms']:9.2f} ({r[f'{kind}_gb_per_s']:5.1f}) "
+                            f"{r[f'{kind}_speedup']:5.2f}x" for kind in ("int8", "fp8")))
     if "prefill" in args.parts:
         out["prefill"] = prefill_rows(cases, *attn, runs, rng, baseline)
         print(f"\nprefill attention, one layer ({attn[0]} heads, {attn[1]} KV heads of {attn[2]}); ms")

@@ -2,7 +2,8 @@
 
     attention.py   paged attention, decode and prefill chunks (padded or ragged), on float32
                    pages or bfloat16 pages held as their bits
-    matmul.py      the linear layers' matmul and the row reductions, batch invariant: a row's
+    matmul.py      the linear layers' matmul (float32 weights, or int8 / float8_e4m3fn ones
+                   with a scale per column) and the row reductions, batch invariant: a row's
                    result does not depend on the other rows of the step
     library.py     the build, cache and registration of the one shared library
 

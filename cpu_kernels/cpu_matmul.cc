@@ -8,12 +8,18 @@
 //                                    stores, so a panel streams from memory in one run where
 //                                    the rows of w in place are N floats apart (each in its own
 //                                    4 KiB page, where the hardware prefetcher stops)
+//   out[M, N] = (x @ w) * scale[N]   w int8 or float8_e4m3fn, in place or as panels, with one
+//                                    float32 scale per column (weight-only quantisation):
+//                                    each weight widened to float32 exactly as it is loaded,
+//                                    the chain as float32's, then one multiply by the column's
+//                                    scale; a decode step reads a quarter of float32's bytes
 //
 // What XLA's CPU dot does not give a serving engine:
 //   - batch invariance: every output element is one chain of fused multiply-adds over
 //     k = 0 .. K-1 in order, whatever M is and wherever its row sits, so a request's logits do
 //     not depend on how many others share its step (XLA's dot sums a row one way for M = 1,
-//     another for M = 2..32 and a third for 48 and 64). Partial columns use masked loads, and
+//     another for M = 2..32 and a third for 48 and 64). Partial columns are masked in `out`
+//     (w is read whole: zero past N in a panel, a partial panel in place copied first), and
 //     the scalar path std::fma: the same correctly rounded steps, bit for bit;
 //   - few rows at the weights' pace: a decode step's handful of rows streams w once, where
 //     XLA's dot runs M = 16 at a third of its large-M rate.
@@ -39,16 +45,68 @@ constexpr int64_t kNC = 64;   // columns per panel: four AVX-512 registers, eigh
 constexpr int64_t kKC = 256;  // k per block
 constexpr int64_t kMC = 96;   // rows per work item
 constexpr int64_t kAhead = 8;  // rows of w to prefetch ahead
+// ... as many bytes ahead for a narrower w: 32 rows of int8 (measured 3-9% faster than 8 at
+// 1-8 rows)
+template <class W>
+constexpr int64_t kAheadRows = kAhead * 4 / int64_t{sizeof(W)};
 
 enum class Layout { kRows, kTransposed, kPanels };
 
 struct Problem {
   const float* x;
-  const float* w;  // [K, N]; [N, K] when transposed; [ceil(N / kNC), K, kNC] as panels
+  const void* w;  // [K, N]; [N, K] when transposed; [ceil(N / kNC), K, kNC] as panels
+  const float* scale;  // [N] for an int8 or float8_e4m3fn w; nullptr for a float32 one
   float* out;
   int64_t m, k, n;
   Layout layout;
 };
+
+enum class fp8_e4m3 : uint8_t {};  // a float8_e4m3fn weight's bits
+
+// A weight widened to float32, exactly: int8 as is; e4m3fn (sign, 4 exponent bits of bias 7, 3
+// of mantissa) as an integer times 2^-9, never a float32 subnormal. XLA runs the kernels with
+// denormals-are-zero set, so the short route through float32 bits, (b & 0x80) << 24 |
+// (b & 0x7f) << 20 times 2^120, reads e4m3's subnormals as 0; the vector loads below go through
+// float16 instead (its conversion reads subnormals whatever DAZ says). NaN (0x7f, 0xff) is no
+// value a quantised weight takes: it reads as +-480 here.
+inline float widen(float w) { return w; }
+inline float widen(int8_t w) { return w; }
+inline float widen(fp8_e4m3 w) {
+  const int b = static_cast<uint8_t>(w), e = (b >> 3) & 15, m = b & 7;
+  const float magnitude = static_cast<float>(e ? (8 + m) << (e - 1) : m) * 0x1p-9f;
+  return b & 0x80 ? -magnitude : magnitude;
+}
+
+// Columns [0, 16) (widen16) or [0, 8) (widen8) of a row of w as float32, read whole: a panel
+// always has kNC columns to read (zero past N when packed; block() copies a partial panel of w
+// in place into scratch first). As float16, e4m3fn's bits shifted left 7 (the sign kept in bit
+// 15) are the weight / 2^8.
+#if defined(__AVX512F__)
+inline __m512 widen16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 widen16(const int8_t* w) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+inline __m512 widen16(const fp8_e4m3* w) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(b, 7),
+                                        _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(0x1p8f));
+}
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 widen8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 widen8(const int8_t* w) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+inline __m256 widen8(const fp8_e4m3* w) {
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+  const __m128i half = _mm_and_si128(_mm_slli_epi16(b, 7),
+                                     _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(0x1p8f));
+}
+#endif
 
 // A share of a panel's next block, fetched into L2 by one of the tiles after a block's first
 // (that one waits for the block from memory; the others compute from L2): `lines` cache lines
@@ -59,14 +117,16 @@ struct Ahead {
 };
 
 // Rows [row, row + R) x columns [col, col + cols) of out (cols <= kNC) over k in [k0, k0 + kc);
-// w: row k0 of the panel, rows ldw floats apart.
+// w: row k0 of the panel, rows ldw elements apart; W float, int8_t or fp8_e4m3.
 #if defined(__AVX512F__)
 // The accumulators are named registers, not an array: GCC keeps an array of 24 vectors in
-// memory and stores all of them on every step of k.
+// memory and stores all of them on every step of k. Inlined into block(), as GCC did by itself
+// before the tile took the weight type (out of line, chains of 256 rows measured 2-5% slower).
 #define JAXSERVE_ROWS(DO) DO(0) DO(1) DO(2) DO(3) DO(4) DO(5)
-template <int R, bool kFetch>
-void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float* w, int64_t ldw,
-          int64_t k0, int64_t kc, Ahead next) {
+template <int R, bool kFetch, class W>
+[[gnu::always_inline]] inline void tile(const Problem& p, int64_t row, int64_t col, int64_t cols,
+                                        const W* w, int64_t ldw, int64_t k0, int64_t kc,
+                                        Ahead next) {
   static_assert(kMR == 6 && kNC == 64, "the register tile is 6 rows x 4 vectors of 16");
   auto lane_mask = [cols](int v) {
     const int64_t left = std::clamp<int64_t>(cols - 16 * v, 0, 16);
@@ -88,14 +148,15 @@ void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float*
   JAXSERVE_ROWS(JAXSERVE_LOAD)
   for (int64_t k = 0; k < kc; ++k, w += ldw) {
     // each row of the panel is in another 4 KiB page, where the hardware prefetcher stops
-    const char* ahead = reinterpret_cast<const char*>(w + kAhead * ldw);
-    for (int64_t b = 0; b < kNC * 4; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    const char* ahead = reinterpret_cast<const char*>(w + kAheadRows<W> * ldw);
+    for (int64_t b = 0; b < kNC * int64_t{sizeof(W)}; b += 64)
+      _mm_prefetch(ahead + b, _MM_HINT_T0);
     if constexpr (kFetch) {
       const int64_t end = std::min(next.lines, (k + 1) * next.per_k);
       for (int64_t j = k * next.per_k; j < end; ++j) _mm_prefetch(next.at + 64 * j, _MM_HINT_T1);
     }
-    const __m512 w0 = _mm512_maskz_loadu_ps(m0, w), w1 = _mm512_maskz_loadu_ps(m1, w + 16);
-    const __m512 w2 = _mm512_maskz_loadu_ps(m2, w + 32), w3 = _mm512_maskz_loadu_ps(m3, w + 48);
+    const __m512 w0 = widen16(w), w1 = widen16(w + 16);
+    const __m512 w2 = widen16(w + 32), w3 = widen16(w + 48);
 #define JAXSERVE_FMA(r)                                                               \
   if constexpr (R > r) {                                                              \
     const __m512 xr = _mm512_set1_ps(x[r * p.k + k]);                                 \
@@ -122,9 +183,9 @@ void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float*
 #undef JAXSERVE_ROWS
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-template <int R, bool kFetch>  // (no prefetch of the next block)
-void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float* w_k0,
-          int64_t ldw, int64_t k0, int64_t kc, Ahead) {
+template <int R, bool kFetch, class W>  // (no prefetch of the next block)
+void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const W* w_k0, int64_t ldw,
+          int64_t k0, int64_t kc, Ahead) {
   constexpr int V = kNC / 8;  // 8 registers of 8: tiles of R <= 1 row use 8 + 1; rows loop
   __m256i mask[V];
   for (int v = 0; v < V; ++v) {
@@ -143,12 +204,12 @@ void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float*
         acc[r][v] = k0 == 0 ? _mm256_setzero_ps()
                             : _mm256_maskload_ps(c + r * p.n + 8 * v, mask[v]);
     const float* x = p.x + (row + r0) * p.k + k0;
-    const float* w = w_k0;
+    const W* w = w_k0;
     for (int64_t k = 0; k < kc; ++k, w += ldw) {
       for (int r = 0; r < rows; ++r) {
         const __m256 xr = _mm256_set1_ps(x[r * p.k + k]);
         for (int v = 0; v < V; ++v)
-          acc[r][v] = _mm256_fmadd_ps(xr, _mm256_maskload_ps(w + 8 * v, mask[v]), acc[r][v]);
+          acc[r][v] = _mm256_fmadd_ps(xr, widen8(w + 8 * v), acc[r][v]);
       }
     }
     for (int r = 0; r < rows; ++r)
@@ -156,24 +217,24 @@ void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float*
   }
 }
 #else
-template <int R, bool kFetch>
-void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const float* w, int64_t ldw,
+template <int R, bool kFetch, class W>
+void tile(const Problem& p, int64_t row, int64_t col, int64_t cols, const W* w, int64_t ldw,
           int64_t k0, int64_t kc, Ahead) {
   for (int r = 0; r < R; ++r) {
     float* c = p.out + (row + r) * p.n + col;
     const float* x = p.x + (row + r) * p.k;
     for (int64_t j = 0; j < cols; ++j) {
       float acc = k0 == 0 ? 0.f : c[j];
-      for (int64_t k = 0; k < kc; ++k) acc = std::fma(x[k0 + k], w[k * ldw + j], acc);
+      for (int64_t k = 0; k < kc; ++k) acc = std::fma(x[k0 + k], widen(w[k * ldw + j]), acc);
       c[j] = acc;
     }
   }
 }
 #endif
 
-template <bool kFetch>
-void tiles(const Problem& p, int64_t row, int64_t rows, int64_t col, int64_t cols,
-           const float* w, int64_t ldw, int64_t k0, int64_t kc, Ahead next) {
+template <bool kFetch, class W>
+void tiles(const Problem& p, int64_t row, int64_t rows, int64_t col, int64_t cols, const W* w,
+           int64_t ldw, int64_t k0, int64_t kc, Ahead next) {
   switch (rows) {
     case 6: return tile<6, kFetch>(p, row, col, cols, w, ldw, k0, kc, next);
     case 5: return tile<5, kFetch>(p, row, col, cols, w, ldw, k0, kc, next);
@@ -184,34 +245,44 @@ void tiles(const Problem& p, int64_t row, int64_t rows, int64_t col, int64_t col
   }
 }
 
-// Rows [row_begin, row_end) x columns [col, col + cols). (Copying a block of the panel to
-// contiguous memory first measured slower: the prefetches keep the rows in place in L1/L2.)
+// Rows [0, kc) of w's kNC columns at w (rows ldw elements apart), widened into out[kc, kNC]
+template <class W>
+void widen_rows(const W* w, int64_t ldw, int64_t kc, float* out) {
+  for (int64_t k = 0; k < kc; ++k, w += ldw, out += kNC) {
+#if defined(__AVX512F__)
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows<W> * ldw), _MM_HINT_T0);
+    for (int64_t j = 0; j < kNC; j += 16) _mm512_storeu_ps(out + j, widen16(w + j));
+#elif defined(__AVX2__) && defined(__FMA__)
+    _mm_prefetch(reinterpret_cast<const char*>(w + kAheadRows<W> * ldw), _MM_HINT_T0);
+    for (int64_t j = 0; j < kNC; j += 8) _mm256_storeu_ps(out + j, widen8(w + j));
+#else
+    for (int64_t j = 0; j < kNC; ++j) out[j] = widen(w[j]);
+#endif
+  }
+}
+
+// Rows [row_begin, row_end) x columns [col, col + cols), on w's elements of type W. w is read
+// in place (copying a block of the panel to contiguous memory first measured slower: the
+// prefetches keep the rows in place in L1/L2), an int8 or fp8 one widened in each tile's
+// registers: int8's block of 16 KiB stays in L1 for the next tile, and measured at least as
+// fast as float32 at every M (4-5x at one row, 1.7x at 8; 4096 x 14336 panels). Only fp8 from
+// three tiles on is widened once per block into scratch: its widening (five instructions a
+// vector) done by every tile cost 15% over float32 at 32-384 rows, done once 2%.
+template <class W>
 void block(const Problem& p, int64_t row_begin, int64_t row_end, int64_t col, int64_t cols,
            std::vector<float>& scratch) {
-  for (int64_t k0 = 0; k0 < p.k; k0 += kKC) {
-    const int64_t kc = std::min(kKC, p.k - k0);
-    const float* w = p.w + k0 * p.n + col;
-    int64_t ldw = p.n;
-    if (p.layout == Layout::kPanels) {
-      w = p.w + ((col / kNC) * p.k + k0) * kNC;
-      ldw = kNC;
-    } else if (p.layout == Layout::kTransposed) {  // w[col + j, k0 + k] -> scratch[k, j]
-      scratch.assign(kc * kNC, 0.f);
-      for (int64_t j = 0; j < cols; ++j) {
-        const float* src = p.w + (col + j) * p.k + k0;
-        for (int64_t k = 0; k < kc; ++k) scratch[k * kNC + j] = src[k];
-      }
-      w = scratch.data();
-      ldw = kNC;
-    }
-    // Panels: a block's first tile waits for the block from memory and the others compute
-    // from L2; from three tiles on, the others fetch the panel's next block meanwhile, in equal
-    // shares (measured: 9-15% off the chain at 16-64 rows, 2-4% at 1,024)
-    const int64_t count = (row_end - row_begin + kMR - 1) / kMR;
-    const int64_t next_lines = std::min(kKC, p.k - k0 - kc) * kNC * 4 / 64;
-    const bool fetch = p.layout == Layout::kPanels && next_lines > 0 && count >= 3;
+  const W* weights = static_cast<const W*>(p.w);
+  const bool transposed = p.layout == Layout::kTransposed, panels = p.layout == Layout::kPanels;
+  const int64_t count = (row_end - row_begin + kMR - 1) / kMR;  // row tiles
+  // The row tiles over k in [k0, k0 + kc) on w (W, or float in scratch) from row k0, rows ldw
+  // apart. Panels: a block's first tile waits for the block from memory and the others compute
+  // from L2; from three tiles on, the others fetch the panel's next block (next_lines cache
+  // lines from `next`) meanwhile, in equal shares (measured: 9-15% off the chain at 16-64 rows,
+  // 2-4% at 1,024)
+  auto run = [&](const auto* w, int64_t ldw, int64_t k0, int64_t kc, const char* next,
+                 int64_t next_lines) {
+    const bool fetch = next_lines > 0 && count >= 3;
     const int64_t share = fetch ? (next_lines + count - 2) / (count - 1) : 0;  // lines a tile
-    const char* next = reinterpret_cast<const char*>(w + kc * kNC);
     for (int64_t i = 0, row = row_begin; row < row_end; ++i, row += kMR) {
       const int64_t rows = std::min(kMR, row_end - row);
       const int64_t first = (i - 1) * share;  // the tile's first line of the next block
@@ -223,57 +294,117 @@ void block(const Problem& p, int64_t row_begin, int64_t row_end, int64_t col, in
         tiles<false>(p, row, rows, col, cols, w, ldw, k0, kc, {});
       }
     }
+  };
+  for (int64_t k0 = 0; k0 < p.k; k0 += kKC) {
+    const int64_t kc = std::min(kKC, p.k - k0);
+    if (transposed || (!panels && cols < kNC)) {
+      // w[col + j, k0 + k] (transposed), or a partial panel of w in place w[k0 + k, col + j]
+      // (too few columns to read whole), widened -> scratch[k, j]
+      const int64_t k_step = transposed ? 1 : p.n, j_step = transposed ? p.k : 1;
+      const W* src = transposed ? weights + col * p.k + k0 : weights + k0 * p.n + col;
+      scratch.assign(kc * kNC, 0.f);
+      for (int64_t j = 0; j < cols; ++j)
+        for (int64_t k = 0; k < kc; ++k) scratch[k * kNC + j] = widen(src[k * k_step + j * j_step]);
+      run(scratch.data(), kNC, k0, kc, nullptr, 0);
+      continue;
+    }
+    const W* w = panels ? weights + ((col / kNC) * p.k + k0) * kNC : weights + k0 * p.n + col;
+    const int64_t ldw = panels ? kNC : p.n;
+    const char* next = reinterpret_cast<const char*>(w + kc * kNC);
+    const int64_t next_lines =
+        panels ? std::min(kKC, p.k - k0 - kc) * kNC * int64_t{sizeof(W)} / 64 : 0;
+    if (std::is_same_v<W, fp8_e4m3> && count >= 3) {
+      scratch.resize(kKC * kNC);
+      widen_rows(w, ldw, kc, scratch.data());
+      run(scratch.data(), kNC, k0, kc, next, next_lines);
+    } else {
+      run(w, ldw, k0, kc, next, next_lines);
+    }
+  }
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    float* c = p.out + r * p.n + col;
+    if (p.k == 0) std::fill(c, c + cols, 0.f);
+    if (p.scale == nullptr) continue;
+    for (int64_t j = 0; j < cols; ++j) c[j] *= p.scale[col + j];  // the chain, then its scale
   }
 }
 
-using Matrix = ffi::BufferR2<ffi::F32>;
-using Panels = ffi::BufferR3<ffi::F32>;
-using Out = ffi::ResultBufferR2<ffi::F32>;
-
+template <class W>
 ffi::Error Run(ffi::ThreadPool& pool, const Problem& p) {
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  if (p.k == 0) {
-    std::fill(p.out, p.out + p.m * p.n, 0.f);
-    return ffi::Error::Success();
-  }
   const int64_t row_blocks = (p.m + kMC - 1) / kMC, panels = (p.n + kNC - 1) / kNC;
   parallel_items(pool, row_blocks * panels, [p, panels](int64_t i, std::vector<float>& scratch) {
     const int64_t rb = i / panels, col = (i % panels) * kNC;
-    block(p, rb * kMC, std::min(p.m, (rb + 1) * kMC), col, std::min(kNC, p.n - col), scratch);
+    block<W>(p, rb * kMC, std::min(p.m, (rb + 1) * kMC), col, std::min(kNC, p.n - col),
+             scratch);
   });
   return ffi::Error::Success();
 }
 
-ffi::Error RunMatrix(ffi::ThreadPool& pool, Matrix& x, Matrix& w, Out& out, Layout layout) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const auto od = out->dimensions();
-  const bool transposed = layout == Layout::kTransposed;
-  const int64_t wk = transposed ? wd[1] : wd[0], wn = transposed ? wd[0] : wd[1];
-  if (xd[1] != wk || od[0] != xd[0] || od[1] != wn) {
+using Dims = ffi::Span<const int64_t>;
+
+// Whether w's dimensions in `layout` fit x [M, K] and out [M, N]
+bool fits(Dims x, Dims w, Dims out, Layout layout) {
+  if (out[0] != x[0]) return false;
+  switch (layout) {
+    case Layout::kRows: return w.size() == 2 && w[0] == x[1] && w[1] == out[1];
+    case Layout::kTransposed: return w.size() == 2 && w[1] == x[1] && w[0] == out[1];
+    case Layout::kPanels:
+      return w.size() == 3 && w[1] == x[1] && w[2] == kNC && w[0] == (out[1] + kNC - 1) / kNC;
+  }
+  return false;
+}
+
+using Matrix = ffi::BufferR2<ffi::F32>;
+using Panels = ffi::BufferR3<ffi::F32>;
+using Scale = ffi::BufferR1<ffi::F32>;
+using Out = ffi::ResultBufferR2<ffi::F32>;
+
+template <class Weights>
+ffi::Error RunFloat(ffi::ThreadPool& pool, Matrix& x, Weights& w, Out& out, Layout layout) {
+  if (!fits(x.dimensions(), w.dimensions(), out->dimensions(), layout)) {
     return ffi::Error::InvalidArgument("cpu matmul: inconsistent shapes");
   }
-  return Run(pool, {x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wn,
-                    layout});
+  const auto od = out->dimensions();
+  return Run<float>(pool, {x.typed_data(), w.typed_data(), nullptr, out->typed_data(), od[0],
+                           x.dimensions()[1], od[1], layout});
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, Matrix w, Out out) {
-  return RunMatrix(pool, x, w, out, Layout::kRows);
+  return RunFloat(pool, x, w, out, Layout::kRows);
 }
 
 ffi::Error MatmulTransposed(ffi::ThreadPool pool, Matrix x, Matrix w, Out out) {
-  return RunMatrix(pool, x, w, out, Layout::kTransposed);
+  return RunFloat(pool, x, w, out, Layout::kTransposed);
 }
 
 ffi::Error MatmulPanels(ffi::ThreadPool pool, Matrix x, Panels w, Out out) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
+  return RunFloat(pool, x, w, out, Layout::kPanels);
+}
+
+// An int8 or float8_e4m3fn w's kernel, by its buffer's element type
+ffi::Error RunQuantised(ffi::ThreadPool& pool, Matrix& x, ffi::AnyBuffer& w, Scale& scale,
+                        Out& out, Layout layout) {
   const auto od = out->dimensions();
-  if (wd[1] != xd[1] || wd[2] != kNC || wd[0] != (od[1] + kNC - 1) / kNC || od[0] != xd[0]) {
-    return ffi::Error::InvalidArgument("cpu matmul: inconsistent shapes (panels)");
+  if (!fits(x.dimensions(), w.dimensions(), od, layout) || scale.dimensions()[0] != od[1]) {
+    return ffi::Error::InvalidArgument("cpu matmul: inconsistent shapes (quantised)");
   }
-  return Run(pool, {x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], od[1],
-                    Layout::kPanels});
+  const Problem p{x.typed_data(), w.untyped_data(), scale.typed_data(), out->typed_data(),
+                  od[0], x.dimensions()[1], od[1], layout};
+  switch (w.element_type()) {
+    case ffi::DataType::S8: return Run<int8_t>(pool, p);
+    case ffi::DataType::F8E4M3FN: return Run<fp8_e4m3>(pool, p);
+    default: return ffi::Error::InvalidArgument("cpu matmul: w must be int8 or float8_e4m3fn");
+  }
+}
+
+ffi::Error MatmulQuantised(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer w, Scale scale,
+                           Out out) {
+  return RunQuantised(pool, x, w, scale, out, Layout::kRows);
+}
+
+ffi::Error MatmulQuantisedPanels(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer w, Scale scale,
+                                 Out out) {
+  return RunQuantised(pool, x, w, scale, out, Layout::kPanels);
 }
 
 // out[r] = x[r, 0]^2 + x[r, 1]^2 + ... in index order, each square rounded before its add: the
@@ -357,4 +488,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuMatmulPanels, MatmulPanels,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Panels>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuMatmulQuantised, MatmulQuantised,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Scale>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuMatmulQuantisedPanels, MatmulQuantisedPanels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Scale>()
                                   .Ret<Matrix>());

@@ -1,7 +1,8 @@
 """The C++ kernels for the CPU, called through XLA's FFI: their build, cache and registration.
 
     cpu_decode.cc, cpu_prefill.cc   paged attention (wrapped by attention.py)
-    cpu_matmul.cc                   the linear layers' matmul (wrapped by matmul.py)
+    cpu_matmul.cc                   the linear layers' matmul, on float32 weights or int8 /
+                                    float8_e4m3fn ones with column scales (matmul.py)
     cpu_amx.cc                      the same on AMX tiles in three bf16 passes (matmul.py)
     cpu_kernels.h                   what they share
 
@@ -41,6 +42,10 @@ TARGETS = {
     "jaxserve_cpu_matmul": "JaxserveCpuMatmul",
     "jaxserve_cpu_matmul_transposed": "JaxserveCpuMatmulTransposed",
     "jaxserve_cpu_matmul_panels": "JaxserveCpuMatmulPanels",
+    # the in-place and panels ones on an int8 or float8_e4m3fn w (the kernel reads which) and
+    # a float32 scale per column
+    "jaxserve_cpu_matmul_quantised": "JaxserveCpuMatmulQuantised",
+    "jaxserve_cpu_matmul_quantised_panels": "JaxserveCpuMatmulQuantisedPanels",
     "jaxserve_cpu_row_sum_squares": "JaxserveCpuRowSumSquares",
     "jaxserve_cpu_matmul_amx": "JaxserveCpuMatmulAmx",
 }

@@ -8,6 +8,11 @@ decode step (`cpu_matmul.cc`). Built with the other CPU kernels (`library.py`).
 A weight the engine multiplies by every step is stored packed (`pack_panels`): panels of 64
 columns, each a contiguous [K, 64] block, which the kernel streams from memory in one run; the
 in-place layout reads rows of w N floats apart. Both give the same bits.
+
+Weight-only quantisation: an int8 or float8_e4m3fn w with a float32 scale per column
+(`matmul_cpu_quant`, in place or packed by the same `pack_panels`), widened to float32 in the
+kernel as it is loaded. A decode step's few rows read the weights at memory speed, and these
+are a quarter of float32's bytes.
 """
 
 import math
@@ -18,6 +23,7 @@ import jax.numpy as jnp
 from cpu_kernels.library import call
 
 PANEL = 64  # columns per packed panel (cpu_matmul.cc's kNC)
+QUANTISED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # matmul_cpu_quant's w types
 
 
 def matmul_cpu(
@@ -37,11 +43,12 @@ def matmul_cpu(
         raise ValueError(f"x has {x.shape[-1]} features, w takes {k} (w {w.shape}, "
                          f"transposed={transposed})")
     target = "jaxserve_cpu_matmul_transposed" if transposed else "jaxserve_cpu_matmul"
-    return _call_on_rows(target, x, w, n, library)
+    return _call_on_rows(target, x, (w,), n, library)
 
 
 def pack_panels(w: jax.Array) -> jax.Array:  # [K, N] -> [ceil(N / PANEL), K, PANEL]
-    """w's columns in panels of PANEL (the last one zero-padded), for `matmul_cpu_panels`."""
+    """w's columns in panels of PANEL (the last one zero-padded), for `matmul_cpu_panels` (or,
+    of an int8 or float8_e4m3fn w, for `matmul_cpu_quant_panels`)."""
     if w.ndim != 2:
         raise ValueError(f"w has shape {w.shape}: expected a matrix [K, N]")
     k, n = w.shape
@@ -58,13 +65,41 @@ def matmul_cpu_panels(
 ) -> jax.Array:  # [..., N] float32
     """x @ w for w given as `pack_panels(w)`: the same bits as `matmul_cpu(x, w)`."""
     _check_float32(x, panels)
-    if panels.ndim != 3 or panels.shape[2] != PANEL or panels.shape[0] != -(-n // PANEL):
-        raise ValueError(f"panels have shape {panels.shape}: expected "
-                         f"[{-(-n // PANEL)}, K, {PANEL}] for {n} columns (pack_panels)")
-    k = panels.shape[1]
-    if x.ndim < 1 or x.shape[-1] != k:
-        raise ValueError(f"x has shape {x.shape}, the panels take {k} features")
-    return _call_on_rows("jaxserve_cpu_matmul_panels", x, panels, n, library)
+    _check_panels(x, panels, n)
+    return _call_on_rows("jaxserve_cpu_matmul_panels", x, (panels,), n, library)
+
+
+def matmul_cpu_quant(
+    x: jax.Array,  # [..., K] float32
+    w: jax.Array,  # [K, N] int8 or float8_e4m3fn
+    scale: jax.Array,  # [N] float32: the weight's column j is w[:, j] * scale[j]
+    library: str = "",
+) -> jax.Array:  # [..., N] float32
+    """(x @ w) * scale, w widened to float32 (exactly) in the kernel: each element is the chain
+    `matmul_cpu` runs on float32(w), then one multiply by its column's scale, so a row's bits do
+    not depend on the other rows either. e4m3fn's NaN bytes read as +-480 (no weight is NaN)."""
+    if x.ndim < 1 or w.ndim != 2:
+        raise ValueError(f"x has shape {x.shape} and w {w.shape}: expected [..., K] and a "
+                         "matrix")
+    k, n = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, w takes {k} (w {w.shape})")
+    _check_quantised(x, w, scale, n)
+    return _call_on_rows("jaxserve_cpu_matmul_quantised", x, (w, scale), n, library)
+
+
+def matmul_cpu_quant_panels(
+    x: jax.Array,  # [..., K] float32
+    panels: jax.Array,  # [ceil(N / PANEL), K, PANEL] int8 or float8_e4m3fn, pack_panels(w)
+    scale: jax.Array,  # [N] float32
+    n: int,  # w's columns
+    library: str = "",
+) -> jax.Array:  # [..., N] float32
+    """(x @ w) * scale for w given as `pack_panels(w)`: the same bits as
+    `matmul_cpu_quant(x, w, scale)`."""
+    _check_panels(x, panels, n)
+    _check_quantised(x, panels, scale, n)
+    return _call_on_rows("jaxserve_cpu_matmul_quantised_panels", x, (panels, scale), n, library)
 
 
 AMX_BLOCK = 16  # columns per block of pack_amx (cpu_amx.cc)
@@ -114,7 +149,7 @@ def matmul_cpu_amx(
     k = 2 * packed.shape[2]
     if x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"x has shape {x.shape}, the packed weight takes {k} features")
-    return _call_on_rows("jaxserve_cpu_matmul_amx", x, packed, n, library)
+    return _call_on_rows("jaxserve_cpu_matmul_amx", x, (packed,), n, library)
 
 
 def row_sum_squares_cpu(x: jax.Array, library: str = "") -> jax.Array:  # [..., K] -> [..., 1]
@@ -134,9 +169,28 @@ def _check_float32(x: jax.Array, w: jax.Array) -> None:
         raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {w.dtype}")
 
 
-def _call_on_rows(target: str, x: jax.Array, w: jax.Array, n: int, library: str) -> jax.Array:
-    """The kernel on x's leading axes flattened to rows: [..., K] -> [..., n]."""
+def _check_quantised(x: jax.Array, w: jax.Array, scale: jax.Array, n: int) -> None:
+    if x.dtype != jnp.float32 or w.dtype not in QUANTISED or scale.dtype != jnp.float32:
+        raise ValueError("the CPU quantised matmul takes float32 x, int8 or float8_e4m3fn w and "
+                         f"float32 scale, got x {x.dtype}, w {w.dtype} and scale {scale.dtype}")
+    if scale.shape != (n,):
+        raise ValueError(f"scale has shape {scale.shape}: expected [{n}], one per column of w")
+
+
+def _check_panels(x: jax.Array, panels: jax.Array, n: int) -> None:
+    if panels.ndim != 3 or panels.shape[2] != PANEL or panels.shape[0] != -(-n // PANEL):
+        raise ValueError(f"panels have shape {panels.shape}: expected "
+                         f"[{-(-n // PANEL)}, K, {PANEL}] for {n} columns (pack_panels)")
+    k = panels.shape[1]
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x has shape {x.shape}, the panels take {k} features")
+
+
+def _call_on_rows(target: str, x: jax.Array, weights: tuple[jax.Array, ...], n: int,
+                  library: str) -> jax.Array:
+    """The kernel on x's leading axes flattened to rows and `weights` (w, and its scale where
+    it has one): [..., K] -> [..., n]."""
     rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    out = call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), rows, w,
+    out = call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32), rows, *weights,
                suffix=library)
     return out.reshape(*x.shape[:-1], n)
