@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jaxserve.checks import is_finite, is_int, show
-from jaxserve.model_config import SUPPORTED_DTYPES, ModelConfig
+from jaxserve.model_config import QUANTIZATIONS, SUPPORTED_DTYPES, ModelConfig
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # the kv_cache_dtype option's values
 
@@ -98,6 +98,7 @@ _CHOICES = {
     "dtype": ("auto", *SUPPORTED_DTYPES),
     "policy": ("fcfs", "priority", "sjf", "mlfq", "edf", "lpm"),
     "load_format": ("auto", "dummy"),
+    "quantization": (None, *QUANTIZATIONS),
 }
 
 
@@ -153,6 +154,10 @@ class EngineConfig:
     # tensor parallelism (vLLM's name, -tp): the model's heads, MLP columns, vocabulary and KV
     # pool split over this many devices of one mesh (jaxserve/sharding.py)
     tensor_parallel_size: int = 1
+    # the decoder's linear layers quantised as they load (vLLM's option and flag): int8 or fp8
+    # (e4m3) weights with a float32 scale per output column, dequantised inside the matmul;
+    # the embedding table and the LM head keep the model's dtype (jaxserve/model/quant.py)
+    quantization: str | None = None
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -233,6 +238,15 @@ class EngineConfig:
         if not isinstance(data, dict):
             raise ValueError(f"config file {path} must hold a mapping of engine keys")
         return cls.from_overrides(**(data | overrides))
+
+    def served_model(self, model: ModelConfig) -> ModelConfig:
+        """The checkpoint's model as this engine serves it: quantised when the option says."""
+        if self.quantization is None or model.quantization == self.quantization:
+            return model
+        if model.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r}, but the checkpoint is already "
+                             f"quantised as {model.quantization!r}: leave the option unset")
+        return dataclasses.replace(model, quantization=self.quantization)
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         """The context limit: the override, bounded by the model, checked against its window

@@ -104,7 +104,7 @@ class LLMEngine:
         only its config.json and tokenizer)."""
         self.model_path = resolve_model(model)
         self.config = config
-        self.model_config = ModelConfig.from_hf_dir(self.model_path)
+        self.model_config = config.served_model(ModelConfig.from_hf_dir(self.model_path))
         has_tokenizer = any((self.model_path / f).is_file()
                             for f in ("tokenizer.json", "byte_tokenizer.json"))
         self.tokenizer = load_tokenizer(self.model_path) if has_tokenizer else None

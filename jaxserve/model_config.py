@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 PHI3_ROPE_TYPES = ("default", "longrope")  # Phi-3's own, as transformers' Phi3Config
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "fp8")  # the quantization option's values (vLLM's names)
 
 
 # transformers 5's defaults for keys a config.json leaves out, where the architectures differ
@@ -97,6 +98,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's own dtype
+    # the linear layers' weights stored int8 or fp8 with a scale per output column
+    # (jaxserve/model/quant.py); set from the engine's quantization option
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -133,6 +137,9 @@ class ModelConfig:
                     )
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {SUPPORTED_DTYPES}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got "
+                             f"{self.quantization!r}")
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
@@ -180,11 +187,7 @@ class ModelConfig:
             raise ValueError(f"hidden_act {act!r} is not supported; supported: 'silu'")
         if hf.get("mlp_bias", False):
             raise ValueError("mlp_bias=true is not supported; supported: mlp_bias=false")
-        quant = hf.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-            raise ValueError(f"quantization_config ({method}): quantized checkpoints are not "
-                             "supported; use the model's float16/bfloat16/float32 weights")
+        quantization = _read_quantization(hf.get("quantization_config"))
         # each integer is checked here under its config.json name, before any arithmetic on it
         sizes = {key: _check_positive_int(key, hf[key]) for key in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -231,6 +234,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=_TORCH_DTYPES[dtype],
+            quantization=quantization,
         )
 
     @property
@@ -271,6 +275,42 @@ class ModelConfig:
             "max_window_layers": 0, "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids), "dtype": self.dtype,
         }
+
+
+def _read_quantization(quant: Any) -> str | None:
+    """config.json's quantization_config -> the quantization its weights carry (None: float
+    weights). Read as vLLM reads it: compressed-tensors checkpoints whose linear layers hold
+    8-bit weights with a scale per output channel or per tensor ("float-quantized": fp8 e4m3;
+    "int-quantized": int8), the LM head left in float. Their activation settings are not
+    applied: the weights are dequantised inside the matmul (weight-only). Anything else is a
+    clear error naming what it holds."""
+    if not quant:
+        return None
+    supported = ("supported: compressed-tensors checkpoints with 8-bit float or int weights "
+                 "per channel or per tensor, or float weights with the quantization option")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantization_config quant_method {method!r} is not read; {supported}")
+    fmt = quant.get("format")
+    method = {"float-quantized": "fp8", "int-quantized": "int8"}.get(fmt)
+    if method is None:
+        raise ValueError(f"quantization_config format {fmt!r} is not read; {supported}")
+    groups = quant.get("config_groups") or {}
+    for name, group in groups.items():
+        weights = (group or {}).get("weights") or {}
+        kind = "float" if method == "fp8" else "int"
+        if (weights.get("num_bits") != 8 or weights.get("type") != kind
+                or weights.get("strategy") not in ("channel", "tensor")
+                or weights.get("symmetric") is False or weights.get("dynamic")):
+            raise ValueError(f"quantization_config config_groups.{name}.weights {weights} is "
+                             f"not read; {supported}")
+    if not groups:
+        raise ValueError(f"quantization_config has no config_groups; {supported}")
+    ignored = [name for name in quant.get("ignore") or [] if not name.endswith("lm_head")]
+    if ignored:
+        raise ValueError(f"quantization_config ignore leaves {ignored} unquantised: only lm_head "
+                         f"may be; {supported}")
+    return method
 
 
 def _safetensors_dtype(path: Path) -> str | None:

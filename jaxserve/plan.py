@@ -93,7 +93,7 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     from jaxserve.engine import resolve_model
 
     path = resolve_model(model)
-    cfg = ModelConfig.from_hf_dir(path)
+    cfg = config.served_model(ModelConfig.from_hf_dir(path))
     device = device or this_device()
     from jaxserve.backends import resolve_attention_impl
     from jaxserve.sharding import check_tensor_parallel
@@ -158,7 +158,7 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
         "model": str(path), "architecture": cfg.architecture, "num_params": cfg.num_params,
         "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "dtype": dtype, "checkpoint_dtype": cfg.dtype, "kv_dtype": kv_dtype,
-        "weight_bytes": weights, "tensor_parallel_size": tp,
+        "quantization": cfg.quantization, "weight_bytes": weights, "tensor_parallel_size": tp,
         "weight_bytes_per_device": weights_per_device,
         "kv_bytes_per_page_per_device": per_page // tp,
         "kv_bytes_per_token": per_token, "page_size": config.page_size,
@@ -195,7 +195,9 @@ def format_plan(p: dict) -> str:
         f"{dt} {_size(b)}" + (" (used)" if dt == p["dtype"] else "")
         for dt, b in p["weight_bytes"].items())
         + (f"; the checkpoint is {p['checkpoint_dtype']}"
-           if p["checkpoint_dtype"] != p["dtype"] else ""))
+           if p["checkpoint_dtype"] != p["dtype"] else "")
+        + (f"; linear layers {p['quantization']} with float32 column scales (embedding and LM "
+           "head in the dtype)" if p["quantization"] else ""))
     lines.append(f"KV cache   {_size(p['kv_bytes_per_token'])} per token ({p['kv_dtype']}: 2 x "
                  f"{p['layers']} layers x {p['kv_heads']} heads x {p['head_dim']}), "
                  f"{_size(p['kv_bytes_per_page'])} per page of {p['page_size']} tokens")

@@ -187,8 +187,10 @@ class ModelRunner:
             self.backend = replace(self.backend, model_axis=MODEL_AXIS)
             self.state, weight_specs = shard_state(
                 repeat_kv_heads(self.state, model_config, tp), mesh)
-        log.info("weights: %.1f MiB (%s) in %.1f s; backend %s (attention %s, matmul %s, "
+        log.info("weights: %.1f MiB (%s%s) in %.1f s; backend %s (attention %s, matmul %s, "
                  "layers %s)", state_bytes(self.state) / 2**20, jnp.dtype(self.dtype).name,
+                 "" if model_config.quantization is None else
+                 f", linear layers {model_config.quantization}",
                  time.perf_counter() - start, self.backend.name, self.attention_impl,
                  self.matmul_impl, "scanned" if self.scan_layers else "unrolled")
         self.page_size = config.page_size

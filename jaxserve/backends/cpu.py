@@ -7,8 +7,9 @@ matmul, the attention and every row sum run one chain of additions fixed by the 
     CpuAttention  decode and prefill chunks, padded or ragged (`ragged_calls`: the runner packs
                   prompt chunks into one row); a bfloat16 pool is held as its bits (uint16),
                   which XLA on the CPU scatters in place
-    CpuOps        float32 linear layers on packed panels (or AMX tiles), and the row sums as
-                  the kernel's products with a column of ones
+    CpuOps        float32 linear layers on packed panels (or AMX tiles; int8 or fp8 weights
+                  with their column scales), and the row sums as the kernel's products with a
+                  column of ones
 """
 
 from dataclasses import dataclass
@@ -29,12 +30,15 @@ from cpu_kernels.matmul import (
     matmul_cpu,
     matmul_cpu_amx,
     matmul_cpu_panels,
+    matmul_cpu_quant,
+    matmul_cpu_quant_panels,
     pack_amx,
     pack_panels,
     row_sum_squares_cpu,
 )
 from jaxserve.backends.base import Attention, Ops
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
+from jaxserve.model.quant import QuantizedLinear
 
 
 @dataclass(frozen=True)
@@ -86,9 +90,13 @@ class CpuOps(Ops):
     def name(self) -> str:
         return "amx" if self.amx else "cpu"
 
-    def linear(self, layer: nnx.Linear, x: jax.Array) -> jax.Array:
+    def linear(self, layer: nnx.Linear | QuantizedLinear, x: jax.Array) -> jax.Array:
         w = layer.kernel[...]
-        if w.ndim == 4:  # pack_amx's bf16 parts
+        if isinstance(layer, QuantizedLinear):  # the narrow weights widened in registers
+            scale = layer.scale[...]
+            y = (matmul_cpu_quant_panels(x, w, scale, layer.out_features) if w.ndim == 3
+                 else matmul_cpu_quant(x, w, scale))
+        elif w.ndim == 4:  # pack_amx's bf16 parts
             y = matmul_cpu_amx(x, w, layer.out_features)
         elif w.ndim == 3:  # pack_panels' panels
             y = matmul_cpu_panels(x, w, layer.out_features)
@@ -124,8 +132,10 @@ class CpuOps(Ops):
         afterwards."""
         model = nnx.merge(graphdef, state)  # shares state's variables
         for _, module in nnx.iter_modules(model):
-            if isinstance(module, nnx.Linear) and module.kernel.get_value().ndim == 2:
+            if (isinstance(module, nnx.Linear | QuantizedLinear)
+                    and module.kernel.get_value().ndim == 2):
                 w = module.kernel.get_value()
-                packed = pack_amx(w) if self.amx and amx_packable(w) else pack_panels(w)
+                amx = self.amx and amx_packable(w) and not isinstance(module, QuantizedLinear)
+                packed = pack_amx(w) if amx else pack_panels(w)
                 module.kernel.set_value(packed)
         return nnx.split(model)

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
+from jaxserve.model.quant import QuantizedLinear
 from jaxserve.model_config import ModelConfig
 
 
@@ -92,18 +93,21 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)
 
 
-def _linear(cfg_in: int, cfg_out: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+def _linear(cfg_in: int, cfg_out: int, bias: bool, dtype, rngs: nnx.Rngs,
+            quantization: str | None = None) -> nnx.Linear | QuantizedLinear:
+    if quantization is not None:  # its weights come from the loader (model/quant.py)
+        return QuantizedLinear(cfg_in, cfg_out, bias, dtype, quantization)
     return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
                       kernel_init=nnx.initializers.normal(0.02))
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        e, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = _linear(e, cfg.num_heads * d, cfg.qkv_bias, dtype, rngs)
-        self.k_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
-        self.v_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs)
-        self.o_proj = _linear(cfg.num_heads * d, e, cfg.o_bias, dtype, rngs)
+        e, d, quant = cfg.hidden_size, cfg.head_dim, cfg.quantization
+        self.q_proj = _linear(e, cfg.num_heads * d, cfg.qkv_bias, dtype, rngs, quant)
+        self.k_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, quant)
+        self.v_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, quant)
+        self.o_proj = _linear(cfg.num_heads * d, e, cfg.o_bias, dtype, rngs, quant)
         # Qwen3: each head's q and k RMS-normed over head_dim (one weight for all heads)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -129,10 +133,10 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        e, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(e, i, False, dtype, rngs)
-        self.up_proj = _linear(e, i, False, dtype, rngs)
-        self.down_proj = _linear(i, e, False, dtype, rngs)
+        e, i, quant = cfg.hidden_size, cfg.intermediate_size, cfg.quantization
+        self.gate_proj = _linear(e, i, False, dtype, rngs, quant)
+        self.up_proj = _linear(e, i, False, dtype, rngs, quant)
+        self.down_proj = _linear(i, e, False, dtype, rngs, quant)
 
     def __call__(self, x, backend):
         linear = backend.ops.linear

@@ -4,6 +4,7 @@ Nothing is ever downloaded: a model is a local directory. An orbax checkpoint wr
 `jaxserve convert` (or the demo model's training) holds `config.json` and `params/`.
 """
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -11,15 +12,20 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.quant import quantize_weight
 from jaxserve.model_config import ModelConfig
 
 ORBAX_DIR = "params"
 # Tensors some checkpoints carry that the model derives itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# what a pre-quantised checkpoint holds for its activations and zero points (symmetric):
+# unused, the weights are dequantised inside the matmul
+_WEIGHT_ONLY_SUFFIXES = ("input_scale", "input_zero_point", "weight_zero_point")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json", "byte_tokenizer.json", "chat_template.jinja")
 
@@ -30,7 +36,8 @@ def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(model)
 
 
-def _flat(state: nnx.State) -> dict[tuple, jax.ShapeDtypeStruct]:
+def _flat(state: nnx.State | dict) -> dict[tuple, jax.ShapeDtypeStruct]:  # or arrays
+    """The state's (or a pure dict's) leaves by path."""
     out = {}
 
     def walk(prefix, node):
@@ -40,7 +47,7 @@ def _flat(state: nnx.State) -> dict[tuple, jax.ShapeDtypeStruct]:
         else:
             out[prefix] = node
 
-    walk((), nnx.to_pure_dict(state))
+    walk((), state if isinstance(state, dict) else nnx.to_pure_dict(state))
     return out
 
 
@@ -67,16 +74,25 @@ def random_state(cfg: ModelConfig, dtype, seed: int,
     @functools.partial(jax.jit, out_shardings=shardings)
     def init(key):
         values = {}
-        for i, (path, leaf) in enumerate(sorted(flat.items(), key=lambda kv: str(kv[0]))):
-            if path[-1] == "weight":
+        # a quantised kernel's scales are made with it: the rest numbered as unquantised, so
+        # a quantised model's weights are its full-precision twin's, quantised
+        scales = {_scale(path) for path in flat if _quantized(path, flat, cfg)}
+        weights = sorted((kv for kv in flat.items() if kv[0] not in scales),
+                         key=lambda kv: str(kv[0]))
+        for i, (path, leaf) in enumerate(weights):
+            if _quantized(path, flat, cfg):  # full-precision noise, quantised
+                noise = jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32)
+                values[path], values[_scale(path)] = quantize_weight(
+                    (0.02 * noise).astype(dtype), cfg.quantization)
+            elif path[-1] == "weight":
                 values[path] = jnp.ones(leaf.shape, leaf.dtype)
             elif path[-1] == "bias":
                 values[path] = jnp.zeros(leaf.shape, leaf.dtype)
             else:
                 noise = jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32)
                 values[path] = (0.02 * noise).astype(leaf.dtype)
-            if place is not None:
-                values[path] = place.transform(path, values[path])
+        if place is not None:
+            values = {path: place.transform(path, value) for path, value in values.items()}
         return values
 
     values = init(jax.random.key(seed))
@@ -84,10 +100,23 @@ def random_state(cfg: ModelConfig, dtype, seed: int,
     return graphdef, abstract
 
 
+def _quantized(key: tuple, expected: dict[tuple, jax.ShapeDtypeStruct],
+               cfg: ModelConfig) -> bool:
+    """Whether the state's `key` is a quantised layer's kernel, which the loader quantises."""
+    return (cfg.quantization is not None and key[-1] == "kernel"
+            and _scale(key) in expected)
+
+
+def _scale(kernel: tuple) -> tuple:  # a quantised kernel's path -> its scales'
+    return (*kernel[:-1], "scale")
+
+
 def _hf_path(name: str, expected: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[tuple, bool] | None:
     """HF tensor name -> (state path, transpose?) or None when the model has no such tensor."""
     parts = tuple(int(p) if p.isdigit() else p for p in name.split("."))
     stem, leaf = parts[:-1], parts[-1]
+    if leaf == "weight_scale":  # a pre-quantised layer's scales (compressed-tensors)
+        return ((*stem, "scale"), False) if (*stem, "scale") in expected else None
     if leaf == "weight":
         for candidate, transpose in (("kernel", True), ("embedding", False), ("weight", False)):
             if (*stem, candidate) in expected:
@@ -105,18 +134,23 @@ def _fused_parts(name: str, cfg: ModelConfig) -> list[tuple[str, int | None]]:
     tensor is its own one part (rows None)."""
     stem, _, leaf = name.rpartition(".")
     parent, _, proj = stem.rpartition(".")
-    if leaf != "weight" or proj not in _FUSED:
+    if leaf not in ("weight", "weight_scale") or proj not in _FUSED:
         return [(name, None)]
     q, kv, i = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                 cfg.intermediate_size)
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": i, "up_proj": i}
-    return [(f"{parent}.{part}.weight", rows[part]) for part in _FUSED[proj]]
+    return [(f"{parent}.{part}.{leaf}", rows[part]) for part in _FUSED[proj]]
 
 
 def _split_rows(name: str, tensor, parts: list[tuple[str, int | None]], hidden: int) -> list:
-    """The tensor's parts (_fused_parts'), a fused [rows, hidden] one split by rows."""
+    """The tensor's parts (_fused_parts'), a fused [rows, hidden] one split by rows (its
+    scales [rows, 1] too; one scale for the whole tensor is each part's)."""
     if parts[0][1] is None:
         return [tensor]
+    if name.endswith("weight_scale"):
+        if tensor.size == 1:
+            return [tensor] * len(parts)
+        hidden = 1
     want = (sum(rows for _, rows in parts), hidden)
     if tuple(tensor.shape) != want:
         layout = " + ".join(f"{rows} {part.split('.')[-2]} rows" for part, rows in parts)
@@ -147,6 +181,28 @@ def _safetensor_files(path: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in model directory {path}")
     return files
+
+
+# safetensors dtypes its numpy and flax readers cannot make (numpy has no float8): read from
+# the file's bytes as ml_dtypes' types, which jax takes
+_NARROW_FLOATS = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _get_tensor(f, file: Path, name: str):
+    """safe_open's tensor `name`, or for a float8 one its bytes viewed as ml_dtypes' float8."""
+    try:
+        return f.get_tensor(name)
+    except (AttributeError, TypeError) as error:  # numpy.float8_*: the readers' missing dtype
+        unread = error
+    with open(file, "rb") as raw:
+        size = int.from_bytes(raw.read(8), "little")
+        entry = json.loads(raw.read(size))[name]
+        if entry["dtype"] not in _NARROW_FLOATS:
+            raise unread
+        start, end = entry["data_offsets"]
+        raw.seek(8 + size + start)
+        data = np.frombuffer(raw.read(end - start), np.uint8)
+    return data.view(_NARROW_FLOATS[entry["dtype"]]).reshape(entry["shape"])
 
 
 def _open_safetensors(safe_open, file: Path, framework: str = "flax"):
@@ -180,14 +236,19 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                 targets = [_hf_path(part, expected) for part, _ in parts]
                 if None in targets:
                     if name.endswith(_IGNORED_SUFFIXES) or (
+                        cfg.quantization is not None and name.endswith(_WEIGHT_ONLY_SUFFIXES)
+                    ) or (
                         name == "lm_head.weight" and cfg.tie_word_embeddings
                     ):
                         continue
                     raise ValueError(f"checkpoint tensor {name!r} in {file.name} has no place in "
                                      f"the {cfg.architecture} model")
-                pieces = _split_rows(name, f.get_tensor(name), parts, cfg.hidden_size)
+                pieces = _split_rows(name, _get_tensor(f, file, name), parts, cfg.hidden_size)
                 for (part, _), (key, transpose), tensor in zip(parts, targets, pieces,
                                                                strict=True):
+                    if key[-1] == "scale":  # [out, 1] per channel, [1] or [] per tensor
+                        values[key] = _scales(part, tensor, expected[key].shape[0], place, key)
+                        continue
                     # shapes compared in the checkpoint's layout ([out, in] for a linear layer)
                     want = (tuple(expected[key].shape)[::-1] if transpose
                             else tuple(expected[key].shape))
@@ -197,6 +258,14 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                             f"but the model expects {want}"
                         )
                     tensor = tensor.T if transpose else tensor
+                    if _quantized(key, expected, cfg) and tensor.dtype.itemsize == 1:
+                        values[key] = _narrow(part, tensor, expected[key].dtype, place, key)
+                        continue
+                    if _quantized(key, expected, cfg):  # quantised as it arrives (quant.py)
+                        full = jnp.asarray(tensor) if place is None else place(key, tensor)
+                        values[key], values[_scale(key)] = quantize_weight(full, cfg.quantization)
+                        full.delete()
+                        continue
                     values[key] = (jnp.asarray(tensor, dtype=expected[key].dtype) if place is None
                                    else place(key, tensor).astype(expected[key].dtype))
     missing = [_hf_name(k) for k in expected if k not in values]
@@ -206,7 +275,27 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
     return graphdef, abstract
 
 
+def _scales(name: str, tensor, columns: int, place, key: tuple) -> jax.Array:
+    """A pre-quantised layer's checkpoint scales -> float32 [columns]: per output channel
+    ([columns, 1] or [columns]) or one for the whole tensor (broadcast)."""
+    if tensor.size not in (1, columns) or (tensor.ndim == 2 and tensor.shape[1] != 1):
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}: expected one scale "
+                         f"per output channel [{columns}, 1] or one per tensor")
+    column = np.broadcast_to(np.asarray(tensor, np.float32).reshape(-1), (columns,))
+    return jnp.asarray(column) if place is None else place(key, np.ascontiguousarray(column))
+
+
+def _narrow(name: str, tensor, dtype, place, key: tuple) -> jax.Array:
+    """A pre-quantised layer's weights [in, out] as the checkpoint holds them."""
+    if tensor.dtype != dtype:
+        raise ValueError(f"tensor {name!r} is {tensor.dtype} in the checkpoint, but its "
+                         f"quantization_config says {jnp.dtype(dtype).name}")
+    return jnp.asarray(tensor) if place is None else place(key, tensor)
+
+
 def _hf_name(path: tuple) -> str:
+    if path[-1] == "scale":
+        return ".".join(str(p) for p in (*path[:-1], "weight_scale"))
     leaf = "weight" if path[-1] in ("kernel", "embedding") else path[-1]
     return ".".join(str(p) for p in (*path[:-1], leaf))
 
@@ -235,14 +324,32 @@ def save_orbax(path: str | Path, cfg: ModelConfig, state: nnx.State,
 
 
 def load_orbax_state(path: str | Path, cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The checkpoint's full-precision weights; quantised afterwards, one layer at a time,
+    where `cfg` says so."""
     import orbax.checkpoint as ocp
 
-    graphdef, abstract = abstract_model(cfg, dtype)
+    graphdef, abstract = abstract_model(dataclasses.replace(cfg, quantization=None), dtype)
     target = nnx.to_pure_dict(abstract)
     with ocp.StandardCheckpointer() as ckpt:
         restored = ckpt.restore(Path(path).resolve() / ORBAX_DIR, target)
     restored = jax.tree.map(lambda x, t: jnp.asarray(x, t.dtype), restored, target)
+    if cfg.quantization is not None:
+        return _quantize_values(_flat(restored), cfg, dtype)
     nnx.replace_by_pure_dict(abstract, restored)
+    return graphdef, abstract
+
+
+def _quantize_values(values: dict[tuple, jax.Array], cfg: ModelConfig,
+                     dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """Full-precision weights by state path -> the quantised model's graph and state, each
+    full-precision kernel deleted as its quantised one is made."""
+    graphdef, abstract = abstract_model(cfg, dtype)
+    expected = _flat(abstract)
+    for key in [key for key in values if _quantized(key, expected, cfg)]:
+        full = values.pop(key)
+        values[key], values[_scale(key)] = quantize_weight(full, cfg.quantization)
+        full.delete()
+    nnx.replace_by_pure_dict(abstract, _nest(values))
     return graphdef, abstract
 
 

@@ -1,0 +1,77 @@
+"""Weight-only quantisation of the decoder's linear layers: int8 and fp8 (float8_e4m3fn).
+
+Each weight [in, out] is stored in the narrow type with one float32 scale per output column
+(symmetric, absmax: w ~ q * scale), quantised by Google's JAX quantisation library qwix
+(`qwix.quantize`, channelwise over the output axis) as the checkpoint's tensors load, so the
+full-precision model is never held whole. The embedding table and the LM head keep the model's
+dtype, as vLLM keeps them.
+
+qwix's model rewriting (`quantize_model`, which intercepts the ops a module calls) does not fit
+this engine: its linear layers run through the backend seam (`backend.ops.linear`), which on
+the CPU is a C++ kernel XLA cannot look into, and the weights must keep their state paths for
+the tensor-parallel split (jaxserve/sharding.py). So a `QuantizedLinear` holds the arrays under
+those paths, and each backend multiplies by them its own way: XLA through qwix's dot (the
+dequantisation fused into the matmul), the CPU kernel reading the narrow weights and widening
+them in registers (cpu_kernels/matmul.py).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.model_config import QUANTIZATIONS
+
+_QTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+QUANTIZED_DTYPES = tuple(_QTYPES.values())
+
+
+def qtype(method: str) -> jnp.dtype:
+    if method not in _QTYPES:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {method!r}")
+    return _QTYPES[method]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    import qwix  # here: the serving path without quantisation needs no qwix
+
+    q = qwix.quantize(w.astype(jnp.float32), dtype, channelwise_axes=(1,),
+                      scale_dtype=jnp.float32)
+    return q.qvalue, q.scale[0]
+
+
+def quantize_weight(w: jax.Array, method: str) -> tuple[jax.Array, jax.Array]:
+    """w [in, out] -> (the narrow weight [in, out], float32 scales [out]); w ~ q * scale."""
+    if w.ndim != 2:
+        raise ValueError(f"a linear layer's weight is a matrix [in, out], got {w.shape}")
+    return _quantize(w, qtype(method))
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+class QuantizedLinear(nnx.Module):
+    """nnx.Linear's surface (kernel [in, out], bias, in/out_features) over a narrow kernel and
+    its column scales. Called directly, the plain XLA product (qwix's dot)."""
+
+    def __init__(self, in_features: int, out_features: int, use_bias: bool, dtype,
+                 method: str):
+        self.in_features, self.out_features = in_features, out_features
+        self.kernel = nnx.Param(jnp.zeros((in_features, out_features), qtype(method)))
+        self.scale = nnx.Param(jnp.ones((out_features,), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out] in x's dtype
+        import qwix
+
+        kernel = self.kernel[...]
+        weight = qwix.QArray(kernel, self.scale[...][None].astype(x.dtype), qtype=kernel.dtype)
+        y = qwix.dot_general(x, weight, (((x.ndim - 1,), (0,)), ((), ())))
+        return y if self.bias is None else y + self.bias[...]
+
+
+def is_quantized(layer) -> bool:
+    return isinstance(layer, QuantizedLinear)
