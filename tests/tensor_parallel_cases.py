@@ -129,6 +129,9 @@ def main() -> None:
     report = {name: run_model(path, (1, 2, 4)) for name, path in MODELS.items()
               if name != "stories260K"}
     report["stories260K"] = run_model(MODELS["stories260K"], (1, 4))
+    # quantised weights: the narrow kernels and their column scales split with the model
+    report["llama_int8"] = run_model(MODELS["llama"], (1, 2, 4), quantization="int8")
+    report["qwen2_fp8"] = run_model(MODELS["qwen2"], (1, 2), quantization="fp8")
     report["stories260K_reference"] = stories_reference(4)
     report["stories260K_controls"] = {tp: controlled_outputs(tp) for tp in (1, 2)}
     # random weights made on their shards: the same weights as on one device

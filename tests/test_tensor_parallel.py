@@ -22,6 +22,7 @@ from jaxserve.sharding import check_tensor_parallel
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("llama", "qwen2", "mistral", "phi3", "stories260K")
+QUANTISED = ("llama_int8", "qwen2_fp8")  # quantization="int8" / "fp8" on those checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def report() -> dict:
     return json.loads(run.stdout)
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS + QUANTISED)
 def test_logits_within_1e_5_of_one_device_and_the_same_greedy_ids(report, model):
     runs = report[model]
     one = np.array(runs["1"]["logits"])
@@ -66,7 +67,7 @@ def test_sampler_controls_structured_output_and_prompt_logprobs_as_on_one_device
     assert outputs[2][1] in ("Lily", "Tom") and outputs[0][2] and compilations == 0
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS + QUANTISED)
 def test_batch_invariance_holds_in_each_configuration(report, model):
     """A prompt alone gives the bits it gives in a batch (ids and logprobs), at every tp."""
     for tp, run in report[model].items():
@@ -89,7 +90,21 @@ def test_each_device_holds_its_share_of_every_split_weight_and_the_kv_pool(repor
             assert local * tp == whole, (tp, local, whole)
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", QUANTISED)
+def test_quantised_kernels_and_their_scales_split_with_their_layers(report, model):
+    """A narrow kernel splits as its float one does; its scales (one per output column) split
+    with the columns of q/k/v and gate/up and stay whole beside o_proj's and down_proj's."""
+    for tp, run in report[model].items():
+        tp = int(tp)
+        for name, (local, whole) in run["bytes"]["weights"].items():
+            rows = any(f"'{proj}'" in name for proj in ("o_proj", "down_proj"))
+            whole_here = "norm" in name or (rows and "scale" in name)
+            assert local * (1 if whole_here else tp) == whole, (tp, name, local, whole)
+        scales = [k for k in run["bytes"]["weights"] if "scale" in k]
+        assert len(scales) == 7 * run["num_layers"]
+
+
+@pytest.mark.parametrize("model", MODELS + QUANTISED)
 def test_no_step_gathers_a_weight_and_none_compiles_after_warm_up(report, model):
     """The decode step gathers only activations: the logits [rows, vocab] and, on the CPU
     backend, the shards' partial sums [shards, rows, 1, hidden]."""
