@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--matmul-impl", default="auto", help="as the engine's option")
     parser.add_argument("--kv-cache-dtype", default="auto", help="as the engine's option")
     parser.add_argument("--dtype", default="auto", help="as the engine's option")
+    parser.add_argument("--quantization", default=None, choices=("int8", "fp8"),
+                        help="as the engine's option")
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
                         help="as the engine's option (auto: the backend's choice)")
     args = parser.parse_args(argv)
@@ -147,11 +149,13 @@ def main(argv: list[str] | None = None) -> None:
                               row_buckets=(args.rows,), enable_prompt_logprobs=False,
                               attention_impl=args.attention_impl, matmul_impl=args.matmul_impl,
                               kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
+                              quantization=args.quantization,
                               scan_layers={"auto": None, "true": True,
                                            "false": False}[args.scan_layers],
                               max_num_batched_tokens=max(args.rows, args.rows * args.prefill),
                               prefill_chunk_sizes=(max(args.prefill, 2),))
         config = replace(config, num_pages=args.rows * config.pages_per_seq(max_len) + 1)
+        mc = config.served_model(mc)
         runner = ModelRunner(model, mc, config)
         if args.prefill:
             tokens, md, sm = prefill_inputs(runner, args.rows, args.prefill)
@@ -194,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
           f"({runner.attention_impl} attention, {runner.matmul_impl} matmul, "
           f"{runner.kv_dtype_name} KV): {what}: median "
           f"{1e3 * np.median(times):.1f} ms, best {1e3 * min(times):.1f} ms")
+    weights = runner.weight_bytes
+    print(f"weights {weights / 1e9:.2f} GB ({mc.quantization or runner.dtype.__name__}): read "
+          f"once a step at {weights / np.median(times) / 1e9:.0f} GB/s")
     print(f"{'ms/step':>9} {'calls':>7}  op kind")
     for kind, (ms, calls) in list(totals.items())[:args.top]:
         print(f"{ms:9.2f} {calls:7.1f}  {kind}")
