@@ -6,11 +6,12 @@ times the bytes a decode step needs, and a prefill chunk also scores every query
 key of each block before masking. `cpu_decode.cc` and `cpu_prefill.cc` read the pages in place,
 once, spread over XLA's intra-op threads, and score a query only against the keys it may see.
 Same contracts as `reference.decode_attention_ref` and `reference.prefill_attention_ref`, on
-float32 pages or bfloat16 pages held as their bits in uint16 (`BF16_BITS`; see `bf16_bits` and
-`from_bf16_bits`): XLA on the CPU scatters a 16-bit integer pool in place (a 64-token write
-into 4096 pages: 0.04 ms), where a bfloat16 one took 35 ms. The kernels widen each bfloat16 key and
-value exactly as they load it, so a bfloat16 pool gives the bits a float32 pool holding the
-widened values gives. Built with the other CPU kernels (`library.py`).
+float32 pages, bfloat16 pages held as their bits in uint16 (`BF16_BITS`; see `bf16_bits` and
+`from_bf16_bits`) or float8_e4m3fn pages held as their bytes in uint8 (`FP8_BITS`; `fp8_bits`,
+`from_fp8_bits`): XLA on the CPU scatters an integer pool in place (a 64-token write into 4096
+pages: 0.04 ms), where a bfloat16 one took 35 ms. The kernels widen each narrow key and value
+exactly as they load it, so a narrow pool gives the bits a float32 pool holding the widened
+values gives. Built with the other CPU kernels (`library.py`).
 """
 
 import jax
@@ -33,9 +34,26 @@ def from_bf16_bits(bits: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
 
 
+FP8_BITS = jnp.uint8  # a float8_e4m3fn pool's dtype: each element a float8_e4m3fn's bits
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value; it has no infinity
+
+
+def fp8_bits(x: jax.Array) -> jax.Array:
+    """x clamped to +-FP8_MAX and rounded to float8_e4m3fn (to nearest even), as the uint8 an
+    FP8_BITS pool holds. The clamp keeps large values (and infinities) finite: the cast alone
+    gives NaN from 464 on. NaN stays NaN, which the kernels read as +-480 (cpu_kernels.h)."""
+    narrow = jnp.clip(x, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return jax.lax.bitcast_convert_type(narrow, FP8_BITS)
+
+
+def from_fp8_bits(bits: jax.Array) -> jax.Array:
+    """An FP8_BITS array's values, widened (exactly) to float32."""
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
 def decode_attention_cpu(
     q: jax.Array,  # [S, num_heads, head_dim]
-    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32 or BF16_BITS
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32 or BF16/FP8_BITS
     v_pages: jax.Array,  # as k_pages
     page_table: jax.Array,  # [S, pages_per_seq] int32
     seq_lens: jax.Array,  # [S] int32
@@ -56,7 +74,7 @@ def decode_attention_cpu(
 
 def prefill_attention_cpu(
     q: jax.Array,  # [B, C, num_heads, head_dim]   a chunk of C queries per row
-    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32 or BF16_BITS
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32 or BF16/FP8_BITS
     v_pages: jax.Array,  # as k_pages
     page_table: jax.Array,  # [B, pages_per_seq] int32
     positions: jax.Array,  # [B, C] int32
@@ -80,7 +98,7 @@ def prefill_attention_cpu(
 
 def prefill_attention_cpu_ragged(
     q: jax.Array,  # [T, num_heads, head_dim]   the rows' chunks one after another, then padding
-    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32 or BF16_BITS
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim] float32 or BF16/FP8_BITS
     v_pages: jax.Array,  # as k_pages
     page_table: jax.Array,  # [B, pages_per_seq] int32
     positions: jax.Array,  # [T] int32
@@ -104,13 +122,18 @@ def prefill_attention_cpu_ragged(
                  positions, query_starts, seq_lens, scale=scale)
 
 
+# a pool dtype -> its kernels' FFI target suffix (library.TARGETS)
+_POOL_SUFFIXES = {jnp.dtype(jnp.float32): "", jnp.dtype(BF16_BITS): "_bf16",
+                  jnp.dtype(FP8_BITS): "_fp8"}
+
+
 def _call(target: str, q, k_pages, v_pages, *int_args, scale: float,
           library: str = "") -> jax.Array:
-    if k_pages.dtype not in (jnp.float32, BF16_BITS) or v_pages.dtype != k_pages.dtype:
-        raise ValueError("the CPU kernels read float32 pages or bfloat16 ones as uint16 bits, "
-                         f"got {k_pages.dtype}/{v_pages.dtype}")
-    if k_pages.dtype == BF16_BITS:
-        target += "_bf16"
+    if k_pages.dtype not in _POOL_SUFFIXES or v_pages.dtype != k_pages.dtype:
+        raise ValueError("the CPU kernels read float8_e4m3fn pages as uint8 bits, float32 pages "
+                         "or bfloat16 ones as uint16 bits, got "
+                         f"{k_pages.dtype}/{v_pages.dtype}")
+    target += _POOL_SUFFIXES[k_pages.dtype]
     out = call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32), q.astype(jnp.float32),
                k_pages, v_pages, *int_args, scale=np.float32(scale), suffix=library)
     return out.astype(q.dtype)

@@ -1,4 +1,4 @@
-// Paged decode attention for the CPU, called from XLA through its FFI (see cpu_attention.py).
+// Paged decode attention for the CPU, called from XLA through its FFI (see attention.py).
 //
 // XLA on the CPU materialises every gather of KV pages before the dot that reads it, so the
 // plain-XLA block walk reads each key and value twice and writes it once. This kernel reads
@@ -7,8 +7,9 @@
 //
 // Contract (as pallas_kernels.reference.decode_attention_ref), float32 throughout but the pool:
 //   q          [S, H, D]         one query per slot
-//   k, v       [P, page, KV, D]  the page pool (page 0 is the null page): float32, or bfloat16
-//                                as uint16 bits (JaxserveCpuDecodeAttentionBf16)
+//   k, v       [P, page, KV, D]  the page pool (page 0 is the null page): float32, bfloat16
+//                                as uint16 bits (JaxserveCpuDecodeAttentionBf16) or
+//                                float8_e4m3fn as uint8 bytes (JaxserveCpuDecodeAttentionFp8)
 //   page_table [S, pages_per_seq] int32
 //   seq_lens   [S] int32          0: an empty slot, whose output is zeros
 //   out        [S, H, D]
@@ -24,7 +25,7 @@ namespace {
 
 using namespace jaxserve_cpu;
 
-template <class T>  // the pool's element: float or bf16_bits
+template <class T>  // the pool's element: float, bf16_bits or fp8_e4m3
 struct Problem {
   const float* q;
   const T* k;
@@ -39,7 +40,7 @@ struct Problem {
 constexpr int64_t kAhead = 16;  // tokens to prefetch ahead
 
 // One slot's query heads of KV heads [kv_begin, kv_end) against the slot's keys, read in memory
-// order (a token's keys for all KV heads are one contiguous row of kv_heads * head_dim floats).
+// order (a token's keys for all KV heads are one contiguous row of kv_heads * head_dim elements).
 template <class T>
 void attend(const Problem<T>& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
             std::vector<float>& scores) {
@@ -125,17 +126,18 @@ void attend(const Problem<T>& p, int64_t slot, int64_t kv_begin, int64_t kv_end,
 using Rows = ffi::BufferR3<ffi::F32>;
 using Pool = ffi::BufferR4<ffi::F32>;
 using Pool16 = ffi::BufferR4<ffi::U16>;  // bfloat16 bits
+using Pool8 = ffi::BufferR4<ffi::U8>;    // float8_e4m3fn bits
 using Table = ffi::BufferR2<ffi::S32>;
 using Lens = ffi::BufferR1<ffi::S32>;
 using Out = ffi::ResultBufferR3<ffi::F32>;
 
-template <class PoolBuffer>  // Pool or Pool16
+template <class PoolBuffer>  // Pool, Pool16 or Pool8
 ffi::Error DecodeAttention(ffi::ThreadPool pool, Rows q, PoolBuffer k, PoolBuffer v,
                            Table page_table, Lens seq_lens, Out out, float scale) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto td = page_table.dimensions();
-  Problem<PoolElement<PoolBuffer>> p{q.typed_data(), k.typed_data(), v.typed_data(),
+  Problem<PoolElement<PoolBuffer>> p{q.typed_data(), pool_data(k), pool_data(v),
                                      page_table.typed_data(), seq_lens.typed_data(),
                                      out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2],
                                      td[1], scale};
@@ -155,7 +157,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, Rows q, PoolBuffer k, PoolBuffe
   return ffi::Error::Success();
 }
 
-// the handlers' signature, on a pool of either kind
+// the handlers' signature, on a pool of any kind
 #define JAXSERVE_DECODE_BINDING(PoolBuffer) \
   ffi::Ffi::Bind()                          \
       .Ctx<ffi::ThreadPool>()               \
@@ -187,6 +189,9 @@ template void decode_query<float>(const float*, const float*, const float*, cons
 template void decode_query<bf16_bits>(const float*, const bf16_bits*, const bf16_bits*,
                                       const int32_t*, int32_t, float*, int64_t, int64_t, int64_t,
                                       int64_t, int64_t, int64_t, float, std::vector<float>&);
+template void decode_query<fp8_e4m3>(const float*, const fp8_e4m3*, const fp8_e4m3*,
+                                     const int32_t*, int32_t, float*, int64_t, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, float, std::vector<float>&);
 
 }  // namespace jaxserve_cpu
 
@@ -194,3 +199,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttention<Pool>,
                               JAXSERVE_DECODE_BINDING(Pool));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttentionBf16, DecodeAttention<Pool16>,
                               JAXSERVE_DECODE_BINDING(Pool16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttentionFp8, DecodeAttention<Pool8>,
+                              JAXSERVE_DECODE_BINDING(Pool8));

@@ -1,12 +1,15 @@
 // What the CPU kernels share (cpu_decode.cc, cpu_prefill.cc, cpu_matmul.cc; built together into
-// one library by cpu_library.py): the paged pool's addressing, the attention's vectorised sums
-// and exponential, and work items spread over XLA's intra-op thread pool.
+// one library by library.py): narrow elements widened to float32 as they load, the paged pool's
+// addressing, the attention's vectorised sums and exponential, and work items spread over XLA's
+// intra-op thread pool.
 //
-// The attention kernels read a page pool of float32 or of bfloat16 held as its bits (uint16_t:
-// XLA on the CPU scatters 16-bit integers in place, where a write into a bfloat16 pool took a
-// thousand times as long). A bfloat16 key or value is widened to float32 exactly as it is
-// loaded, and the sums then run as they do over float32 pages: a bfloat16 pool gives the bits
-// a float32 pool holding the same (widened) values gives.
+// The attention kernels read a page pool of float32, of bfloat16 held as its bits (uint16_t) or
+// of float8_e4m3fn held as its bytes (uint8_t): XLA on the CPU scatters integers in place, where
+// a write into a bfloat16 pool took a thousand times as long. A narrow key or value is widened
+// to float32 exactly as it is loaded, and the sums then run as they do over float32 pages: a
+// narrow pool gives the bits a float32 pool holding the same (widened) values gives. The matmul
+// widens its int8 and float8_e4m3fn weights with the same functions.
+
 #pragma once
 
 #include <algorithm>
@@ -30,39 +33,90 @@ namespace jaxserve_cpu {
 
 namespace ffi = xla::ffi;
 
-using bf16_bits = uint16_t;  // a bfloat16 page element: the top half of a float32
+using bf16_bits = uint16_t;         // a bfloat16 element: the top half of a float32
+enum class fp8_e4m3 : uint8_t {};  // a float8_e4m3fn element's bits
 
-inline float to_float(float x) { return x; }
-inline float to_float(bf16_bits x) {
+// An element widened to float32, exactly. bfloat16 as the top half of a float32; int8 as is;
+// e4m3fn (sign, 4 exponent bits of bias 7, 3 of mantissa) as an integer times 2^-9, never a
+// float32 subnormal. XLA runs the kernels with denormals-are-zero set, so the short route
+// through float32 bits, (b & 0x80) << 24 | (b & 0x7f) << 20 times 2^120, reads e4m3's
+// subnormals as 0; the vector loads below go through float16 instead (its conversion reads
+// subnormals whatever DAZ says). NaN (0x7f, 0xff) reads as +-480: neither a quantised weight
+// nor a pool written by attention.py's fp8_bits (which clamps to +-448) holds it.
+inline float widen(float x) { return x; }
+inline float widen(bf16_bits x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+inline float widen(int8_t x) { return x; }
+inline float widen(fp8_e4m3 x) {
+  const int b = static_cast<uint8_t>(x), e = (b >> 3) & 15, m = b & 7;
+  const float magnitude = static_cast<float>(e ? (8 + m) << (e - 1) : m) * 0x1p-9f;
+  return b & 0x80 ? -magnitude : magnitude;
+}
 
+// Elements [0, 8) (widen8) or [0, 16) (widen16) from p on, widened to float32; they read only
+// those elements. As float16, e4m3fn's bits shifted left 7 (the sign kept in bit 15) are the
+// value / 2^8.
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16_bits* p) {
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const bf16_bits* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 widen8(const int8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+inline __m256 widen8(const fp8_e4m3* p) {
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i half = _mm_and_si128(_mm_slli_epi16(b, 7),
+                                     _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(0x1p8f));
 }
 #endif
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16_bits* p) {
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen16(const bf16_bits* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline __m512 widen16(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+inline __m512 widen16(const fp8_e4m3* p) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(b, 7),
+                                        _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(0x1p8f));
+}
 #endif
 
-// A pool buffer's element type (float, or bf16_bits for ffi::U16)
+// A pool buffer's element type: float, bf16_bits for ffi::U16, fp8_e4m3 for ffi::U8
+template <class T>
+struct PoolType {
+  using type = T;
+};
+template <>
+struct PoolType<uint8_t> {
+  using type = fp8_e4m3;
+};
 template <class PoolBuffer>
-using PoolElement = std::remove_cv_t<
-    std::remove_pointer_t<decltype(std::declval<PoolBuffer&>().typed_data())>>;
+using PoolElement = typename PoolType<std::remove_cv_t<
+    std::remove_pointer_t<decltype(std::declval<PoolBuffer&>().typed_data())>>>::type;
+
+// A pool buffer's elements, as PoolElement
+template <class PoolBuffer>
+const PoolElement<PoolBuffer>* pool_data(PoolBuffer& pool) {
+  return reinterpret_cast<const PoolElement<PoolBuffer>*>(pool.typed_data());
+}
 
 // One sequence's view of a KV page pool [P, page, KV, D]: a token's keys (or values) for all KV
-// heads are one contiguous row of KV * D elements (float or bf16_bits).
+// heads are one contiguous row of KV * D elements (float, bf16_bits or fp8_e4m3).
 struct PagedSeq {
   const int32_t* table;  // the sequence's page_table row
   int64_t pages, page_size, token_stride;
@@ -81,12 +135,12 @@ struct PagedSeq {
 // queries or a decode slot), so a token's attention does not depend on the batch or on how its
 // prompt was cut into chunks: dot1 is dot8 on one key, the value sums are one chain of fused
 // multiply-adds over the tokens, and the softmax's tail rounds as its vector body. Keys and
-// values (K, V) are float or bf16_bits; queries, scores and outputs are float.
+// values (K, V) are float, bf16_bits or fp8_e4m3; queries, scores and outputs are float.
 
 template <class K>
 inline float dot(const float* a, const K* b, int64_t n) {  // n not a multiple of 8
   float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) sum = std::fma(a[i], to_float(b[i]), sum);
+  for (int64_t i = 0; i < n; ++i) sum = std::fma(a[i], widen(b[i]), sum);
   return sum;
 }
 
@@ -125,7 +179,7 @@ inline void dot8(const float* q, const K* const* keys, int64_t n, float* out) {
       for (int64_t d = 0; d < n; d += 16) {
         const __m512 qv = _mm512_loadu_ps(q + d);
         for (int j = 0; j < 8; ++j)
-          wide[j] = _mm512_fmadd_ps(qv, load16(keys[j] + d), wide[j]);
+          wide[j] = _mm512_fmadd_ps(qv, widen16(keys[j] + d), wide[j]);
       }
       return reduce8_wide(wide, out);
     }
@@ -135,7 +189,7 @@ inline void dot8(const float* q, const K* const* keys, int64_t n, float* out) {
     for (int64_t d = 0; d < n; d += 8) {
       const __m256 qv = _mm256_loadu_ps(q + d);
       for (int j = 0; j < 8; ++j)
-        acc[j] = _mm256_fmadd_ps(qv, load8(keys[j] + d), acc[j]);
+        acc[j] = _mm256_fmadd_ps(qv, widen8(keys[j] + d), acc[j]);
     }
     return reduce8(acc, out);
   }
@@ -155,7 +209,7 @@ inline void dot8x2(const float* qa, const float* qb, const K* const* keys, int64
     for (int64_t d = 0; d < n; d += 16) {
       const __m512 qav = _mm512_loadu_ps(qa + d), qbv = _mm512_loadu_ps(qb + d);
       for (int j = 0; j < 8; ++j) {
-        const __m512 kv = load16(keys[j] + d);
+        const __m512 kv = widen16(keys[j] + d);
         wa[j] = _mm512_fmadd_ps(qav, kv, wa[j]);
         wb[j] = _mm512_fmadd_ps(qbv, kv, wb[j]);
       }
@@ -273,7 +327,7 @@ inline void add_weighted4(float* o, const float* w, const V* v0, const V* v1, co
   const __m512 z[4] = {_mm512_set1_ps(w[0]), _mm512_set1_ps(w[1]), _mm512_set1_ps(w[2]),
                        _mm512_set1_ps(w[3])};
   for (; d + 16 <= n; d += 16) {
-    const __m512 x[4] = {load16(v0 + d), load16(v1 + d), load16(v2 + d), load16(v3 + d)};
+    const __m512 x[4] = {widen16(v0 + d), widen16(v1 + d), widen16(v2 + d), widen16(v3 + d)};
     _mm512_storeu_ps(o + d, fma_chain4(_mm512_loadu_ps(o + d), z, x));
   }
 #endif
@@ -282,18 +336,18 @@ inline void add_weighted4(float* o, const float* w, const V* v0, const V* v1, co
   const __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
   for (; d + 8 <= n; d += 8) {
     __m256 acc = _mm256_loadu_ps(o + d);
-    acc = _mm256_fmadd_ps(w0, load8(v0 + d), acc);
-    acc = _mm256_fmadd_ps(w1, load8(v1 + d), acc);
-    acc = _mm256_fmadd_ps(w2, load8(v2 + d), acc);
-    acc = _mm256_fmadd_ps(w3, load8(v3 + d), acc);
+    acc = _mm256_fmadd_ps(w0, widen8(v0 + d), acc);
+    acc = _mm256_fmadd_ps(w1, widen8(v1 + d), acc);
+    acc = _mm256_fmadd_ps(w2, widen8(v2 + d), acc);
+    acc = _mm256_fmadd_ps(w3, widen8(v3 + d), acc);
     _mm256_storeu_ps(o + d, acc);
   }
 #endif
   for (; d < n; ++d) {
-    float acc = std::fma(w[0], to_float(v0[d]), o[d]);
-    acc = std::fma(w[1], to_float(v1[d]), acc);
-    acc = std::fma(w[2], to_float(v2[d]), acc);
-    o[d] = std::fma(w[3], to_float(v3[d]), acc);
+    float acc = std::fma(w[0], widen(v0[d]), o[d]);
+    acc = std::fma(w[1], widen(v1[d]), acc);
+    acc = std::fma(w[2], widen(v2[d]), acc);
+    o[d] = std::fma(w[3], widen(v3[d]), acc);
   }
 }
 
@@ -304,14 +358,14 @@ inline void add_weighted(float* o, float w, const V* v, int64_t n) {
 #if defined(__AVX512F__)
   const __m512 zv = _mm512_set1_ps(w);
   for (; d + 16 <= n; d += 16)
-    _mm512_storeu_ps(o + d, _mm512_fmadd_ps(zv, load16(v + d), _mm512_loadu_ps(o + d)));
+    _mm512_storeu_ps(o + d, _mm512_fmadd_ps(zv, widen16(v + d), _mm512_loadu_ps(o + d)));
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 wv = _mm256_set1_ps(w);
   for (; d + 8 <= n; d += 8)
-    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, load8(v + d), _mm256_loadu_ps(o + d)));
+    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, widen8(v + d), _mm256_loadu_ps(o + d)));
 #endif
-  for (; d < n; ++d) o[d] = std::fma(w, to_float(v[d]), o[d]);
+  for (; d < n; ++d) o[d] = std::fma(w, widen(v[d]), o[d]);
 }
 
 // add_weighted4 into two outputs (two query heads of one KV head) from the same value rows,
@@ -326,7 +380,7 @@ inline void add_weighted4x2(float* oa, float* ob, const float* wa, const float* 
   const __m512 b[4] = {_mm512_set1_ps(wb[0]), _mm512_set1_ps(wb[1]), _mm512_set1_ps(wb[2]),
                        _mm512_set1_ps(wb[3])};
   for (; d + 16 <= n; d += 16) {
-    const __m512 x[4] = {load16(v0 + d), load16(v1 + d), load16(v2 + d), load16(v3 + d)};
+    const __m512 x[4] = {widen16(v0 + d), widen16(v1 + d), widen16(v2 + d), widen16(v3 + d)};
     _mm512_storeu_ps(oa + d, fma_chain4(_mm512_loadu_ps(oa + d), a, x));
     _mm512_storeu_ps(ob + d, fma_chain4(_mm512_loadu_ps(ob + d), b, x));
   }
@@ -341,7 +395,7 @@ inline void add_weighted4x2(float* oa, float* ob, const float* wa, const float* 
 // ragged prefill kernel runs its one-token rows through it, so a decode row packed among prompt
 // chunks is the decode step's, to its bits and its reads.
 //   q, out [heads, head_dim]; table the sequence's page_table row of pages_per_seq entries;
-//   T float or bf16_bits (cpu_decode.cc instantiates both)
+//   T float, bf16_bits or fp8_e4m3 (cpu_decode.cc instantiates each)
 template <class T>
 void decode_query(const float* q, const T* k, const T* v, const int32_t* table,
                   int32_t seq_len, float* out, int64_t heads, int64_t head_dim, int64_t pages,

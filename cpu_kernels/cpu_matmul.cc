@@ -61,53 +61,6 @@ struct Problem {
   Layout layout;
 };
 
-enum class fp8_e4m3 : uint8_t {};  // a float8_e4m3fn weight's bits
-
-// A weight widened to float32, exactly: int8 as is; e4m3fn (sign, 4 exponent bits of bias 7, 3
-// of mantissa) as an integer times 2^-9, never a float32 subnormal. XLA runs the kernels with
-// denormals-are-zero set, so the short route through float32 bits, (b & 0x80) << 24 |
-// (b & 0x7f) << 20 times 2^120, reads e4m3's subnormals as 0; the vector loads below go through
-// float16 instead (its conversion reads subnormals whatever DAZ says). NaN (0x7f, 0xff) is no
-// value a quantised weight takes: it reads as +-480 here.
-inline float widen(float w) { return w; }
-inline float widen(int8_t w) { return w; }
-inline float widen(fp8_e4m3 w) {
-  const int b = static_cast<uint8_t>(w), e = (b >> 3) & 15, m = b & 7;
-  const float magnitude = static_cast<float>(e ? (8 + m) << (e - 1) : m) * 0x1p-9f;
-  return b & 0x80 ? -magnitude : magnitude;
-}
-
-// Columns [0, 16) (widen16) or [0, 8) (widen8) of a row of w as float32, read whole: a panel
-// always has kNC columns to read (zero past N when packed; block() copies a partial panel of w
-// in place into scratch first). As float16, e4m3fn's bits shifted left 7 (the sign kept in bit
-// 15) are the weight / 2^8.
-#if defined(__AVX512F__)
-inline __m512 widen16(const float* w) { return _mm512_loadu_ps(w); }
-inline __m512 widen16(const int8_t* w) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
-inline __m512 widen16(const fp8_e4m3* w) {
-  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(b, 7),
-                                        _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
-  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(0x1p8f));
-}
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 widen8(const float* w) { return _mm256_loadu_ps(w); }
-inline __m256 widen8(const int8_t* w) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-}
-inline __m256 widen8(const fp8_e4m3* w) {
-  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-  const __m128i half = _mm_and_si128(_mm_slli_epi16(b, 7),
-                                     _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
-  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(0x1p8f));
-}
-#endif
-
 // A share of a panel's next block, fetched into L2 by one of the tiles after a block's first
 // (that one waits for the block from memory; the others compute from L2): `lines` cache lines
 // from `at` on, `per_k` of them each step of k.
@@ -117,7 +70,9 @@ struct Ahead {
 };
 
 // Rows [row, row + R) x columns [col, col + cols) of out (cols <= kNC) over k in [k0, k0 + kc);
-// w: row k0 of the panel, rows ldw elements apart; W float, int8_t or fp8_e4m3.
+// w: row k0 of the panel, rows ldw elements apart; W float, int8_t or fp8_e4m3, widened by
+// cpu_kernels.h's widen16 / widen8, a row's kNC columns read whole: a panel always has them
+// (zero past N when packed; block() copies a partial panel of w in place into scratch first).
 #if defined(__AVX512F__)
 // The accumulators are named registers, not an array: GCC keeps an array of 24 vectors in
 // memory and stores all of them on every step of k. Inlined into block(), as GCC did by itself

@@ -1,4 +1,4 @@
-// Paged prefill attention for the CPU, called from XLA through its FFI (see cpu_attention.py).
+// Paged prefill attention for the CPU, called from XLA through its FFI (see attention.py).
 //
 // A chunk of queries per row, causal over the row's pages. The plain-XLA block walk gathers
 // every block of pages into a copy, scores the whole chunk against it and masks afterwards;
@@ -11,7 +11,8 @@
 // Contract (as pallas_kernels.reference.prefill_attention_ref), float32 throughout but the pool:
 //   q          [B, C, H, D]      a chunk of C queries per row
 //   k, v       [P, page, KV, D]  the page pool, the chunk's own keys and values written: float32,
-//                                or bfloat16 as uint16 bits (the ...Bf16 handlers)
+//                                bfloat16 as uint16 bits (the ...Bf16 handlers) or
+//                                float8_e4m3fn as uint8 bytes (the ...Fp8 handlers)
 //   page_table [B, pages_per_seq] int32
 //   positions  [B, C] int32       query (b, c) sees keys j <= positions[b, c]
 //   seq_lens   [B] int32          keys the row holds, chunk included
@@ -42,7 +43,7 @@ using namespace jaxserve_cpu;
 
 constexpr int64_t kQueries = 16;  // queries of a row per work item
 
-template <class T>  // the pool's element: float or bf16_bits
+template <class T>  // the pool's element: float, bf16_bits or fp8_e4m3
 struct Problem {
   const float* q;  // [tokens, heads, head_dim]: the padded form's [B, C] flattened
   const T* k;
@@ -125,6 +126,7 @@ void attend(const Problem<T>& p, int64_t row, int64_t first, int64_t count, int6
 using Queries = ffi::BufferR4<ffi::F32>;
 using Pool = ffi::BufferR4<ffi::F32>;
 using Pool16 = ffi::BufferR4<ffi::U16>;  // bfloat16 bits
+using Pool8 = ffi::BufferR4<ffi::U8>;    // float8_e4m3fn bits
 using Table = ffi::BufferR2<ffi::S32>;
 using Positions = ffi::BufferR2<ffi::S32>;
 using Lens = ffi::BufferR1<ffi::S32>;
@@ -141,7 +143,7 @@ bool consistent(const Problem<T>& p, const ffi::Span<const int64_t>& kd,
          std::equal(kd.begin(), kd.end(), vd.begin()) && td[0] == p.rows && lens == p.rows;
 }
 
-template <class PoolBuffer>  // Pool or Pool16
+template <class PoolBuffer>  // Pool, Pool16 or Pool8
 ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, PoolBuffer k, PoolBuffer v,
                             Table page_table, Positions positions, Lens seq_lens, Out out,
                             float scale) {
@@ -149,7 +151,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, PoolBuffer k, PoolB
   const auto kd = k.dimensions();
   const auto pd = positions.dimensions();
   const Problem<PoolElement<PoolBuffer>> p{
-      q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
+      q.typed_data(), pool_data(k), pool_data(v), page_table.typed_data(),
       positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
       qd[0], qd[2], qd[3], kd[0], kd[1], kd[2], page_table.dimensions()[1], scale};
   const int64_t chunk = qd[1];
@@ -169,14 +171,14 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, PoolBuffer k, PoolB
   return ffi::Error::Success();
 }
 
-template <class PoolBuffer>  // Pool or Pool16
+template <class PoolBuffer>  // Pool, Pool16 or Pool8
 ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, PoolBuffer k,
                                   PoolBuffer v, Table page_table, PackedPositions positions,
                                   Lens query_starts, Lens seq_lens, PackedOut out, float scale) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const Problem<PoolElement<PoolBuffer>> p{
-      q.typed_data(), k.typed_data(), v.typed_data(), page_table.typed_data(),
+      q.typed_data(), pool_data(k), pool_data(v), page_table.typed_data(),
       positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
       seq_lens.dimensions()[0], qd[1], qd[2], kd[0], kd[1], kd[2],
       page_table.dimensions()[1], scale};
@@ -231,7 +233,7 @@ ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, PoolBuf
   return ffi::Error::Success();
 }
 
-// the handlers' signatures, on a pool of either kind
+// the handlers' signatures, on a pool of any kind
 #define JAXSERVE_PREFILL_BINDING(PoolBuffer) \
   ffi::Ffi::Bind()                           \
       .Ctx<ffi::ThreadPool>()                \
@@ -267,3 +269,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttention, PrefillAttention<Pool
                               JAXSERVE_PREFILL_BINDING(Pool));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionBf16, PrefillAttention<Pool16>,
                               JAXSERVE_PREFILL_BINDING(Pool16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionRaggedFp8,
+                              PrefillAttentionRagged<Pool8>, JAXSERVE_RAGGED_BINDING(Pool8));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuPrefillAttentionFp8, PrefillAttention<Pool8>,
+                              JAXSERVE_PREFILL_BINDING(Pool8));

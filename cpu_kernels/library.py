@@ -1,6 +1,7 @@
 """The C++ kernels for the CPU, called through XLA's FFI: their build, cache and registration.
 
-    cpu_decode.cc, cpu_prefill.cc   paged attention (wrapped by attention.py)
+    cpu_decode.cc, cpu_prefill.cc   paged attention on float32, bfloat16 or float8_e4m3fn
+                                    pages (wrapped by attention.py)
     cpu_matmul.cc                   the linear layers' matmul, on float32 weights or int8 /
                                     float8_e4m3fn ones with column scales (matmul.py)
     cpu_amx.cc                      the same on AMX tiles in three bf16 passes (matmul.py)
@@ -39,6 +40,10 @@ TARGETS = {
     "jaxserve_cpu_decode_attention_bf16": "JaxserveCpuDecodeAttentionBf16",
     "jaxserve_cpu_prefill_attention_bf16": "JaxserveCpuPrefillAttentionBf16",
     "jaxserve_cpu_prefill_attention_ragged_bf16": "JaxserveCpuPrefillAttentionRaggedBf16",
+    # ... on a float8_e4m3fn pool held as uint8 bytes
+    "jaxserve_cpu_decode_attention_fp8": "JaxserveCpuDecodeAttentionFp8",
+    "jaxserve_cpu_prefill_attention_fp8": "JaxserveCpuPrefillAttentionFp8",
+    "jaxserve_cpu_prefill_attention_ragged_fp8": "JaxserveCpuPrefillAttentionRaggedFp8",
     "jaxserve_cpu_matmul": "JaxserveCpuMatmul",
     "jaxserve_cpu_matmul_transposed": "JaxserveCpuMatmulTransposed",
     "jaxserve_cpu_matmul_panels": "JaxserveCpuMatmulPanels",
