@@ -6,14 +6,14 @@
 #            with the cache the first run filled
 #   compile  bench/compile_time.py: compile seconds, layers scanned and unrolled, 8B shape
 #            included (not by default: measured 2026-12-04, bench/RESULTS.md)
-#   steps    bench/profile_step.py: the 8B shape's decode step alone, 2 rows unrolled (the
-#            GPU's default; scanned: measured 2026-12-04, bench/RESULTS.md)
-#   quant    the same step with fp8 and int8 weights at 2 rows, and fp8 against bf16 at 64 rows
-#            (needs qwix: not in the device image, carry its wheel)
+#   steps    bench/profile_step.py: the 8B shape's decode step alone, 2 and 32 rows unrolled
+#            (the GPU's default; scanned: measured 2026-12-04, bench/RESULTS.md); not by default
+#   quant    the same step with fp8 weights at 2 rows, fp8 against bf16 at 64 rows, and
+#            fp8 weights with an fp8 KV pool (needs qwix: not in the device image, carry its wheel)
 #   tests    the kernel tests, compiled by Triton for real
 #   kernels  bench/kernels.py: decode/prefill µs and GB/s vs copy bandwidth (not by default)
 #   tune     bench/tune_decode.py: the decode kernel's tuning arguments at 64 x 4096 (not by default)
-# Usage: bash bench/gpu_check.sh [comma-separated parts; default engine,startup,tests,steps,quant].
+# Usage: bash bench/gpu_check.sh [comma-separated parts; default engine,startup,tests,quant].
 # Results go to $OUT (or bench/out). Runs on the machine's own jax, the project not installed:
 # the engine and the kernel tests need none of the server's or the grammars' packages.
 set -uo pipefail
@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-bench/out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-parts=${1:-engine,startup,tests,steps,quant}
+parts=${1:-engine,startup,tests,quant}
 engine_args=(--model bench/models/llama3-8b --dtype bfloat16 --max-num-seqs 32
              --max-num-batched-tokens 1024 --prefill-chunk-sizes 256 --row-buckets 8,32
              --num-pages 4096 --max-model-len 2048)
@@ -65,12 +65,13 @@ if [[ $parts == *steps* ]]; then
 fi
 if [[ $parts == *quant* ]]; then
   echo "== decode step with quantised weights: Llama-3-8B shape, bf16 activations"
-  for run in "2 fp8" "2 int8" "64 fp8" "64 none"; do
+  for run in "2 fp8 auto" "64 fp8 auto" "64 none auto" "64 fp8 fp8"; do
     set -- $run
-    echo "-- $1 rows, weights $2"
+    echo "-- $1 rows, weights $2, KV $3"
     quant=(); [[ $2 != none ]] && quant=(--quantization "$2")
     timeout 60 python3 bench/profile_step.py --model bench/models/llama3-8b --dtype bfloat16 \
-      --rows "$1" --context 300 --iters 10 --top 6 "${quant[@]}" 2>&1 | grep -v "^compiling"
+      --rows "$1" --context 300 --iters 10 --top 6 --kv-cache-dtype "$3" "${quant[@]}" 2>&1 |
+      grep -v "^compiling"
   done
 fi
 if [[ $parts == *kernels* ]]; then

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from jaxserve.checks import is_finite, is_int, show
 from jaxserve.model_config import QUANTIZATIONS, SUPPORTED_DTYPES, ModelConfig
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # the kv_cache_dtype option's values
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")  # the kv_cache_dtype option's values
 
 
 def kv_cache_dtype(dtype: str, backend: str, attention_impl: str,
@@ -28,14 +28,21 @@ def kv_cache_dtype(dtype: str, backend: str, attention_impl: str,
     "bfloat16" on the CPU is read by the cpu attention's kernels, which hold it as uint16 bits
     (XLA scatters those in place) and widen each key and value as they load it: half the bytes
     a decode step reads from the pool, keys and values rounded to bfloat16. On an accelerator
-    the pool takes the model's dtype (the Pallas kernels read q's dtype). A combination that
-    cannot run raises a ValueError naming kv_cache_dtype."""
+    the pool takes the model's dtype (the Pallas kernels read q's dtype). "fp8" (vLLM's name):
+    float8_e4m3fn keys and values (a quarter of float32's bytes, half of bfloat16's), on every
+    attention but the tpu one; the kernels widen them as they load. A combination that cannot
+    run raises a ValueError naming kv_cache_dtype."""
     if requested not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
     if requested == "auto":
         if backend == "cpu" and attention_impl in ("reference", "cpu") and dtype != "float32":
             return "float32"
         return dtype
+    if requested == "fp8":  # read by every attention but JAX's TPU kernel
+        if attention_impl == "tpu":
+            raise ValueError("kv_cache_dtype='fp8' is not read by the tpu attention; leave it "
+                             "'auto' there")
+        return requested
     if backend != "cpu":
         if requested != dtype:
             raise ValueError(f"kv_cache_dtype={requested!r}: on {backend!r} the KV pool takes "

@@ -72,12 +72,13 @@ def weight_bytes_per_device(cfg: ModelConfig, dtype: str, tp: int) -> int:
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str, tp: int = 1) -> int:
     """All devices' shares together (KV heads repeated to one a device where fewer than tp)."""
+    from jaxserve.backends import REFERENCE
     from jaxserve.model.kv_cache import KVCache
-    from jaxserve.runner import DTYPES
     from jaxserve.sharding import kv_heads_per_device
 
     heads = cfg.num_kv_heads if tp == 1 else kv_heads_per_device(cfg, tp) * tp
-    return KVCache.bytes_per_page(cfg.num_layers, 1, heads, cfg.head_dim, DTYPES[dtype])
+    return KVCache.bytes_per_page(cfg.num_layers, 1, heads, cfg.head_dim,
+                                  REFERENCE.attention.pool_dtype(dtype))
 
 
 def sampler_state_bytes(vocab_size: int, max_num_seqs: int) -> int:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode import check_lengths, check_paged_inputs
+from pallas_kernels.reference import widen
 
 _MASKED = -1e30
 
@@ -71,8 +72,8 @@ def prefill_attention_blocked(
             # 0 instead, so nothing stale (even NaN) reaches the sums, as in the kernels
             page_index = start + jnp.arange(pages, dtype=jnp.int32)
             ids = jnp.where(page_index[None, :] < row_pages[:, None], ids, 0)
-            k = k_pages[ids].reshape(batch, tokens, num_kv_heads, head_dim)
-            v = v_pages[ids].reshape(batch, tokens, num_kv_heads, head_dim)
+            k = widen(k_pages[ids].reshape(batch, tokens, num_kv_heads, head_dim), q.dtype)
+            v = widen(v_pages[ids].reshape(batch, tokens, num_kv_heads, head_dim), q.dtype)
             key_pos = start * page_size + jnp.arange(tokens, dtype=jnp.int32)
             # keys past a row's length as zeros: their scores are masked anyway, but the select
             # makes XLA materialise the gathered block before the dot; a gather fed straight

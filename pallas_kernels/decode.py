@@ -26,6 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.reference import FP8_POOL, widen
+
 # Finite stand-in for -inf, as in the reference: rows with no valid key stay NaN-free.
 MASK_VALUE = -1e30
 # Logits are kept in base 2 (exp2 is cheaper than exp on GPUs): scale * log2(e) is folded in.
@@ -123,8 +125,8 @@ def attend_page_block(q, k_pages_ref, v_pages_ref, page_ids, kv_head, valid, wri
     head_dim = k_pages_ref.shape[3]
     # Gather: [pages_per_block, page_size, head_dim] -> [block_k, head_dim]; the pool stays in
     # HBM (memory_space=ANY), only these pages are loaded.
-    k = k_pages_ref[page_ids, :, kv_head, :].reshape(block_k, head_dim)
-    v = v_pages_ref[page_ids, :, kv_head, :].reshape(block_k, head_dim)
+    k = widen(k_pages_ref[page_ids, :, kv_head, :].reshape(block_k, head_dim), q.dtype)
+    v = widen(v_pages_ref[page_ids, :, kv_head, :].reshape(block_k, head_dim), q.dtype)
     v = jnp.where(jnp.broadcast_to(written[:, None], v.shape), v, jnp.zeros_like(v))
     s = jnp.where(valid, _scores(q, k) * qk_scale, MASK_VALUE)  # [rows, block_k]
     m_next = jnp.maximum(m_prev, s.max(axis=1))
@@ -166,8 +168,9 @@ def check_paged_inputs(q_heads, q_head_dim, q_dtype, k_pages, v_pages, page_tabl
         raise ValueError(f"k_pages has shape {k_pages.shape}, expected no empty dimension")
     if q_dtype not in _DTYPES:
         raise ValueError(f"q has dtype {q_dtype}, expected float32, bfloat16 or float16")
-    # the XLA twins take a float32 pool under 16-bit queries (the CPU's kv_cache_dtype)
-    if kernel and (k_pages.dtype != q_dtype or v_pages.dtype != q_dtype):
+    # the XLA twins take a float32 pool under 16-bit queries (the CPU's kv_cache_dtype); the
+    # kernels q's dtype or 8-bit floats
+    if kernel and (k_pages.dtype not in (q_dtype, FP8_POOL) or v_pages.dtype != k_pages.dtype):
         raise ValueError(
             f"k_pages/v_pages have dtypes {k_pages.dtype}/{v_pages.dtype}, not q's {q_dtype}"
         )

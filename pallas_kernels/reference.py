@@ -9,6 +9,15 @@ Token j of a sequence lives in page ``page_table[b, j // page_size]`` at offset 
 import jax
 import jax.numpy as jnp
 
+# a pool of 8-bit floats (kv_cache_dtype="fp8"): half a 16-bit pool's bytes, each key and value
+# widened to the queries' dtype as it loads (exactly: e4m3's values are bfloat16's and float16's)
+FP8_POOL = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def widen(x: jax.Array, dtype) -> jax.Array:
+    """A block of the pool in `dtype` when the pool holds 8-bit floats; else as it is."""
+    return x.astype(dtype) if x.dtype == FP8_POOL else x
+
 # Finite stand-in for -inf: a row with no valid key (an empty slot) stays NaN-free.
 _MASKED = -1e30
 
@@ -35,8 +44,8 @@ def prefill_attention_ref(
     group = num_heads // num_kv_heads
     max_len = page_table.shape[1] * page_size
 
-    k = k_pages[page_table].reshape(batch, max_len, num_kv_heads, head_dim)
-    v = v_pages[page_table].reshape(batch, max_len, num_kv_heads, head_dim)
+    k = widen(k_pages[page_table].reshape(batch, max_len, num_kv_heads, head_dim), q.dtype)
+    v = widen(v_pages[page_table].reshape(batch, max_len, num_kv_heads, head_dim), q.dtype)
     qg = q.reshape(batch, chunk, num_kv_heads, group, head_dim)
 
     # scores: [B, kv_heads, group, C, max_len], in float32 whatever the input dtype

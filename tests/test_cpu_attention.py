@@ -409,7 +409,7 @@ def test_auto_attention_takes_the_cpu_kernel_where_it_builds(monkeypatch, caplog
     with pytest.raises(ValueError, match="on 'gpu' the KV pool takes the model's dtype"):
         kv_cache_dtype("float32", "gpu", "pallas", "bfloat16")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        kv_cache_dtype("float32", "cpu", "cpu", "fp8")
+        kv_cache_dtype("float32", "cpu", "cpu", "fp16")
     with pytest.raises(ValueError, match="attention_impl='cpu' runs on the CPU backend"):
         resolve_attention_impl("cpu", "gpu", 64, 16)
     monkeypatch.setattr(cpu_library, "unavailable_reason", lambda: "no C++ compiler found")

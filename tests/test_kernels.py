@@ -26,7 +26,7 @@ from pallas_kernels import (
 )
 
 INTERPRET = jax.default_backend() != "gpu"
-F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+F32, BF16, F16, FP8 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
 
 
 def _paged_kv(rng, seq_lens, case):
@@ -184,16 +184,47 @@ def test_prefill_matches_reference(name):
     _assert_close(out, ref, rows, case.dtype)
 
 
-@pytest.mark.parametrize(("dtype", "head_dim", "page_size", "group", "num_splits"), [
-    (F32, 64, 16, 1, 1), (BF16, 128, 16, 4, 4), (F16, 64, 8, 2, 2), (BF16, 64, 32, 2, None),
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_an_fp8_pool_is_read_as_its_values_widened(dtype):
+    """kv_cache_dtype="fp8": the kernels widen each float8_e4m3fn key and value to q's dtype as
+    they load it (exactly: float32 and bfloat16 hold e4m3's values), so they give the outputs
+    they give over the pool widened beforehand, for decode and prefill chunks."""
+    case = DECODE_CASES["gqa4-8slots-splits"]._replace(dtype=F32)
+    rng = np.random.default_rng(21)
+    (k, v), _, table = _paged_kv(rng, case.seq_lens, case)
+    k8, v8 = k.astype(FP8), v.astype(FP8)
+    q = jnp.asarray(rng.standard_normal((len(case.seq_lens), case.heads, case.head_dim)), dtype)
+    lens = jnp.asarray(case.seq_lens, jnp.int32)
+    out = decode_attention(q, k8, v8, table, lens, 0.125, interpret=INTERPRET, **case.tuning)
+    wide = decode_attention(q, k8.astype(dtype), v8.astype(dtype), table, lens, 0.125,
+                            interpret=INTERPRET, **case.tuning)
+    rows = np.asarray(case.seq_lens) > 0
+    np.testing.assert_array_equal(np.asarray(out.astype(F32))[rows],
+                                  np.asarray(wide.astype(F32))[rows])
+    chunk = 8
+    qc = jnp.asarray(rng.standard_normal((len(case.seq_lens), chunk, case.heads,
+                                          case.head_dim)), dtype)
+    starts = np.maximum(np.asarray(case.seq_lens) - chunk, 0)
+    positions = jnp.asarray(starts[:, None] + np.arange(chunk)[None, :], jnp.int32)
+    out = prefill_attention(qc, k8, v8, table, positions, lens, 0.125, interpret=INTERPRET)
+    wide = prefill_attention(qc, k8.astype(dtype), v8.astype(dtype), table, positions, lens,
+                             0.125, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(out.astype(F32))[rows],
+                                  np.asarray(wide.astype(F32))[rows])
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "page_size", "group", "num_splits", "pool"), [
+    (F32, 64, 16, 1, 1, None), (BF16, 128, 16, 4, 4, None), (F16, 64, 8, 2, 2, None),
+    (BF16, 64, 32, 2, None, None), (BF16, 128, 16, 4, None, FP8),
 ])
-def test_kernels_lower_through_triton(dtype, head_dim, page_size, group, num_splits):
+def test_kernels_lower_through_triton(dtype, head_dim, page_size, group, num_splits, pool):
     """Lowered for CUDA, here on the CPU: the Triton lowering runs its rules (no scalar
     prefetch, no scratch, power-of-two blocks, the primitives it knows), which interpret mode
-    never checks, so a kernel change that only a GPU would refuse fails here."""
+    never checks, so a kernel change that only a GPU would refuse fails here. `pool`: the KV
+    pool's dtype when it is not q's (fp8)."""
     kv_heads, slots, pages_per_seq, chunk = 2, 4, 8, 32
     q = jax.ShapeDtypeStruct((slots, kv_heads * group, head_dim), dtype)
-    pool = jax.ShapeDtypeStruct((64, page_size, kv_heads, head_dim), dtype)
+    pool = jax.ShapeDtypeStruct((64, page_size, kv_heads, head_dim), pool or dtype)
     table = jax.ShapeDtypeStruct((slots, pages_per_seq), jnp.int32)
     lens = jax.ShapeDtypeStruct((slots,), jnp.int32)
     decode = jax.jit(lambda q, k, v, t, n: decode_attention(q, k, v, t, n, 0.125,

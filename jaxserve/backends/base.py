@@ -22,6 +22,17 @@ from flax import nnx
 
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from pallas_kernels.blocked import decode_attention_blocked, prefill_attention_blocked
+from pallas_kernels.reference import FP8_POOL
+
+
+def to_pool(x: jax.Array, dtype) -> jax.Array:
+    """Keys or values in the pool's dtype; into 8-bit floats clamped to their largest finite
+    value first (e4m3 has no infinity: the cast alone makes NaN of what lies past it). The
+    per-tensor scale is vLLM's default of 1: the values are stored as they are."""
+    if dtype == FP8_POOL:
+        limit = float(jnp.finfo(FP8_POOL).max)
+        x = jnp.clip(x, -limit, limit)
+    return x.astype(dtype)
 
 
 @dataclass(frozen=True)
@@ -32,8 +43,9 @@ class Attention:
     ragged_calls = False  # whether `ragged` runs: the runner packs prompt chunks into one row
 
     def pool_dtype(self, dtype: str):
-        """The pool array's dtype for a KV cache of dtype `dtype` ("float32", "bfloat16")."""
-        return jnp.dtype(dtype)
+        """The pool array's dtype for a KV cache of dtype `dtype` ("float32", "bfloat16",
+        "fp8": float8_e4m3fn, which the kernels widen as they load)."""
+        return FP8_POOL if dtype == "fp8" else jnp.dtype(dtype)
 
     def zeros(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
               head_dim: int, dtype: str) -> KVCache:
@@ -48,8 +60,8 @@ class Attention:
         pool directly (no reshape around the scatter) lets XLA write in place."""
         page, offset = index
         k_pool, v_pool = kv.pools
-        return KVCache(pools=(k_pool.at[page, offset].set(k.astype(k_pool.dtype)),
-                              v_pool.at[page, offset].set(v.astype(v_pool.dtype))),
+        return KVCache(pools=(k_pool.at[page, offset].set(to_pool(k, k_pool.dtype)),
+                              v_pool.at[page, offset].set(to_pool(v, v_pool.dtype))),
                        num_pages=kv.num_pages)
 
     def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata,

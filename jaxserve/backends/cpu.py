@@ -5,8 +5,8 @@ matmul, the attention and every row sum run one chain of additions fixed by the 
 (XLA's own CPU reductions sum a row of a [4, n] array differently from a row of a [2, n] one).
 
     CpuAttention  decode and prefill chunks, padded or ragged (`ragged_calls`: the runner packs
-                  prompt chunks into one row); a bfloat16 pool is held as its bits (uint16),
-                  which XLA on the CPU scatters in place
+                  prompt chunks into one row); a bfloat16 or fp8 pool is held as its bits
+                  (uint16, uint8), which XLA on the CPU scatters in place
     CpuOps        float32 linear layers on packed panels (or AMX tiles; int8 or fp8 weights
                   with their column scales), and the row sums as the kernel's products with a
                   column of ones
@@ -20,8 +20,10 @@ from flax import nnx
 
 from cpu_kernels.attention import (
     BF16_BITS,
+    FP8_BITS,
     bf16_bits,
     decode_attention_cpu,
+    fp8_bits,
     prefill_attention_cpu,
     prefill_attention_cpu_ragged,
 )
@@ -47,12 +49,14 @@ class CpuAttention(Attention):
     ragged_calls = True
 
     def pool_dtype(self, dtype: str):
-        return BF16_BITS if dtype == "bfloat16" else jnp.dtype(dtype)
+        return {"bfloat16": BF16_BITS, "fp8": FP8_BITS}.get(dtype) or jnp.dtype(dtype)
 
     def write(self, kv: KVCache, k: jax.Array, v: jax.Array,
               index: tuple[jax.Array, jax.Array]) -> KVCache:
         if kv.pools[0].dtype == BF16_BITS:
             k, v = bf16_bits(k), bf16_bits(v)
+        elif kv.pools[0].dtype == FP8_BITS:
+            k, v = fp8_bits(k), fp8_bits(v)
         return super().write(kv, k, v, index)
 
     def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata,
