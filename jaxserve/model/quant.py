@@ -24,7 +24,6 @@ from flax import nnx
 from jaxserve.model_config import QUANTIZATIONS
 
 _QTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
-QUANTIZED_DTYPES = tuple(_QTYPES.values())
 
 
 def qtype(method: str) -> jnp.dtype:
@@ -35,7 +34,7 @@ def qtype(method: str) -> jnp.dtype:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _quantize(w: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    import qwix  # here: the serving path without quantisation needs no qwix
+    import qwix  # here, not at the top: a float model runs where qwix is not installed
 
     q = qwix.quantize(w.astype(jnp.float32), dtype, channelwise_axes=(1,),
                       scale_dtype=jnp.float32)
@@ -71,7 +70,3 @@ class QuantizedLinear(nnx.Module):
         weight = qwix.QArray(kernel, self.scale[...][None].astype(x.dtype), qtype=kernel.dtype)
         y = qwix.dot_general(x, weight, (((x.ndim - 1,), (0,)), ((), ())))
         return y if self.bias is None else y + self.bias[...]
-
-
-def is_quantized(layer) -> bool:
-    return isinstance(layer, QuantizedLinear)
