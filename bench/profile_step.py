@@ -197,10 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{mc.num_params / 1e6:.1f}M parameters on {jax.default_backend()} "
           f"({runner.attention_impl} attention, {runner.matmul_impl} matmul, "
           f"{runner.kv_dtype_name} KV): {what}: median "
-          f"{1e3 * np.median(times):.1f} ms, best {1e3 * min(times):.1f} ms")
-    weights = runner.weight_bytes
-    print(f"weights {weights / 1e9:.2f} GB ({mc.quantization or runner.dtype.__name__}): read "
-          f"once a step at {weights / np.median(times) / 1e9:.0f} GB/s")
+          f"{1e3 * np.median(times):.1f} ms, best {1e3 * min(times):.1f} ms; weights "
+          f"{runner.weight_bytes / 1e9:.2f} GB ({mc.quantization or runner.dtype.__name__}), "
+          f"read once a step at {runner.weight_bytes / np.median(times) / 1e9:.0f} GB/s")
     print(f"{'ms/step':>9} {'calls':>7}  op kind")
     for kind, (ms, calls) in list(totals.items())[:args.top]:
         print(f"{ms:9.2f} {calls:7.1f}  {kind}")
