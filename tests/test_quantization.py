@@ -260,14 +260,15 @@ def test_the_demos_bits_per_byte_stay_within_2_percent():
         assert bpb[method] <= bpb[None] * 1.02, bpb
 
 
-@pytest.mark.parametrize("name", ["llama_fp8", "llama_fp8_tensor"])
-def test_compressed_tensors_fp8_checkpoints_give_transformers_dequantised_logits(name):
-    """Checkpoints written by compressed-tensors (make_quantized_fixtures.py: fp8 weights, a
-    scale per channel or per tensor, dynamic or static activation settings) read as vLLM reads
-    them; the logits are transformers' on the same checkpoint, weights dequantised. The CPU
-    engine's greedy ids are transformers' too."""
+@pytest.mark.parametrize(("name", "method"), [
+    ("llama_fp8", "fp8"), ("llama_fp8_tensor", "fp8"), ("llama_int8", "int8")])
+def test_compressed_tensors_checkpoints_give_transformers_dequantised_logits(name, method):
+    """Checkpoints written by compressed-tensors (make_quantized_fixtures.py: fp8 or int8
+    weights, a scale per channel or per tensor, dynamic or static activation settings) read as
+    vLLM reads them; the logits are transformers' on the same checkpoint, weights dequantised.
+    The CPU engine's greedy ids are transformers' too."""
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / name)
-    assert cfg.quantization == "fp8"
+    assert cfg.quantization == method
     graphdef, state = load_state(HF_FIXTURES / name, cfg, jnp.float32)
     expected = load_file(str(HF_FIXTURES / name / "reference" / "expected_logits.safetensors"))
     reference = json.loads((HF_FIXTURES / name / "expected.json").read_text())
