@@ -296,9 +296,16 @@ def _read_quantization(quant: Any) -> str | None:
     if method is None:
         raise ValueError(f"quantization_config format {fmt!r} is not read; {supported}")
     groups = quant.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise ValueError(f"quantization_config config_groups must be a mapping, got {groups!r}")
     for name, group in groups.items():
-        weights = (group or {}).get("weights") or {}
+        group = group if isinstance(group, dict) else {}
+        weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
         kind = "float" if method == "fp8" else "int"
+        if group.get("format", fmt) != fmt:
+            raise ValueError(f"quantization_config config_groups.{name}.format "
+                             f"{group.get('format')!r} differs from the checkpoint's {fmt!r}; "
+                             f"{supported}")
         if (weights.get("num_bits") != 8 or weights.get("type") != kind
                 or weights.get("strategy") not in ("channel", "tensor")
                 or weights.get("symmetric") is False or weights.get("dynamic")):
@@ -306,7 +313,9 @@ def _read_quantization(quant: Any) -> str | None:
                              f"not read; {supported}")
     if not groups:
         raise ValueError(f"quantization_config has no config_groups; {supported}")
-    ignored = [name for name in quant.get("ignore") or [] if not name.endswith("lm_head")]
+    ignore = quant.get("ignore") or []
+    ignored = [name for name in (ignore if isinstance(ignore, list) else [ignore])
+               if not str(name).endswith("lm_head")]
     if ignored:
         raise ValueError(f"quantization_config ignore leaves {ignored} unquantised: only lm_head "
                          f"may be; {supported}")

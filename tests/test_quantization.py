@@ -325,15 +325,17 @@ def test_bad_quantization_settings_are_clear_errors(tmp_path):
     missing = "model.layers.1.mlp.down_proj.weight_scale"
     with pytest.raises(ValueError, match=missing):
         LLM(_edited_checkpoint(tmp_path / "no_scale", drop=missing), num_pages=80, page_size=4)
-    for config, words in (({"quant_method": "gptq"}, "'gptq'"),
-                          ({"format": "pack-quantized"}, "'pack-quantized'"),
-                          ({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]},
-                           "unquantised"),
-                          ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
-                           "num_bits")):
-        name = "_".join(config)
+    bad_configs = [
+        ({"quant_method": "gptq"}, "'gptq'"),
+        ({"format": "pack-quantized"}, "'pack-quantized'"),
+        ({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "unquantised"),
+        ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}, "num_bits"),
+        ({"config_groups": {"g": {"format": "pack-quantized"}}}, "differs"),
+        ({"config_groups": ["g"]}, "must be a mapping"),
+    ]
+    for case, (config, words) in enumerate(bad_configs):
         with pytest.raises(ValueError, match=words):
-            ModelConfig.from_hf_dir(_edited_checkpoint(tmp_path / name, config))
+            ModelConfig.from_hf_dir(_edited_checkpoint(tmp_path / f"case{case}", config))
     with pytest.raises(ValueError, match="already quantised"):
         LLM(HF_FIXTURES / "llama_fp8", quantization="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not read by the tpu"):
