@@ -7,12 +7,11 @@ full-precision model is never held whole. The embedding table and the LM head ke
 dtype, as vLLM keeps them.
 
 qwix's model rewriting (`quantize_model`, which intercepts the ops a module calls) does not fit
-this engine: its linear layers run through the backend seam (`backend.ops.linear`), which on
-the CPU is a C++ kernel XLA cannot look into, and the weights must keep their state paths for
+this engine: its linear layers run through the backend seam (`backend.ops.linear`), where a
+backend may call a kernel XLA cannot look into, and the weights must keep their state paths for
 the tensor-parallel split (jaxserve/sharding.py). So a `QuantizedLinear` holds the arrays under
-those paths, and each backend multiplies by them its own way: XLA through qwix's dot (the
-dequantisation fused into the matmul), the CPU kernel reading the narrow weights and widening
-them in registers (cpu_kernels/matmul.py).
+those paths, and each backend's `Ops.linear` multiplies by them its own way; called directly,
+it is plain XLA through qwix's dot (the dequantisation fused into the matmul).
 """
 
 import functools
