@@ -194,6 +194,8 @@ def _add_option_flags(parser: argparse.ArgumentParser, cls: type, title: str,
             spec = {"action": argparse.BooleanOptionalAction}
         elif typing.get_origin(base) is tuple:
             spec = {"type": typing.get_args(base)[0], "nargs": "+"}
+        elif dataclasses.is_dataclass(base):  # its JSON text, which the config reads
+            spec = {"type": _nullable(str), "metavar": "JSON"}
         else:
             spec = {"type": _nullable(base) if nullable else base}
         flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]

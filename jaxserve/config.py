@@ -95,6 +95,77 @@ def compute_dtype(requested: str, checkpoint: str, backend: str, num_params: int
     return "float32" if 4 * num_params <= (host_bytes - reserved_bytes) // 2 else checkpoint
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` and its keys): a proposer guesses up to
+    `num_speculative_tokens` tokens a row will generate, one step of the model verifies them all
+    and keeps the longest run it would have generated itself (exactly: rejection sampling when
+    the row samples). `ngram` proposes by prompt lookup: the tokens that followed the latest
+    earlier occurrence of the context's last n tokens, n from prompt_lookup_max down to
+    prompt_lookup_min. Speculation turns itself off in iterations whose batch holds more than
+    `disable_by_batch_size` running requests (vLLM's speculative_disable_by_batch_size): a large
+    batch already keeps the device busy, and the verification's extra tokens would only cost."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int | None = None  # None: prompt_lookup_max (both None: 5 and 5, vLLM's)
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = 8  # None: speculate whatever the batch
+
+    @classmethod
+    def from_value(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """The option's value as given (a mapping, its JSON text, or None: off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config must be a JSON object, got {value!r} "
+                                 f"({error})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a mapping of its keys, got {show(value)}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(names)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required (tokens "
+                             f"proposed per step, 1 to {MAX_SPECULATIVE_TOKENS})")
+        return cls(**value)
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {show(self.method)}")
+        k = self.num_speculative_tokens
+        if not (is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer from 1 "
+                             f"to {MAX_SPECULATIVE_TOKENS} (the verification step is compiled at "
+                             f"k + 1 tokens a row), got {show(k)}")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if value is not None and not (is_int(value) and value >= 1):
+                raise ValueError(f"speculative_config.{name} must be a positive integer, "
+                                 f"got {show(value)}")
+        low, high = (5, 5) if low is None and high is None else (low or high, high or low)
+        if low > high:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({low}) must not exceed "
+                             f"prompt_lookup_max ({high})")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        b = self.disable_by_batch_size
+        if b is not None and not (is_int(b) and b >= 1):
+            raise ValueError("speculative_config.disable_by_batch_size must be a positive integer "
+                             f"or None, got {show(b)}")
+
+
 Batching = Literal["static", "dynamic", "continuous"]
 AttentionImpl = Literal["auto", "pallas", "tpu", "cpu", "reference"]
 _CHOICES = {
@@ -165,8 +236,13 @@ class EngineConfig:
     # (e4m3) weights with a float32 scale per output column, dequantised inside the matmul;
     # the embedding table and the LM head keep the model's dtype (jaxserve/model/quant.py)
     quantization: str | None = None
+    # speculative decoding (vLLM's option; the CLI takes its JSON): None off, else a mapping of
+    # SpeculativeConfig's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.from_value(self.speculative_config))
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")

@@ -10,7 +10,11 @@ waits for it. With `overlap`, an iteration is read one step later, while the dev
 runs the next one (the host never stalls the device); without it, at once. `finish(handle)`
 dispatches what of an iteration had to wait until the host held every earlier token (the rows
 whose next-token masks follow from them: structured output, bad words, min_tokens): the device
-runs the iteration's model meanwhile. Host only: no jax here.
+runs the iteration's model meanwhile.
+
+An iteration that verifies proposals (speculative decoding) is read at once, never overlapped:
+its rows' next proposals need every token it kept. When the scheduler wants to speculate while
+an iteration is in flight, the step only reads that one. Host only: no jax here.
 """
 
 from collections.abc import Callable, Mapping
@@ -106,27 +110,40 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or self.inflight is not None
 
     def step(self) -> Step:
+        if self.inflight is not None and self.scheduler.speculates():
+            (done, handle), self.inflight = self.inflight, None
+            return self._read(Step(SchedulerOutput()), done, handle)
         out = self.scheduler.schedule()
         if self.on_schedule is not None:
             self.on_schedule(out)
         flight = (out, self.runner.dispatch(out)) if out.chunks else None
         if flight is not None:
             self.num_steps += 1
-        if self.overlap:
+        if self.overlap and not out.speculative:
             previous, self.inflight = self.inflight, flight
-        else:
-            previous = flight
-            if flight is not None:  # the previous iteration was read and processed
-                self.runner.finish(flight[1])
-        if previous is None:
-            if self.overlap and flight is not None:
-                self.runner.finish(flight[1])
+            if previous is None:
+                if flight is not None:
+                    self.runner.finish(flight[1])
+                return Step(out)
+            return self._read(Step(out), *previous, flight)
+        if flight is None:  # (a speculative iteration is dispatched with nothing in flight)
             return Step(out)
-        done, handle = previous
+        self.runner.finish(flight[1])
+        return self._read(Step(out), *flight)
+
+    def _read(self, step: Step, done: SchedulerOutput, handle: Any,
+              flight: tuple[SchedulerOutput, Any] | None = None) -> Step:
+        """Read the iteration `done` into `step`: the scheduler's and the outputs' updates.
+        `flight`: the overlapped iteration dispatched after it, finished once done is read."""
         results = self.runner.collect(handle)
-        self.scheduler.update(done)  # its samples are pending no more
+        # its samples are pending no more; verification rows keep the tokens they got
+        sampled = {c.request.request_id: len(results[c.request.request_id].tokens)
+                   for c in done.chunks if c.draft is not None
+                   and c.request.request_id in results} if done.speculative else None
+        self.scheduler.update(done, sampled)
         self.processor.feed_masks(done, results)
-        if self.overlap and flight is not None:  # every earlier token is read now: the
-            self.runner.finish(flight[1])  # device samples while the host makes the outputs
-        touched, num_tokens = self.processor.update(self.scheduler, done, results)
-        return Step(out, done, touched, num_tokens)
+        if flight is not None:  # every earlier token is read now: the device samples while
+            self.runner.finish(flight[1])  # the host makes the outputs
+        step.done = done
+        step.touched, step.num_tokens = self.processor.update(self.scheduler, done, results)
+        return step

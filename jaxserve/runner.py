@@ -139,6 +139,8 @@ class Inflight:
     decode_packed: jax.Array | None = None  # [steps, B, W]
     prefills: list[PrefillCall] = field(default_factory=list)
     heads: list[Head] = field(default_factory=list)  # for finish, in order
+    verify_chunks: list[ScheduledChunk] = field(default_factory=list)
+    verify_packed: jax.Array | None = None  # [B, K + 1, W]
 
 
 class ModelRunner:
@@ -194,6 +196,8 @@ class ModelRunner:
                  time.perf_counter() - start, self.backend.name, self.attention_impl,
                  self.matmul_impl, "scanned" if self.scan_layers else "unrolled")
         self.page_size = config.page_size
+        spec = config.speculative_config
+        self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
         self.pages_per_seq = config.pages_per_seq(self.max_model_len)
         self.num_pages = config.num_pages or self._pages_that_fit()
         if self.num_pages - 1 < self.pages_per_seq:
@@ -317,8 +321,12 @@ class ModelRunner:
         self.input_batch.update(out.chunks)
         if self.input_batch.written:
             self.controls.write(self.fns, self.input_batch)
-        decode = [c for c in out.chunks if c.num_tokens == 1]
-        prefill = [c for c in out.chunks if c.num_tokens > 1]
+        decode = [c for c in out.chunks if c.num_tokens == 1 and c.draft is None]
+        prefill = [c for c in out.chunks if c.num_tokens > 1 and c.draft is None]
+        verify = [c for c in out.chunks if c.draft is not None]
+        if verify:
+            flight.verify_chunks = verify
+            flight.verify_packed = self._dispatch_verify(verify)
         alone = [c.request.params.prompt_logprobs is not None for c in prefill]
         packed = [c for c, a in zip(prefill, alone, strict=True) if not a] if self.ragged else []
         # a mixed iteration's decode rows join its ragged call: one pass over the weights for
@@ -357,7 +365,8 @@ class ModelRunner:
         carry_rows |= {c.request.request_id: self.carry_size + i
                        for i, c in enumerate(order) if c.num_samples}
         self._carries, self._carry_rows = tuple(carries), carry_rows
-        arrays = [flight.decode_packed] + [a for p in flight.prefills for a in (p.packed, p.prompt)]
+        arrays = [flight.decode_packed, flight.verify_packed] + [
+            a for p in flight.prefills for a in (p.packed, p.prompt)]
         for array in arrays:
             if array is not None:
                 array.copy_to_host_async()
@@ -395,6 +404,11 @@ class ModelRunner:
                 if chunk.request.params.logprobs is not None:
                     logprobs = [_unpack(step[1:]) for step in packed[:, i]]
                 results[chunk.request.request_id] = Samples(row, logprobs)
+        if flight.verify_packed is not None:
+            packed = np.asarray(flight.verify_packed)  # [B, K + 1, W]
+            for chunk, rows in zip(flight.verify_chunks, packed, strict=False):
+                results[chunk.request.request_id] = self._samples(
+                    chunk, rows[:int(np.argmax(np.append(rows[:, 0], -1) < 0))])
         for call in flight.prefills:
             packed = np.asarray(call.packed)  # [B, W]
             prompt = None if call.prompt is None else np.asarray(call.prompt)
@@ -443,6 +457,26 @@ class ModelRunner:
         packed, carry, self.kv = self.fns.decode(self.weights, self.kv, host, src, *self._carries,
                                                  md, sm, steps=steps)
         return packed, carry
+
+    def _dispatch_verify(self, chunks: list[ScheduledChunk]) -> jax.Array:
+        """Speculative decoding's verification call: each row its newest token and its draft
+        (the host holds both: the iteration before was read), K + 1 tokens a row."""
+        b = bucket(len(chunks), self.row_buckets, "verification rows")
+        k = self.num_spec_tokens
+        tokens = np.zeros((b, k + 1), np.int32)
+        drafts = np.zeros((b, k), np.int32)
+        num_drafts = np.zeros((b,), np.int32)
+        for i, chunk in enumerate(chunks):
+            n = len(chunk.draft)
+            tokens[i, 0] = _ids(chunk.request, chunk.start, chunk.start + 1)[0]
+            tokens[i, 1:1 + n] = drafts[i, :n] = chunk.draft
+            num_drafts[i] = n
+        md, _ = self._metadata(chunks, b, k + 1)
+        slots = self.input_batch.columns(chunks, b)[0]
+        sm = self._sampling(slots, md.seq_lens - md.query_lens + 1)  # the first sampled token's
+        packed, self.kv = self.fns.verify(self.weights, self.kv, tokens, md, sm, drafts,
+                                          num_drafts)
+        return packed
 
     def _dispatch_prefill(self, chunks: list[ScheduledChunk], carry_rows: list[int],
                           carry: jax.Array, flight: Inflight) -> tuple[PrefillCall, jax.Array]:
@@ -559,6 +593,8 @@ class ModelRunner:
             shapes += [("prefill_hidden", b, c, 1) for b, c in self._prefill_buckets()]
         shapes += [("head", b, 1, 1)
                    for b in sorted(set(self.row_buckets) | set(self.prefill_row_buckets))]
+        if self.num_spec_tokens:
+            shapes += [("verify", b, self.num_spec_tokens + 1, 1) for b in self.row_buckets]
         with self._counting():
             for kind, b, c, steps in tqdm(shapes, desc="compiling", disable=not progress):
                 self._warm(kind, b, c, steps)
@@ -602,7 +638,10 @@ class ModelRunner:
                               np.ones((b,), np.float32), np.zeros((b,), np.uint32),
                               np.zeros((b,), np.int32), np.zeros((b,), bool))
         tokens = np.zeros((b, c), np.int32)
-        if kind == "decode_hidden":
+        if kind == "verify":
+            _, self.kv = self.fns.verify(self.weights, self.kv, tokens, md, sm,
+                                         tokens[:, 1:], np.zeros((b,), np.int32))
+        elif kind == "decode_hidden":
             src = np.full((b,), -1, np.int32)
             _, self.kv = self.fns.decode_hidden(self.weights, self.kv, tokens[:, 0], src,
                                                 self._zeros, self._zeros, md)

@@ -156,7 +156,16 @@ class FakeRunner:
                     samples.prompt_logprobs = [
                         fake_logprobs(request.prompt_ids[chunk.start + 1 + j])
                         for j in range(n)]
-            if chunk.num_samples:
+            if chunk.draft is not None:  # verification: the drafts it would have sampled, then
+                # its own token where the first wrong one stands (or past them all)
+                samples.tokens = []
+                for j in range(chunk.num_samples):
+                    samples.tokens.append(token_after(request.prompt_ids, chunk.start + j))
+                    if j == len(chunk.draft) or chunk.draft[j] != samples.tokens[-1]:
+                        break
+                if params.logprobs is not None:
+                    samples.logprobs = [fake_logprobs(t) for t in samples.tokens]
+            elif chunk.num_samples:
                 last = chunk.start + chunk.num_tokens - 1  # the first sample follows it
                 samples.tokens = [token_after(request.prompt_ids, last + j)
                                   for j in range(chunk.num_samples)]
@@ -196,9 +205,9 @@ class FakeRunner:
             rid = request.request_id
             assert request.status == RequestStatus.RUNNING, f"{rid} scheduled while {request.status}"
             assert n >= 1 and start >= 0
-            if n > 1:
+            if n > 1 and chunk.draft is None:  # (a verification row has its own call)
                 assert n <= s.max_chunk_tokens, f"{rid}: chunk {n} > max_chunk_tokens"
-            decode_row = n == 1
+            decode_row = n == 1 and chunk.draft is None
             positions = out.decode_steps if decode_row else n
             needed = -(-(start + positions) // page_size)
             assert needed <= len(request.pages), (
@@ -206,6 +215,15 @@ class FakeRunner:
                 f"holds {len(request.pages)}")
             # at scheduling time the request held num_tokens - num_samples tokens
             tokens_before = request.num_tokens - chunk.num_samples
+            if chunk.draft is not None:  # its newest token, then the draft
+                assert out.speculative and request.num_pending == chunk.num_samples, (
+                    f"{rid}: proposes with tokens on the device")
+                assert start + 1 == tokens_before and chunk.num_samples == n == 1 + len(
+                    chunk.draft), f"{rid}: verification row {start}+{n} of {tokens_before}"
+                assert start + n < request.max_len, f"{rid}: verifies past max_len"
+                self.check_inputs(out, request, start, 1)
+                self.check_kv(request, start, positions, chunk.draft)
+                continue
             if chunk.num_samples:
                 assert start + n == tokens_before, (
                     f"{rid}: a sampling row must end at the last token ({start}+{n} != "
@@ -237,10 +255,13 @@ class FakeRunner:
             assert position == q, f"{rid}: carried token is at {position}, row starts at {q}"
             assert token == expected_token(request, q)
 
-    def check_kv(self, request: Request, start: int, positions: int) -> None:
+    def check_kv(self, request: Request, start: int, positions: int,
+                 draft: list[int] = ()) -> None:
         """The row's context [0, start) is in its pages as its own tokens (whoever wrote them:
         a cached prefix is another request's KV); then it writes [start, start + positions),
-        never into a page another request holds or the prefix cache keys."""
+        never into a page another request holds or the prefix cache keys. A verification row
+        writes its draft after its newest token: what the draft got wrong must be overwritten
+        before any row reads it as context."""
         rid, size = request.request_id, self.scheduler.kv.page_size
         pool, cache = self.scheduler.kv.pool, self.scheduler.kv.cache
         for q in range(start):
@@ -252,7 +273,8 @@ class FakeRunner:
             page = request.pages[q // size]
             assert pool.refcount(page) == 1, f"{rid}: writes into page {page}, shared"
             assert cache is None or page not in cache, f"{rid}: writes into cached page {page}"
-            self.kv[page, q % size] = expected_token(request, q)
+            self.kv[page, q % size] = (expected_token(request, q) if q == start or not draft
+                                       else draft[q - start - 1])
 
     def check_pages(self) -> None:
         """Running requests hold pages nobody else holds, but for cached pages they share

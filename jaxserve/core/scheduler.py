@@ -12,14 +12,21 @@ leaves. The batching mode only changes admission:
 With `length_buckets` (the runner's prefill chunk sizes), the prompt chunks that join in one
 iteration share a bucket, so the runner pads fewer rows to a longer chunk; the first waiting
 request in policy order always may join.
+
+Speculative decoding (`num_spec_tokens` > 0, a `proposer`): in an iteration that speculates
+(`speculates()`: at most `spec_max_batch` running), a decode row whose tokens the host holds
+feeds its newest token and up to k proposed ones, and samples 1 to k + 1 tokens: its computed
+tokens count all k + 1 positions until `update` learns how many the verification kept, and
+rolls the rest back (their K/V is overwritten by the tokens that follow).
 """
 
 import bisect
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_manager import KVCacheManager
@@ -29,6 +36,9 @@ from jaxserve.core.predictors import resolve_predictor
 from jaxserve.core.waiting import WaitingQueue
 from jaxserve.core.window import AdaptiveWindow, BatchingWindow
 from jaxserve.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from jaxserve.spec.ngram import NgramProposer as Proposer
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
 
@@ -41,6 +51,9 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     num_samples: int  # tokens the row samples: 0 mid-prompt, else 1 (or decode_steps)
+    # a verification row: the proposed tokens fed after its newest one (maybe none); it
+    # samples up to num_samples = 1 + len(draft). None: not one
+    draft: list[int] | None = None
 
 
 @dataclass
@@ -52,6 +65,9 @@ class SchedulerOutput:
     # batch does: the runner pads decode rows to at least this many.
     batch_rows: int = 0
     preempted: list[Request] = field(default_factory=list)
+    # proposals are verified this iteration (Scheduler.speculates): its rows with a draft
+    # must be read before the next iteration is scheduled
+    speculative: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -64,6 +80,8 @@ class Scheduler:
                  batching: str = "continuous", policy: str | Policy = "fcfs",
                  window: BatchingWindow | None = None, decode_steps: int = 1,
                  length_buckets: tuple[int, ...] = (), enable_prefix_caching: bool = False,
+                 num_spec_tokens: int = 0, proposer: "Proposer | None" = None,
+                 spec_max_batch: int | None = None,
                  clock: Callable[[], float] = time.monotonic):
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {batching!r}")
@@ -99,6 +117,15 @@ class Scheduler:
         self.num_preemptions = 0
         self._batch: set[str] = set()  # static/dynamic: the batch running to completion
         self._batch_rows = 0  # its size when it formed
+        if num_spec_tokens and proposer is None:
+            raise ValueError("num_spec_tokens needs a proposer")
+        self.num_spec_tokens = num_spec_tokens
+        self.proposer = proposer
+        self.spec_max_batch = spec_max_batch
+        # vLLM's spec_decode counters: rows that proposed, tokens proposed, tokens kept (in
+        # all, and per position of the proposal)
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * num_spec_tokens
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -140,9 +167,15 @@ class Scheduler:
 
     # -- one iteration ---------------------------------------------------------------------------
 
+    def speculates(self) -> bool:
+        """Whether the next iteration verifies proposals (the engine loop then reads it before
+        scheduling another: the proposals need every token on the host)."""
+        return bool(self.num_spec_tokens and self.running) and (
+            self.spec_max_batch is None or len(self.running) <= self.spec_max_batch)
+
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
-        out = SchedulerOutput()
+        out = SchedulerOutput(speculative=self.speculates())
         if self._to_key:
             self._key_pages()
         budget = self.max_num_batched_tokens
@@ -163,6 +196,7 @@ class Scheduler:
         # take them all (so K is 1 or decode_steps: two compiled shapes, no overshoot); a row
         # with sampler controls samples once per step (its mask needs the previous token)
         if (self.decode_steps > 1 and decoding and not chunking and not will_admit
+                and not out.speculative
                 and all(r.remaining_tokens >= self.decode_steps and not r.params.controlled
                         and self.policy.allows_multi_step(r) for r in decoding)):
             out.decode_steps = self.decode_steps
@@ -172,7 +206,8 @@ class Scheduler:
             n = self._chunk(request, budget)
             if n == 0:
                 continue
-            positions = out.decode_steps if n == 1 else n
+            draft = self._draft(request, budget) if n == 1 and out.speculative else None
+            positions = n if n > 1 else 1 + len(draft) if draft is not None else out.decode_steps
             allocated = True
             while allocated and self.kv.allocate(request, positions) is None:
                 # as vLLM V1: the policy's last of every running request that runs on, even
@@ -191,15 +226,15 @@ class Scheduler:
                 if victim in queue:
                     queue.remove(victim)
             if allocated:
-                budget -= n
-                self._commit(request, n, out)
+                budget -= positions if draft is not None else n
+                self._commit(request, n, out, draft)
         if out.preempted:
             # pages ran short: the preempted go back first, nobody new takes their pages (and a
             # newcomer never joins a multi-step iteration, whose K it was not counted in)
             out.batch_rows = self._batch_rows if self._batch else 0
             return out
-        bucket = max((self._bucket(c.num_tokens) for c in out.chunks if c.num_tokens > 1),
-                     default=None)
+        bucket = max((self._bucket(c.num_tokens) for c in out.chunks
+                      if c.num_tokens > 1 and c.draft is None), default=None)
         for request in admissible:
             if len(self.running) >= self.max_num_seqs or budget <= 0:
                 break
@@ -255,16 +290,30 @@ class Scheduler:
         n = min(request.num_to_compute, budget, self.max_chunk_tokens)
         return n if n >= 2 else 0
 
-    def _commit(self, request: Request, n: int, out: SchedulerOutput) -> None:
+    def _draft(self, request: Request, budget: int) -> list[int] | None:
+        """The tokens a decode row proposes, to verify with its newest one (None: it decodes
+        as usual: a row with sampler controls, whose masks follow each token, or one whose
+        newest tokens are still on the device). At most k, one fewer than it may still
+        generate (the verification samples one past them), within the budget."""
+        if request.num_pending or request.params.controlled:
+            return None
+        k = min(self.num_spec_tokens, request.remaining_tokens - 1, budget - 1)
+        return self.proposer.propose(request, k)[:k] if k > 0 else []
+
+    def _commit(self, request: Request, n: int, out: SchedulerOutput,
+                draft: list[int] | None = None) -> None:
         start = request.num_computed_tokens
-        if n == 1:  # decode row: feeds one token, runs decode_steps steps
+        if draft is not None:  # verification row: its newest token and the draft
+            n = samples = 1 + len(draft)
+            request.num_computed_tokens += n
+        elif n == 1:  # decode row: feeds one token, runs decode_steps steps
             samples = out.decode_steps
             request.num_computed_tokens += samples
         else:
             request.num_computed_tokens += n
             samples = 1 if request.num_computed_tokens == request.num_tokens else 0
         request.num_pending += samples
-        out.chunks.append(ScheduledChunk(request, start, n, samples))
+        out.chunks.append(ScheduledChunk(request, start, n, samples, draft))
         if (self.enable_prefix_caching
                 and request.num_computed_tokens // self.kv.page_size > start // self.kv.page_size):
             self._to_key[request] = None  # a page filled: keyed once its step is dispatched
@@ -375,12 +424,26 @@ class Scheduler:
             return None
         return self.window.opens_at(min(r.arrival_time for r in arrivals))
 
-    def update(self, out: SchedulerOutput) -> None:
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, int] | None = None) -> None:
         """A dispatched iteration was read: the tokens it sampled are pending no more. The
         output processor (outputs.py) appends those each request keeps, applies the stops and
-        calls `finish` for the requests they end."""
+        calls `finish` for the requests they end. `sampled`: by request id, the tokens each
+        verification row got (1 + the proposed tokens it kept); the positions of the rest are
+        computed no more."""
         for chunk in out.chunks:
-            chunk.request.num_pending -= chunk.num_samples
+            request = chunk.request
+            request.num_pending -= chunk.num_samples
+            if chunk.draft is None or sampled is None or request.request_id not in sampled:
+                continue
+            got = sampled[request.request_id]
+            if request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens -= chunk.num_samples - got
+            if chunk.draft:
+                self.spec_drafts += 1
+                self.spec_draft_tokens += len(chunk.draft)
+                self.spec_accepted_tokens += got - 1
+                for i in range(got - 1):
+                    self.spec_accepted_per_pos[i] += 1
 
     def stats(self) -> dict[str, float]:
         return {
@@ -393,6 +456,10 @@ class Scheduler:
             "num_preemptions": self.num_preemptions,
             "prefix_cache_queries": self.kv.queries,
             "prefix_cache_hits": self.kv.hits,
+            "spec_decode_num_drafts": self.spec_drafts,
+            "spec_decode_num_draft_tokens": self.spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.spec_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
         }
 
 
@@ -410,7 +477,15 @@ def make_scheduler(config: EngineConfig, num_pages: int, max_chunk_tokens: int,
     policy = make_policy(config.policy, slo_ms=config.slo_ms,
                          predictor=resolve_predictor(config.sjf_predictor)
                          if config.policy == "sjf" else None)
+    spec = config.speculative_config
+    proposer = None
+    if spec is not None:
+        from jaxserve.spec.ngram import NgramProposer
+
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     return Scheduler(
+        num_spec_tokens=0 if spec is None else spec.num_speculative_tokens, proposer=proposer,
+        spec_max_batch=None if spec is None else spec.disable_by_batch_size,
         num_pages=num_pages, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_chunk_tokens=max_chunk_tokens,
         batching=config.batching, policy=policy, decode_steps=config.decode_steps,

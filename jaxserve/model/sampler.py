@@ -120,8 +120,11 @@ def token_logprobs(logprobs: jax.Array, tokens: jax.Array, num_top: int) -> jax.
     return jnp.concatenate(parts, axis=1)
 
 
-def _sample_random(logits: jax.Array, sm: SamplingMetadata, ops,
-                   min_p: jax.Array | None = None) -> jax.Array:  # [B]
+def _filtered(logits: jax.Array, sm: SamplingMetadata, ops,
+              min_p: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The distribution a sampled row draws from, sorted: (order [B, V], the token ids most
+    likely first; masked [B, V], their logits after temperature, top-k, min_p and top-p, -inf
+    where cut)."""
     vocab = logits.shape[-1]
     temperature = jnp.where(sm.temperature > 0, sm.temperature, 1.0)
     scaled = logits / temperature[:, None]
@@ -135,10 +138,22 @@ def _sample_random(logits: jax.Array, sm: SamplingMetadata, ops,
     probs = ops.softmax(jnp.where(keep, ranked, -jnp.inf))
     # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays)
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < sm.top_p[:, None]
-    masked = jnp.where(keep, ranked, -jnp.inf)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sm.seeds, sm.positions)
+    return order, jnp.where(keep, ranked, -jnp.inf)
+
+
+def _keys(sm: SamplingMetadata) -> jax.Array:  # [B] keys: fold_in(key(seed), position)
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(sm.seeds, sm.positions)
+
+
+def _draw(order: jax.Array, masked: jax.Array, keys: jax.Array) -> jax.Array:  # [B] int32
     choice = jax.vmap(jax.random.categorical)(keys, masked)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _sample_random(logits: jax.Array, sm: SamplingMetadata, ops,
+                   min_p: jax.Array | None = None) -> jax.Array:  # [B]
+    order, masked = _filtered(logits, sm, ops, min_p)
+    return _draw(order, masked, _keys(sm))
 
 
 def first_argmax(logits: jax.Array) -> jax.Array:  # [B, V] -> [B] int32
@@ -175,3 +190,65 @@ def sample(logits: jax.Array, sm: SamplingMetadata, num_top: int, ops,
         return packed
     counts = state.counts.at[controls.slots, tokens].add(controls.counted.astype(jnp.int32))
     return packed, replace(state, counts=counts)
+
+
+def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sm: SamplingMetadata,
+           num_top: int, ops) -> jax.Array:
+    """Speculative decoding's verification: a row's tokens and the logits after each.
+
+    logits [B, K + 1, V]: after the row's newest token and each of its K proposed tokens
+    drafts [B, K] int32: the proposals, the first num_drafts [B] of each row real
+    sm: the rows' sampling arrays, `positions` the first sampled token's
+    -> packed [B, K + 1, W] (as `sample`'s), the row's tokens in order, then token -1
+
+    A greedy row keeps each proposal that is its argmax and then its own argmax. A sampled row
+    keeps proposal d with probability p(d), p its filtered distribution there (top-k, top-p,
+    temperature); where it refuses one it draws from p without d, renormalised, and past the
+    last proposal from p: each token comes out with exactly its probability under p (Leviathan
+    et al. 2023, Chen et al. 2023, with a proposal of probability one). The uniforms and draws
+    of position q use the request's seed folded with q, whatever the batch; the token past the
+    last proposal is the very one a plain step would draw there.
+    """
+    b, width, vocab = logits.shape
+    flat = logits.reshape(b * width, vocab)
+
+    def per_position(x):  # [B] -> [B * (K + 1)]
+        return jnp.repeat(x, width)
+
+    offsets = jnp.tile(jnp.arange(width, dtype=jnp.int32), b)
+    fsm = SamplingMetadata(temperature=per_position(sm.temperature), top_k=per_position(sm.top_k),
+                           top_p=per_position(sm.top_p), seeds=per_position(sm.seeds),
+                           positions=per_position(sm.positions) + offsets,
+                           logprobs=per_position(sm.logprobs))
+    draft = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1).reshape(-1)
+    has_draft = offsets < per_position(num_drafts)
+    greedy = first_argmax(flat)
+
+    def random_rows():
+        order, masked = _filtered(flat, fsm, ops)
+        is_draft = order == draft[:, None]
+        p_draft = jnp.sum(jnp.where(is_draft, ops.softmax(masked), 0.0), axis=-1)
+        keys = _keys(fsm)
+        uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)
+        # refused: the draw leaves the proposal out (a row whose p(d) is 1 never refuses it)
+        residual = jnp.where(has_draft[:, None] & is_draft & (p_draft < 1)[:, None], -jnp.inf,
+                             masked)
+        return uniform < p_draft, _draw(order, residual, keys)
+
+    accept_random, drawn = jax.lax.cond(
+        jnp.all(sm.temperature == 0),
+        lambda: (jnp.zeros_like(has_draft), greedy),
+        random_rows)
+    is_greedy = fsm.temperature == 0
+    accept = has_draft & jnp.where(is_greedy, greedy == draft, accept_random)
+    own = jnp.where(is_greedy, greedy, drawn)  # [B * (K + 1)]: the token where it stops
+    kept = jnp.sum(jnp.cumprod(accept.reshape(b, width).astype(jnp.int32), axis=1), axis=1)
+    j = jnp.arange(width)[None]
+    tokens = jnp.where(j < kept[:, None], draft.reshape(b, width),
+                       jnp.where(j == kept[:, None], own.reshape(b, width), -1))  # [B, K + 1]
+    flat_tokens = tokens.reshape(-1)
+    stats = jax.lax.cond(
+        jnp.any(sm.logprobs),
+        lambda: token_logprobs(ops.log_softmax(flat), jnp.maximum(flat_tokens, 0), num_top),
+        lambda: jnp.zeros((b * width, packed_width(num_top) - 1), jnp.int32))
+    return jnp.concatenate([flat_tokens[:, None], stats], axis=1).reshape(b, width, -1)

@@ -41,6 +41,7 @@ from jaxserve.model.sampler import (
     SamplerState,
     sample,
     token_logprobs,
+    verify,
 )
 
 
@@ -70,6 +71,10 @@ class StepFns:
     head: Callable
     # (state, slot, counts [V], prompt [V], bias_ids [L], bias_values [L]) -> state
     write_slot: Callable
+    # speculative decoding's verification: (weights, kv, tokens [B, K + 1], md, sm,
+    #   drafts [B, K], num_drafts [B]) -> (packed [B, K + 1, W]: each row's kept tokens, then
+    #   -1; kv)
+    verify: Callable
 
 
 def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
@@ -165,6 +170,11 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
         packed = sample(model.logits(last[:rows], backend), sm, num_top, backend.ops)
         return packed, carry.at[carry_index].set(packed[:, 0], mode="drop")
 
+    def verify_step(weights, kv, tokens, md, sm, drafts, num_drafts):
+        model, hidden, _, kv = chunk_hidden(weights, kv, tokens, md)
+        return verify(model.logits(hidden, backend), drafts, num_drafts, sm, num_top,
+                      backend.ops), kv
+
     def on_mesh(fn, args: str, outs: str):
         """fn per shard: `args` and `outs` spell where each positional argument and output
         lives, w the weights, k the KV cache, r whole on every shard."""
@@ -194,4 +204,5 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
         head=jax.jit(on_mesh(head, "wrrrrrr", "rrr"), donate_argnums=(4,),
                      static_argnames=("rows",)),
         write_slot=jax.jit(write_slot, donate_argnums=(0,)),
+        verify=jax.jit(on_mesh(verify_step, "wkrrrrr", "rk"), donate_argnums=(1,)),
     )
