@@ -192,6 +192,12 @@ def sample(logits: jax.Array, sm: SamplingMetadata, num_top: int, ops,
     return packed, replace(state, counts=counts)
 
 
+def _accepts(uniform: jax.Array, p_draft: jax.Array) -> jax.Array:
+    """Rejection sampling's test for a proposal of probability one: keep it with probability
+    p(d) (min(1, p/q) with q = 1)."""
+    return uniform < p_draft
+
+
 def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sm: SamplingMetadata,
            num_top: int, ops) -> jax.Array:
     """Speculative decoding's verification: a row's tokens and the logits after each.
@@ -233,7 +239,7 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sm: Samp
         # refused: the draw leaves the proposal out (a row whose p(d) is 1 never refuses it)
         residual = jnp.where(has_draft[:, None] & is_draft & (p_draft < 1)[:, None], -jnp.inf,
                              masked)
-        return uniform < p_draft, _draw(order, residual, keys)
+        return _accepts(uniform, p_draft), _draw(order, residual, keys)
 
     accept_random, drawn = jax.lax.cond(
         jnp.all(sm.temperature == 0),

@@ -1,0 +1,261 @@
+"""Speculative decoding on real models: the verification's sampling is exactly the model's
+(a chi-square test, whose power a wrong acceptance rule shows), and greedy ids, their logprobs
+and seeded samples do not change with speculation, in every batching mode, under preemption and
+chunked prefill, on the demo model, stories260K (against its C reference) and a tiny
+transformers-made model."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import HF_FIXTURES
+from scipy.stats import chi2_contingency, chisquare
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.request import RequestOutputKind
+from jaxserve.backends.base import REFERENCE
+from jaxserve.model import sampler
+from jaxserve.model.sampler import SamplingMetadata
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}
+
+# -- the verification's sampling ---------------------------------------------------------------
+
+V, SAMPLES = 8, 40_000
+LOGITS = np.array([[1.0, 2.0, 0.5, -1.0, 0.0, 1.5, -0.5, 0.2],
+                   [0.3, -0.2, 2.5, 1.0, 0.0, -1.0, 0.7, 1.2],
+                   [0.0, 0.4, -0.3, 1.1, 2.0, 0.1, -2.0, 0.9]], np.float32)  # [K + 1, V]
+DRAFTS = np.array([0, 2], np.int32)  # a middling token, then the likeliest
+
+
+def _target(logits, temperature, top_p):
+    """The filtered distribution a plain step draws from, by numpy."""
+    logits = logits.astype(np.float64)
+    p = np.exp(logits / temperature - np.max(logits / temperature))
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = (np.cumsum(p[order]) - p[order]) < top_p
+    q = np.zeros_like(p)
+    q[order[keep]] = p[order[keep]]
+    return q / q.sum()
+
+
+def _verify_many(temperature, top_p):
+    """SAMPLES rows (seeds 0..SAMPLES-1) verifying DRAFTS over LOGITS -> their tokens [N, 3]."""
+    n = SAMPLES
+    sm = SamplingMetadata(temperature=np.full((n,), temperature, np.float32),
+                          top_k=np.full((n,), V, np.int32), top_p=np.full((n,), top_p, np.float32),
+                          seeds=np.arange(n, dtype=np.uint32),
+                          positions=np.full((n,), 7, np.int32), logprobs=np.zeros((n,), bool))
+    fn = jax.jit(lambda logits, drafts, num, sm: sampler.verify(logits, drafts, num, sm, 0,
+                                                                 REFERENCE.ops))
+    packed = fn(jnp.broadcast_to(LOGITS, (n, 3, V)), jnp.broadcast_to(DRAFTS, (n, 2)),
+                jnp.full((n,), 2, jnp.int32), sm)
+    return np.asarray(packed[:, :, 0])
+
+
+def _fits(observed_tokens, p) -> float:
+    """The chi-square p-value of the tokens against p (tokens p gives no mass must not occur)."""
+    counts = np.bincount(observed_tokens, minlength=V)
+    assert counts[p == 0].sum() == 0, f"tokens outside the distribution: {counts}"
+    support = p > 0
+    expected = p[support] / p[support].sum() * counts.sum()
+    return chisquare(counts[support], expected).pvalue
+
+
+def _position_checks(tokens, temperature, top_p) -> list[float]:
+    """Each position's token, given the tokens before it were the accepted drafts: p-values."""
+    pvalues = []
+    reached = np.ones(len(tokens), bool)
+    for j in range(3):
+        p = _target(LOGITS[j], temperature, top_p)
+        pvalues.append(_fits(tokens[reached, j], p))
+        if j < 2:  # past an accepted draft only
+            reached &= tokens[:, j] == DRAFTS[j]
+            assert (tokens[~reached, j + 1:] == -1).all() if j == 0 else True
+    return pvalues
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
+def test_verification_draws_each_token_with_the_models_probability(temperature, top_p):
+    tokens = _verify_many(temperature, top_p)
+    assert min(_position_checks(tokens, temperature, top_p)) > 1e-4
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch):
+    """The test's power: keeping a proposal with probability sqrt(p(d)) (too often) fails."""
+    monkeypatch.setattr(sampler, "_accepts", lambda uniform, p: uniform < jnp.sqrt(p))
+    tokens = _verify_many(1.0, 1.0)
+    assert _position_checks(tokens, 1.0, 1.0)[0] < 1e-6
+
+
+def test_greedy_verification_keeps_the_argmax_run():
+    sm = SamplingMetadata(*(np.array(x) for x in ([0.0, 0.0], [V, V], [1.0, 1.0], [0, 0], [3, 3],
+                                                   [False, False])))
+    logits = jnp.broadcast_to(LOGITS, (2, 3, V))
+    drafts = jnp.array([[1, 2], [1, 5]], jnp.int32)  # row 0 right twice, row 1 once
+    packed = sampler.verify(logits, drafts, jnp.array([2, 2]), sm, 0, REFERENCE.ops)
+    assert np.asarray(packed[:, :, 0]).tolist() == [[1, 2, 4], [1, 2, -1]]
+    packed = sampler.verify(logits, drafts, jnp.array([0, 1]), sm, 0, REFERENCE.ops)
+    assert np.asarray(packed[:, :, 0]).tolist() == [[1, -1, -1], [1, 2, -1]]
+
+
+# -- engines ------------------------------------------------------------------------------------
+
+CODE = '''def clamp(x, low, high):
+    if x < low:
+        return low
+    if x > high:
+        return high
+    return x
+
+# The same, renamed to limit:
+def limit(x, low, high):
+'''  # 150 bytes: room for 40 more in the demo's 256
+PROMPTS = [CODE, "The king said to the queen that the king", "Once upon a time, there was",
+           CODE.replace("clamp", "bound"), "abc abc abc abc abc", "To be or not to be, that is"]
+DEMO = dict(max_num_seqs=4, max_num_batched_tokens=256, prefill_chunk_sizes=(32, 128),
+            num_pages=96, page_size=16, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM("demo", **DEMO)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return LLM("demo", **DEMO, speculative_config=NGRAM)
+
+
+def _ids(llm, prompts=PROMPTS, params=None):
+    params = params or SamplingParams(max_tokens=40, temperature=0.0)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_greedy_ids_and_logprobs_unchanged_and_proposals_accepted(plain, spec):
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=2)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    before = spec.stats()
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(want, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-5 and x[t].rank == y[t].rank
+                       for t in x)
+    stats = spec.stats()
+    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert accepted > 40  # the code prompts repeat themselves
+    assert stats["num_compilations_after_warmup"] == 0
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+@pytest.mark.parametrize("options", [
+    dict(batching="static", max_batch_size=3),
+    dict(batching="dynamic", window_ms=5.0),
+    dict(num_pages=20),  # preempts
+    dict(max_num_batched_tokens=24, prefill_chunk_sizes=(8, 16)),  # chunked prompts, short drafts
+], ids=["static", "dynamic", "preemption", "chunked"])
+def test_greedy_ids_unchanged_in_every_mode(plain, options):
+    llm = LLM("demo", **(DEMO | options), speculative_config=NGRAM)
+    assert _ids(llm) == _ids(plain)
+    stats = llm.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    if "num_pages" in options:
+        assert stats["num_preemptions"] > 0
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(spec):
+    """A seeded sampled request speculates to the same tokens alone or among others."""
+    params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=11)
+    alone = _ids(spec, [CODE], params)
+    crowd = _ids(spec, [PROMPTS[1], CODE, PROMPTS[2], PROMPTS[4]], params)
+    assert crowd[1] == alone[0]
+    assert _ids(spec, [CODE], params) == alone
+
+
+def test_stories_greedy_ids_match_the_c_reference(stories_dir):
+    cases = json.loads((stories_dir / "reference_outputs.json").read_text())["cases"]
+    llm = LLM(stories_dir, page_size=4, prefill_chunk_sizes=(8,), max_num_seqs=8,
+              max_num_batched_tokens=32, num_pages=512, speculative_config=NGRAM)
+    outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases],
+                        [SamplingParams(max_tokens=len(c["generated_ids"]), temperature=0.0,
+                                        ignore_eos=True) for c in cases], use_tqdm=False)
+    for out, case in zip(outs, cases, strict=True):
+        assert out.outputs[0].token_ids == case["generated_ids"]
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("fixture", ["llama", "qwen3"])
+def test_tiny_transformers_models_greedy_ids_unchanged(fixture):
+    prompts = [{"prompt_token_ids": ids} for ids in
+               ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10], [3, 4, 5, 6, 7, 8])]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    options = dict(max_num_seqs=4, prefill_chunk_sizes=(16,), num_pages=64, page_size=4,
+                   max_model_len=64)
+    want = _ids(LLM(HF_FIXTURES / fixture, **options), prompts, params)
+    llm = LLM(HF_FIXTURES / fixture, **options, speculative_config=NGRAM | {
+        "prompt_lookup_min": 1})
+    assert _ids(llm, prompts, params) == want
+    assert llm.stats()["spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
+def test_sampled_tokens_follow_the_same_distribution_with_and_without(plain, spec, temperature,
+                                                                      top_p):
+    """The engine end to end: the code prompt, whose continuation may copy it (so proposals
+    come, some kept, some refused: the residual draws), 1,000 seeds each way; each of the
+    first four output positions' tokens, with and without speculation, pass a two-sample
+    chi-square test."""
+    prompt = CODE
+    n = 1000
+    params = [SamplingParams(max_tokens=4, temperature=temperature, top_p=top_p, seed=s,
+                             ignore_eos=True)
+              for s in range(n)]
+    before = spec.stats()
+    with_spec = np.array(_ids(spec, [prompt] * n, params))
+    stats = spec.stats()
+    assert stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"] > n // 2
+    assert stats["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"]
+    without = np.array(_ids(plain, [prompt] * n, [SamplingParams(
+        max_tokens=4, temperature=temperature, top_p=top_p, seed=s + n, ignore_eos=True)
+        for s in range(n)]))
+    for j in range(4):
+        tokens = sorted(set(with_spec[:, j]) | set(without[:, j]))
+        table = np.array([[np.sum(run[:, j] == t) for t in tokens] for run in (with_spec,
+                                                                               without)])
+        common = table.sum(axis=0) >= 10  # rare tokens pooled into one column
+        table = np.column_stack([table[:, common], table[:, ~common].sum(axis=1)])
+        table = table[:, table.sum(axis=0) > 0]
+        if table.shape[1] > 1:
+            assert chi2_contingency(table).pvalue > 1e-4, (j, table)
+
+
+def test_stops_and_streamed_deltas_as_without_speculation(plain, spec):
+    """Stop strings and stop tokens inside a kept run end the output where they would without
+    speculation; streamed deltas (several tokens a step now) add up to the same text."""
+    def run(llm, params):
+        engine = llm.llm_engine
+        ids = [f"s{i}" for i in range(len(PROMPTS))]
+        for rid, prompt in zip(ids, PROMPTS, strict=True):
+            engine.add_request(rid, prompt, params)
+        text, tokens, reasons = dict.fromkeys(ids, ""), {rid: [] for rid in ids}, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text[out.request_id] += out.outputs[0].text
+                tokens[out.request_id] += out.outputs[0].token_ids
+                if out.finished:
+                    reasons[out.request_id] = (out.outputs[0].finish_reason,
+                                               out.outputs[0].stop_reason)
+        return text, tokens, reasons
+
+    for stop in (dict(stop=["high", "ret"]), dict(stop_token_ids=[ord("x")])):
+        params = SamplingParams(max_tokens=40, temperature=0.0, output_kind=RequestOutputKind.DELTA,
+                                **stop)
+        got = run(spec, params)
+        assert got == run(plain, params)
+        assert any(reason == "stop" for reason, _ in got[2].values())
