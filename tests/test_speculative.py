@@ -14,10 +14,10 @@ from conftest import HF_FIXTURES
 from scipy.stats import chi2_contingency, chisquare
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.request import RequestOutputKind
 from jaxserve.backends.base import REFERENCE
 from jaxserve.model import sampler
 from jaxserve.model.sampler import SamplingMetadata
+from jaxserve.request import RequestOutputKind
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}
@@ -253,7 +253,8 @@ def test_stops_and_streamed_deltas_as_without_speculation(plain, spec):
                                                out.outputs[0].stop_reason)
         return text, tokens, reasons
 
-    for stop in (dict(stop=["high", "ret"]), dict(stop_token_ids=[ord("x")])):
+    token = _ids(plain)[1][12]  # a token the outputs hold, somewhere past their start
+    for stop in (dict(stop=["ring to"]), dict(stop_token_ids=[token])):
         params = SamplingParams(max_tokens=40, temperature=0.0, output_kind=RequestOutputKind.DELTA,
                                 **stop)
         got = run(spec, params)
