@@ -6,6 +6,7 @@ transformers-made model."""
 
 import json
 
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,3 +261,37 @@ def test_stops_and_streamed_deltas_as_without_speculation(plain, spec):
         got = run(spec, params)
         assert got == run(plain, params)
         assert any(reason == "stop" for reason, _ in got[2].values())
+
+
+def test_served_streams_and_metrics(spec):
+    """Over HTTP: a streamed completion with speculation gives the offline greedy text, and
+    /metrics carries vLLM's spec_decode counters, moved by it."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from served import metrics_of, uvicorn_url
+
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.server import ServerConfig, build_app
+
+    want = spec.generate([CODE], SamplingParams(max_tokens=40, temperature=0.0),
+                         use_tqdm=False)[0].outputs[0].text
+    engine = AsyncEngine(spec.llm_engine)
+    with uvicorn_url(build_app(engine, ServerConfig(), "demo")) as url, httpx.Client(
+            base_url=url, timeout=60) as http:
+        before = metrics_of(http)
+        body = {"model": "demo", "prompt": CODE, "max_tokens": 40, "temperature": 0,
+                "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want
+        after = metrics_of(http)
+        metrics_text = http.get("/metrics").text
+    drafts, kept = (after[f"jaxserve:spec_decode_num_{k}_total"]
+                    - before.get(f"jaxserve:spec_decode_num_{k}_total", 0)
+                    for k in ("draft_tokens", "accepted_tokens"))
+    assert drafts > 0 and 0 < kept <= drafts
+    (family,) = [f for f in text_string_to_metric_families(metrics_text)
+                 if f.name == "jaxserve:spec_decode_num_accepted_tokens_per_pos"]
+    per_pos = {s.labels["position"]: s.value for s in family.samples}
+    assert list(per_pos) == ["0", "1", "2"]
+    assert per_pos["0"] >= per_pos["1"] >= per_pos["2"]

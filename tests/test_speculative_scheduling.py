@@ -186,3 +186,15 @@ def test_speculative_config_defaults_and_errors():
                        ("{not json", "JSON"), (3, "mapping")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(speculative_config=bad)
+
+
+def test_the_cli_flag_takes_json_and_refuses_bad_values_before_loading(capsys):
+    from jaxserve.cli import main
+
+    for text, message in [('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
+                          ('{"method": "ngram", "num_speculative_tokens": 99}',
+                           "num_speculative_tokens"), ("ngram", "JSON object")]:
+        assert main(["generate", "/nonexistent", "--prompt", "hi",
+                     "--speculative-config", text]) == 2
+        err = capsys.readouterr().err
+        assert "speculative_config" in err and message in err

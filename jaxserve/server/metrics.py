@@ -81,6 +81,24 @@ class _EngineCollector:
             counter = CounterMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
             counter.add_metric([self.model_name], float(value))
             yield counter
+        if self.engine.engine.config.speculative_config is not None:  # as vLLM: only then
+            yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats):
+        """vLLM's spec_decode counters: proposals, proposed and kept tokens, kept per position."""
+        for name, doc in (("num_drafts", "Verification rows that proposed tokens."),
+                          ("num_draft_tokens", "Tokens proposed."),
+                          ("num_accepted_tokens", "Proposed tokens kept.")):
+            counter = CounterMetricFamily(f"jaxserve:spec_decode_{name}", doc,
+                                          labels=["model_name"])
+            counter.add_metric([self.model_name], float(stats[f"spec_decode_{name}"]))
+            yield counter
+        counter = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Proposed tokens kept, by their position in the proposal.",
+                                      labels=["model_name", "position"])
+        for position, value in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            counter.add_metric([self.model_name, str(position)], float(value))
+        yield counter
 
 
 @dataclass
