@@ -10,6 +10,8 @@
 #            (the GPU's default; scanned: measured 2026-12-04, bench/RESULTS.md); not by default
 #   quant    the same step with fp8 weights at 2 rows, fp8 against bf16 at 64 rows, and
 #            fp8 weights with an fp8 KV pool (needs qwix: not in the device image, carry its wheel)
+#   spec     bench/profile_step.py --verify 4: the 8B shape's verification call (5 tokens a row)
+#            against its decode step, 2 and 32 rows (not by default: about a minute)
 #   tests    the kernel tests, compiled by Triton for real
 #   kernels  bench/kernels.py: decode/prefill µs and GB/s vs copy bandwidth (not by default)
 #   tune     bench/tune_decode.py: the decode kernel's tuning arguments at 64 x 4096 (not by default)
@@ -72,6 +74,18 @@ if [[ $parts == *quant* ]]; then
     timeout 60 python3 bench/profile_step.py --model bench/models/llama3-8b --dtype bfloat16 \
       --rows "$1" --context 300 --iters 10 --top 6 --kv-cache-dtype "$3" "${quant[@]}" 2>&1 |
       grep -v "^compiling"
+  done
+fi
+if [[ $parts == *spec* ]]; then
+  echo "== speculation's verification (k=4) against a decode step: Llama-3-8B shape, bf16"
+  # random weights accept no drafts, so this measures what a verification costs: speculation
+  # pays where the drafts a verification keeps average more than its line's break-even; 2 rows
+  # (the decode row bucket's least) stand for batch 1
+  for rows in 2 32; do
+    echo "-- $rows rows"
+    timeout 90 python3 bench/profile_step.py --model bench/models/llama3-8b --dtype bfloat16 \
+      --rows "$rows" --context 300 --iters 10 --top 0 --verify 4 2>&1 |
+      grep -v -e "^compiling" -e "op kind$"
   done
 fi
 if [[ $parts == *kernels* ]]; then

@@ -3,6 +3,7 @@
     python bench/profile_step.py                       # the peer model's shape, 64 rows x 300
     python bench/profile_step.py --model bench/models/llama-20m --rows 32 --context 200
     python bench/profile_step.py --rows 4 --prefill 256   # a prefill call: 4 new prompts x 256
+    python bench/profile_step.py --rows 2 --verify 4      # and speculation's verification, k=4
 
 Builds the engine's runner on the model's shape with random weights, times one decode step of
 `--rows` sequences near `--context` tokens each (their pages scattered over the pool, as a busy
@@ -11,6 +12,11 @@ numeric suffix dropped: every `transpose_copy_fusion.N` is one kind; a custom ca
 target and output shape, so the matmul's and attention's kernels are told apart). On the CPU the
 ops of both executor threads add up and a `while` op counts its body's ops again, so the column sums to more
 than the step's wall time; read it for the large entries.
+
+With `--verify K` it also times speculative decoding's verification call on the same rows, each
+its newest token and K drafts (K + 1 query tokens a row), and prints its cost against the decode
+step's: a verification that keeps n drafts gives n + 1 tokens, so speculation pays once the
+drafts a verification keeps average more than verify / decode - 1 (the proposer's host time aside).
 """
 
 import argparse
@@ -112,6 +118,33 @@ def prefill_inputs(runner: ModelRunner, rows: int, chunk: int, seed: int = 0):
     return rng.integers(0, vocab, (rows, chunk)).astype(np.int32), md, sm
 
 
+def verify_inputs(runner: ModelRunner, md: AttentionMetadata, k: int, seed: int = 0):
+    """A verification call's arrays for the rows of decode_inputs' `md`: each row its newest
+    token at the decode step's position and k random drafts after it, as
+    ModelRunner._dispatch_verify builds them (its sampling arrays are the decode step's: both
+    sample first at the position past the newest token)."""
+    rng = np.random.default_rng(seed)
+    rows = len(md.seq_lens)
+    start = md.seq_lens - 1  # the newest token's position
+    tokens = rng.integers(0, runner.model_config.vocab_size, (rows, k + 1)).astype(np.int32)
+    query_lens = np.full(rows, k + 1, np.int32)
+    vmd = AttentionMetadata(positions=start[:, None] + np.arange(k + 1, dtype=np.int32),
+                            query_lens=query_lens, seq_lens=start + query_lens,
+                            page_table=md.page_table)
+    return tokens, vmd, tokens[:, 1:], np.full(rows, k, np.int32)
+
+
+def times_of(step, iters: int) -> list[float]:
+    """Seconds per call of `step` (which waits for its result), after one call to compile."""
+    step()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None,
@@ -130,17 +163,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="as the engine's option")
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
                         help="as the engine's option (auto: the backend's choice)")
+    parser.add_argument("--verify", type=int, default=0, metavar="K",
+                        help="also time speculation's verification call, K drafts a row, "
+                             "against the decode step")
     args = parser.parse_args(argv)
-    if args.rows < 2 or args.context < 1:
-        raise SystemExit("--rows must be at least 2 and --context at least 1")
+    if args.rows < 2 or args.context < 1 or args.verify < 0:
+        raise SystemExit("--rows must be at least 2, --context at least 1 and --verify at least 0")
     if args.prefill < 0:
         raise SystemExit("--prefill must be a chunk length of at least 2 tokens, or 0")
+    if args.verify and args.prefill:
+        raise SystemExit("--verify compares against a decode step: not with --prefill")
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or _peer_config(Path(tmp))
         mc = ModelConfig.from_hf_dir(model)
         max_len = mc.max_position_embeddings
-        if max(args.context * 11 // 10 + 2, args.prefill) > max_len:
+        if max(args.context * 11 // 10 + 2 + args.verify, args.prefill) > max_len:
             raise SystemExit(f"--context {args.context} or --prefill {args.prefill} leaves no "
                              f"room in the model's {max_len} positions")
         if 0 < args.prefill < 2:
@@ -153,7 +191,10 @@ def main(argv: list[str] | None = None) -> None:
                               scan_layers={"auto": None, "true": True,
                                            "false": False}[args.scan_layers],
                               max_num_batched_tokens=max(args.rows, args.rows * args.prefill),
-                              prefill_chunk_sizes=(max(args.prefill, 2),))
+                              prefill_chunk_sizes=(max(args.prefill, 2),),
+                              speculative_config={"method": "ngram",
+                                                  "num_speculative_tokens": args.verify}
+                              if args.verify else None)
         config = replace(config, num_pages=args.rows * config.pages_per_seq(max_len) + 1)
         mc = config.served_model(mc)
         runner = ModelRunner(model, mc, config)
@@ -179,12 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                                                          *runner._carries, md, sm, steps=1)
                 packed.block_until_ready()
 
-        step()
-        times = []
-        for _ in range(args.iters):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
+        times = times_of(step, args.iters)
         with tempfile.TemporaryDirectory() as trace_dir:
             jax.profiler.start_trace(trace_dir)
             for _ in range(5):
@@ -193,6 +229,15 @@ def main(argv: list[str] | None = None) -> None:
             trace = next(Path(trace_dir).rglob("*.xplane.pb"))
             totals = op_totals(jax.profiler.ProfileData.from_file(str(trace)), 5,
                                custom_call_names(hlo))
+        if args.verify:
+            query, vmd, drafts, num_drafts = verify_inputs(runner, md, args.verify)
+
+            def verify():
+                packed, runner.kv = runner.fns.verify(runner.weights, runner.kv, query, vmd,
+                                                      sm, drafts, num_drafts)
+                packed.block_until_ready()
+
+            verify_times = times_of(verify, args.iters)
 
     print(f"{mc.num_params / 1e6:.1f}M parameters on {jax.default_backend()} "
           f"({runner.attention_impl} attention, {runner.matmul_impl} matmul, "
@@ -203,6 +248,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'ms/step':>9} {'calls':>7}  op kind")
     for kind, (ms, calls) in list(totals.items())[:args.top]:
         print(f"{ms:9.2f} {calls:7.1f}  {kind}")
+    if args.verify:
+        ratio = np.median(verify_times) / np.median(times)
+        print(f"verify K={args.verify}: {1e3 * np.median(verify_times):.1f} ms a step vs decode "
+              f"{1e3 * np.median(times):.1f} ms ({ratio:.2f}x) at {args.rows} rows; speculation "
+              f"pays above {max(ratio - 1, 0):.2f} accepted drafts a verification on average")
 
 
 def _peer_config(folder: Path) -> Path:

@@ -332,6 +332,17 @@ def test_profile_step_reads_xla_op_times(stories_dir, capsys, flags, what):
     assert any(kind.startswith("jaxserve_cpu_") and "[" in kind for kind in ops)
 
 
+def test_profile_step_times_verification_against_decode(stories_dir, capsys):
+    """--verify K: speculation's verification call, K drafts a row, against the decode step."""
+    profile = _load(ROOT / "bench" / "profile_step.py")
+    profile.main(["--model", str(stories_dir), "--rows", "2", "--context", "20", "--verify", "2",
+                  "--iters", "1", "--top", "1"])
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert re.fullmatch(r"verify K=2: [\d.]+ ms a step vs decode [\d.]+ ms \([\d.]+x\) at 2 "
+                        r"rows; speculation pays above [\d.]+ accepted drafts a verification "
+                        r"on average", line), line
+
+
 def test_profile_step_names_custom_calls():
     profile = _load(ROOT / "bench" / "profile_step.py")
     hlo = ('  %ffi_call.87 = f32[1024,512]{1,0} custom-call(%a, %b), custom_call_target='
