@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> None:
             query, vmd, drafts, num_drafts = verify_inputs(runner, md, args.verify)
 
             def verify():
-                packed, runner.kv = runner.fns.verify(runner.weights, runner.kv, query, vmd,
-                                                      sm, drafts, num_drafts)
+                packed, runner.kv = runner.fns.verify(runner.weights, runner.kv, query[:, 0],
+                                                      drafts, num_drafts, vmd, sm, None)
                 packed.block_until_ready()
 
             verify_times = times_of(verify, args.iters)

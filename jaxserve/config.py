@@ -95,7 +95,7 @@ def compute_dtype(requested: str, checkpoint: str, backend: str, num_params: int
     return "float32" if 4 * num_params <= (host_bytes - reserved_bytes) // 2 else checkpoint
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -106,12 +106,15 @@ class SpeculativeConfig:
     and keeps the longest run it would have generated itself (exactly: rejection sampling when
     the row samples). `ngram` proposes by prompt lookup: the tokens that followed the latest
     earlier occurrence of the context's last n tokens, n from prompt_lookup_max down to
-    prompt_lookup_min. Speculation turns itself off in iterations whose batch holds more than
+    prompt_lookup_min. `draft_model` proposes with a smaller model sharing the target's
+    tokenizer (`model`: its directory; the demo's own draft when the target is the demo and
+    `model` is left out). Speculation turns itself off in iterations whose batch holds more than
     `disable_by_batch_size` running requests (vLLM's speculative_disable_by_batch_size): a large
     batch already keeps the device busy, and the verification's extra tokens would only cost."""
 
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" when `model` is given, else "ngram"
     num_speculative_tokens: int = 0
+    model: str | None = None  # the draft model's directory (draft_model)
     prompt_lookup_min: int | None = None  # None: prompt_lookup_max (both None: 5 and 5, vLLM's)
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = 8  # None: speculate whatever the batch
@@ -141,9 +144,17 @@ class SpeculativeConfig:
         return cls(**value)
 
     def __post_init__(self):
+        if self.model is not None and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config.model must be a model directory, "
+                             f"got {show(self.model)}")
+        if self.method is None:
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
                              f"got {show(self.method)}")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model is the draft model of method "
+                             f"'draft_model', not of {self.method!r}")
         k = self.num_speculative_tokens
         if not (is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError("speculative_config.num_speculative_tokens must be an integer from 1 "

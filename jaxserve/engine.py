@@ -24,7 +24,7 @@ from jaxserve.model_config import ModelConfig
 from jaxserve.outputs import OutputProcessor
 from jaxserve.request import Request, RequestOutput, RequestOutputKind, SamplingParams
 from jaxserve.token_masks import TokenMask
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.tokenizer import load_tokenizer, same_vocabulary
 
 if TYPE_CHECKING:
     from jaxserve.structured_output import GrammarCompiler
@@ -114,6 +114,7 @@ class LLMEngine:
         cfg = self.model_config
         log.info("model: %s (%s, %.3gM parameters, %s)", self.model_path, cfg.architecture,
                  cfg.num_params / 1e6, cfg.dtype)
+        self.draft_path = self._draft_model()
         if runner is None:
             runner = self._model_runner()
         missing = [name for name in RUNNER_MEMBERS if not hasattr(runner, name)]
@@ -144,12 +145,43 @@ class LLMEngine:
     def _model_runner(self) -> Runner:
         from jaxserve.runner import ModelRunner  # jax: only when a model runs here
 
-        runner = ModelRunner(self.model_path, self.model_config, self.config)
+        runner = ModelRunner(self.model_path, self.model_config, self.config, self.draft_path)
         log.info("KV pool: %d pages of %d tokens = %d tokens in flight at most, %.1f MiB (%s)",
                  runner.num_pages - 1, self.config.page_size,
                  (runner.num_pages - 1) * self.config.page_size,
                  runner.num_pages * runner.kv_bytes_per_page / 2**20, runner.kv_dtype_name)
         return runner
+
+    def _draft_model(self) -> Path | None:
+        """The draft model's directory (speculative_config's draft_model), checked to share the
+        model's vocabulary token for token; None without one."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        if spec.model is None:
+            from jaxserve.demo import CHECKPOINT_DIR, demo_draft_dir
+
+            if self.model_path != CHECKPOINT_DIR:
+                raise ValueError("speculative_config.model: the draft model's directory is "
+                                 "required (only the demo model has a built-in draft)")
+            path = demo_draft_dir()
+        else:
+            path = Path(spec.model) if spec.model != DEMO else resolve_model(DEMO)
+            if not path.is_dir():
+                raise ValueError(f"speculative_config.model {spec.model!r} is not a local "
+                                 "model directory")
+        draft = ModelConfig.from_hf_dir(path)
+        if draft.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary has "
+                             f"{draft.vocab_size} tokens, the model's {self.model_config.vocab_size}"
+                             ": a draft must share the model's tokenizer")
+        if self.tokenizer is not None and not same_vocabulary(
+                self.tokenizer, load_tokenizer(path), draft.vocab_size):
+            raise ValueError("speculative_config.model: the draft's tokenizer differs from the "
+                             "model's: a draft must share the model's tokenizer")
+        log.info("draft model: %s (%.3gM parameters), %d tokens proposed a step", path,
+                 draft.num_params / 1e6, spec.num_speculative_tokens)
+        return path
 
     # -- requests ------------------------------------------------------------------------------
 

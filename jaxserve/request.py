@@ -372,6 +372,16 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop], without building the whole list (a long context's would cost
+        every step)."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.output_ids[start - p:stop - p]
+        return self.prompt_ids[start:] + self.output_ids[:stop - p]
+
     @property
     def num_to_compute(self) -> int:
         """1 for a decoding request; more while (re)computing the prompt or after a preemption."""

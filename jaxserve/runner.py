@@ -57,6 +57,7 @@ from jaxserve.core.buckets import (
     ragged_token_buckets,
 )
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.draft_runner import DraftRunner
 from jaxserve.engine_core import Samples, TokenLogprobs
 from jaxserve.input_batch import InputBatch
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
@@ -65,7 +66,6 @@ from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
 from jaxserve.model_config import ModelConfig
-from jaxserve.request import Request
 from jaxserve.sampler_controls import Head, SamplerControls
 from jaxserve.sharding import (
     MODEL_AXIS,
@@ -104,17 +104,6 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _ids(request: Request, start: int, stop: int) -> list[int]:
-    """request.all_ids[start:stop], without building the whole list (a long context's would
-    cost every step)."""
-    p = len(request.prompt_ids)
-    if stop <= p:
-        return request.prompt_ids[start:stop]
-    if start >= p:
-        return request.output_ids[start - p:stop - p]
-    return request.prompt_ids[start:] + request.output_ids[:stop - p]
-
-
 def _unpack(packed: np.ndarray) -> TokenLogprobs:
     """[2 + 2K] int32 (logprob bits, rank, top ids, top bits) -> TokenLogprobs."""
     k = (packed.shape[-1] - 2) // 2
@@ -147,7 +136,9 @@ class ModelRunner:
     """Owns the weights, the KV pages and the jitted step functions."""
 
     def __init__(self, model_path: str | Path | None, model_config: ModelConfig,
-                 config: EngineConfig):
+                 config: EngineConfig, draft_path: Path | None = None):
+        """`draft_path`: the draft model of speculative_config's draft_model (checked by the
+        engine to share the model's vocabulary)."""
         self.model_config = model_config
         self.config = config
         if config.max_top_logprobs > model_config.vocab_size:  # before loading: top_k fails
@@ -251,6 +242,22 @@ class ModelRunner:
         self._carry_rows: dict[str, int] = {}  # request id -> index into the two carries
         self.input_batch = InputBatch(self.pages_per_seq, model_config.vocab_size,
                                       config.max_num_seqs)
+        self.draft = None
+        if draft_path is not None:
+            if tp > 1:
+                raise ValueError("speculative_config's draft_model runs on one device: leave "
+                                 "tensor_parallel_size 1 with it (ngram works on a mesh)")
+            draft = ModelConfig.from_hf_dir(draft_path)
+            backend = select_backend(config.attention_impl, config.matmul_impl, dtype,
+                                     draft.head_dim, config.page_size, self.platform,
+                                     draft.num_heads, draft.num_kv_heads)
+            self.draft = DraftRunner(
+                draft_path, draft, dtype=self.dtype, page_size=self.page_size, backend=backend,
+                kv_dtype_name=kv_cache_dtype(dtype, self.platform, backend.attention.name,
+                                             config.kv_cache_dtype),
+                num_pages=self.num_pages,
+                max_model_len=self.max_model_len, chunk_buckets=self.chunk_buckets,
+                k=self.num_spec_tokens, placement=self.placement)
         # per slot: the controlled requests' token counts, prompt tokens and logit_bias
         self.controls = SamplerControls(model_config.vocab_size, self.input_batch.num_slots,
                                         self.placement)
@@ -446,7 +453,7 @@ class ModelRunner:
                              else -1 for c in chunks]
         for i in np.flatnonzero(src[:len(chunks)] < 0).tolist():
             chunk = chunks[i]
-            host[i] = _ids(chunk.request, chunk.start, chunk.start + 1)[0]
+            host[i] = chunk.request.token_ids(chunk.start, chunk.start + 1)[0]
         md, sm = self._metadata(chunks, b, 1)
         if self._controlled(chunks):  # one step (the scheduler's rule); sampled at finish
             last, self.kv = self.fns.decode_hidden(self.weights, self.kv, host, src,
@@ -463,19 +470,22 @@ class ModelRunner:
         (the host holds both: the iteration before was read), K + 1 tokens a row."""
         b = bucket(len(chunks), self.row_buckets, "verification rows")
         k = self.num_spec_tokens
-        tokens = np.zeros((b, k + 1), np.int32)
+        first = np.zeros((b,), np.int32)
         drafts = np.zeros((b, k), np.int32)
         num_drafts = np.zeros((b,), np.int32)
         for i, chunk in enumerate(chunks):
             n = len(chunk.draft)
-            tokens[i, 0] = _ids(chunk.request, chunk.start, chunk.start + 1)[0]
-            tokens[i, 1:1 + n] = drafts[i, :n] = chunk.draft
+            first[i] = chunk.request.token_ids(chunk.start, chunk.start + 1)[0]
+            drafts[i, :n] = chunk.draft
             num_drafts[i] = n
         md, _ = self._metadata(chunks, b, k + 1)
         slots = self.input_batch.columns(chunks, b)[0]
         sm = self._sampling(slots, md.seq_lens - md.query_lens + 1)  # the first sampled token's
-        packed, self.kv = self.fns.verify(self.weights, self.kv, tokens, md, sm, drafts,
-                                          num_drafts)
+        probs = None
+        if self.draft is not None:  # the drafts are the draft model's, on the device
+            drafts, probs = self.draft.propose(chunks, first, md.page_table, sm)
+        packed, self.kv = self.fns.verify(self.weights, self.kv, first, drafts, num_drafts, md,
+                                          sm, probs)
         return packed
 
     def _dispatch_prefill(self, chunks: list[ScheduledChunk], carry_rows: list[int],
@@ -490,10 +500,10 @@ class ModelRunner:
         with_prompt = False
         for i, chunk in enumerate(chunks):
             start, n = chunk.start, chunk.num_tokens
-            tokens[i, :n] = _ids(chunk.request, start, start + n)
+            tokens[i, :n] = chunk.request.token_ids(start, start + n)
             if chunk.request.params.prompt_logprobs is not None:
                 with_prompt = True
-                nxt = _ids(chunk.request, start + 1, start + n + 1)
+                nxt = chunk.request.token_ids(start + 1, start + n + 1)
                 targets[i, :len(nxt)] = nxt
         md, sm = self._metadata(chunks, b, c)
         controlled = self._controlled(chunks)
@@ -540,7 +550,7 @@ class ModelRunner:
             if self._on_device(chunk):  # a decode row
                 src[at] = self._carry_rows[chunk.request.request_id]
             else:
-                tokens[0, at:at + chunk.num_tokens] = _ids(chunk.request, chunk.start,
+                tokens[0, at:at + chunk.num_tokens] = chunk.request.token_ids(chunk.start,
                                                            chunk.start + chunk.num_tokens)
         md = RaggedMetadata(positions=positions, token_rows=token_rows,
                             query_starts=query_starts, seq_lens=seq_lens, page_table=page_table)
@@ -639,8 +649,11 @@ class ModelRunner:
                               np.zeros((b,), np.int32), np.zeros((b,), bool))
         tokens = np.zeros((b, c), np.int32)
         if kind == "verify":
-            _, self.kv = self.fns.verify(self.weights, self.kv, tokens, md, sm,
-                                         tokens[:, 1:], np.zeros((b,), np.int32))
+            drafts, probs = np.zeros((b, self.num_spec_tokens), np.int32), None
+            if self.draft is not None:  # on the device, as they come when serving
+                drafts, probs = self.draft.warm(b, md.page_table, sm)
+            _, self.kv = self.fns.verify(self.weights, self.kv, tokens[:, 0], drafts,
+                                         np.zeros((b,), np.int32), md, sm, probs)
         elif kind == "decode_hidden":
             src = np.full((b,), -1, np.int32)
             _, self.kv = self.fns.decode_hidden(self.weights, self.kv, tokens[:, 0], src,

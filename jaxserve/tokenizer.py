@@ -299,6 +299,13 @@ class ByteTokenizer(BaseTokenizer):
         return file
 
 
+def same_vocabulary(a: BaseTokenizer, b: BaseTokenizer, vocab_size: int) -> bool:
+    """Whether two tokenizers give every id below vocab_size the same bytes (a draft model's
+    proposals mean the same text to the model that verifies them)."""
+    return type(a) is type(b) and all(a.token_bytes(t) == b.token_bytes(t)
+                                      for t in range(vocab_size))
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer | ByteTokenizer:
     """The tokenizer of a model directory: tokenizer.json (Hugging Face) or byte_tokenizer.json."""
     path = Path(path)

@@ -8,7 +8,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # module prefix -> prefixes it must never import
-RUNNER = ("jaxserve.runner", "jaxserve.sampler_controls")  # the two that touch both worlds
+# the three that touch both worlds
+RUNNER = ("jaxserve.runner", "jaxserve.sampler_controls", "jaxserve.draft_runner")
 FORBIDDEN = {
     "jaxserve.core": ("jax", "flax", "optax", "jaxserve.model", *RUNNER, "jaxserve.engine",
                       "jaxserve.server", "jaxserve.backends", "pallas_kernels", "cpu_kernels"),
@@ -32,6 +33,8 @@ FORBIDDEN = {
     # the host half of the sampler controls (the masks, the grammars): numpy only
     "jaxserve.token_masks": ("jax", "flax", "jaxserve.model", *RUNNER),
     "jaxserve.structured_output": ("jax", "flax", "jaxserve.model", *RUNNER),
+    # the proposers the scheduler asks: host only
+    "jaxserve.spec": ("jax", "flax", "jaxserve.model", *RUNNER),
     "pallas_kernels": ("jaxserve", "cpu_kernels"),
     "cpu_kernels": ("jaxserve",),
 }

@@ -4,6 +4,7 @@ and seeded samples do not change with speculation, in every batching mode, under
 chunked prefill, on the demo model, stories260K (against its C reference) and a tiny
 transformers-made model."""
 
+import dataclasses
 import json
 
 import httpx
@@ -44,18 +45,30 @@ def _target(logits, temperature, top_p):
     return q / q.sum()
 
 
-def _verify_many(temperature, top_p):
-    """SAMPLES rows (seeds 0..SAMPLES-1) verifying DRAFTS over LOGITS -> their tokens [N, 3]."""
+DRAFT_LOGITS = np.array([[2.0, 0.0, 1.0, 0.5, -1.0, 0.3, 0.0, 1.0],
+                         [0.0, 0.5, 1.5, 1.4, -0.5, 0.0, 0.9, 0.2]], np.float32)  # [K, V]
+
+
+def _verify_many(temperature, top_p, draft_model=False):
+    """SAMPLES rows (seeds 0..SAMPLES-1) verifying proposals over LOGITS -> (their tokens
+    [N, 3], the proposals [N, 2]): DRAFTS, or (draft_model) each row's draws from a draft whose
+    logits are DRAFT_LOGITS."""
     n = SAMPLES
     sm = SamplingMetadata(temperature=np.full((n,), temperature, np.float32),
                           top_k=np.full((n,), V, np.int32), top_p=np.full((n,), top_p, np.float32),
                           seeds=np.arange(n, dtype=np.uint32),
                           positions=np.full((n,), 7, np.int32), logprobs=np.zeros((n,), bool))
-    fn = jax.jit(lambda logits, drafts, num, sm: sampler.verify(logits, drafts, num, sm, 0,
-                                                                 REFERENCE.ops))
-    packed = fn(jnp.broadcast_to(LOGITS, (n, 3, V)), jnp.broadcast_to(DRAFTS, (n, 2)),
-                jnp.full((n,), 2, jnp.int32), sm)
-    return np.asarray(packed[:, :, 0])
+    drafts, probs = jnp.broadcast_to(DRAFTS, (n, 2)), None
+    if draft_model:
+        draws = [sampler.draft_sample(jnp.broadcast_to(DRAFT_LOGITS[j], (n, V)), dataclasses.replace(
+            sm, positions=sm.positions + 1 + j), REFERENCE.ops) for j in range(2)]
+        drafts = jnp.stack([d for d, _ in draws], axis=1)
+        probs = jnp.stack([q for _, q in draws], axis=1)
+    fn = jax.jit(lambda logits, drafts, num, sm, probs: sampler.verify(
+        logits, drafts, num, sm, 0, REFERENCE.ops, probs))
+    packed = fn(jnp.broadcast_to(LOGITS, (n, 3, V)), drafts, jnp.full((n,), 2, jnp.int32), sm,
+                probs)
+    return np.asarray(packed[:, :, 0]), np.asarray(drafts)
 
 
 def _fits(observed_tokens, p) -> float:
@@ -67,30 +80,36 @@ def _fits(observed_tokens, p) -> float:
     return chisquare(counts[support], expected).pvalue
 
 
-def _position_checks(tokens, temperature, top_p) -> list[float]:
+def _position_checks(tokens, drafts, temperature, top_p) -> list[float]:
     """Each position's token, given the tokens before it were the accepted drafts: p-values."""
     pvalues = []
     reached = np.ones(len(tokens), bool)
     for j in range(3):
         p = _target(LOGITS[j], temperature, top_p)
         pvalues.append(_fits(tokens[reached, j], p))
-        if j < 2:  # past an accepted draft only
-            reached &= tokens[:, j] == DRAFTS[j]
-            assert (tokens[~reached, j + 1:] == -1).all() if j == 0 else True
+        if j < 2:  # past an accepted draft only: a refused one ends the row
+            assert (tokens[reached & (tokens[:, j] != drafts[:, j]), j + 1:] == -1).all()
+            reached &= tokens[:, j] == drafts[:, j]
     return pvalues
 
 
+@pytest.mark.parametrize("draft_model", [False, True], ids=["lookup", "draft"])
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
-def test_verification_draws_each_token_with_the_models_probability(temperature, top_p):
-    tokens = _verify_many(temperature, top_p)
-    assert min(_position_checks(tokens, temperature, top_p)) > 1e-4
+def test_verification_draws_each_token_with_the_models_probability(temperature, top_p,
+                                                                   draft_model):
+    tokens, drafts = _verify_many(temperature, top_p, draft_model)
+    assert min(_position_checks(tokens, drafts, temperature, top_p)) > 1e-4
+    if draft_model:  # the draft's own draws: a token it proposed is often kept, often not
+        kept = (tokens[:, 0] == drafts[:, 0]).mean()
+        assert 0.2 < kept < 0.9
 
 
-def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch):
-    """The test's power: keeping a proposal with probability sqrt(p(d)) (too often) fails."""
-    monkeypatch.setattr(sampler, "_accepts", lambda uniform, p: uniform < jnp.sqrt(p))
-    tokens = _verify_many(1.0, 1.0)
-    assert _position_checks(tokens, 1.0, 1.0)[0] < 1e-6
+@pytest.mark.parametrize("draft_model", [False, True], ids=["lookup", "draft"])
+def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch, draft_model):
+    """The test's power: keeping a proposal with probability sqrt(p(d)) / q(d) fails."""
+    monkeypatch.setattr(sampler, "_accepts", lambda uniform, p, q: uniform * q < jnp.sqrt(p))
+    tokens, drafts = _verify_many(1.0, 1.0, draft_model)
+    assert _position_checks(tokens, drafts, 1.0, 1.0)[0] < 1e-6
 
 
 def test_greedy_verification_keeps_the_argmax_run():
@@ -295,3 +314,45 @@ def test_served_streams_and_metrics(spec):
     per_pos = {s.labels["position"]: s.value for s in family.samples}
     assert list(per_pos) == ["0", "1", "2"]
     assert per_pos["0"] >= per_pos["1"] >= per_pos["2"]
+
+
+# -- a draft model -------------------------------------------------------------------------------
+
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 3}  # the demo's shipped draft
+
+
+def test_the_model_as_its_own_draft_keeps_every_proposal(plain):
+    """Proposals by the model itself are what it would generate: every one kept, greedy and
+    sampled (q = p: min(1, p/q) = 1), which only holds if the draft's K/V (its catch-up over
+    each prompt, its roll back) is right; and the outputs are the model's."""
+    from jaxserve.demo import CHECKPOINT_DIR
+
+    llm = LLM("demo", **DEMO, speculative_config=DRAFT | {"model": str(CHECKPOINT_DIR)})
+    assert _ids(llm) == _ids(plain)
+    sampled = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=5)
+    assert _ids(llm, params=sampled) == _ids(llm, params=sampled)
+    stats = llm.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["num_compilations_after_warmup"] == 0
+
+
+@pytest.mark.parametrize("options", [{}, dict(num_pages=20), dict(
+    max_num_batched_tokens=24, prefill_chunk_sizes=(8, 16))], ids=["plain", "preemption",
+                                                                  "chunked"])
+def test_the_demos_draft_leaves_greedy_ids_unchanged(plain, options):
+    llm = LLM("demo", **(DEMO | options), speculative_config=DRAFT)
+    assert _ids(llm) == _ids(plain)
+    stats = llm.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=11)
+    alone = _ids(llm, [CODE], params)
+    assert _ids(llm, [PROMPTS[1], CODE, PROMPTS[2]], params)[1] == alone[0]
+
+
+def test_a_draft_must_share_the_tokenizer(tmp_path):
+    with pytest.raises(ValueError, match=r"speculative_config.model.*vocabulary"):
+        LLM("demo", **DEMO, speculative_config=DRAFT | {"model": str(HF_FIXTURES / "llama")})
+    with pytest.raises(ValueError, match=r"speculative_config.model.*not a local model"):
+        LLM("demo", **DEMO, speculative_config=DRAFT | {"model": str(tmp_path / "none")})
+    with pytest.raises(ValueError, match=r"speculative_config.model.*required"):
+        LLM(HF_FIXTURES / "llama", max_num_seqs=2, speculative_config=DRAFT)

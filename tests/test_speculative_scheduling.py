@@ -170,7 +170,10 @@ def test_ngram_proposer_reads_prompt_and_output():
 
 def test_speculative_config_defaults_and_errors():
     cfg = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    assert cfg.speculative_config == SpeculativeConfig("ngram", 4, 5, 5, 8)
+    assert cfg.speculative_config == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=4, prompt_lookup_min=5, prompt_lookup_max=5,
+        disable_by_batch_size=8)
+    assert SpeculativeConfig(model="draft", num_speculative_tokens=2).method == "draft_model"
     assert EngineConfig(speculative_config='{"num_speculative_tokens": 2, '
                         '"prompt_lookup_max": 3}').speculative_config.prompt_lookup_min == 3
     for bad, field in [({"method": "eagle", "num_speculative_tokens": 2}, "method"),

@@ -479,10 +479,14 @@ def make_scheduler(config: EngineConfig, num_pages: int, max_chunk_tokens: int,
                          if config.policy == "sjf" else None)
     spec = config.speculative_config
     proposer = None
-    if spec is not None:
+    if spec is not None and spec.method == "ngram":
         from jaxserve.spec.ngram import NgramProposer
 
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec is not None:
+        from jaxserve.spec.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer()
     return Scheduler(
         num_spec_tokens=0 if spec is None else spec.num_speculative_tokens, proposer=proposer,
         spec_max_batch=None if spec is None else spec.disable_by_batch_size,

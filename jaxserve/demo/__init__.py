@@ -15,3 +15,16 @@ def demo_model_dir() -> Path:
             f"with `python -m jaxserve.demo.train`"
         )
     return CHECKPOINT_DIR
+
+
+DRAFT_DIR = Path(__file__).resolve().parent / "draft"
+
+
+def demo_draft_dir() -> Path:
+    """The demo's shipped draft model for speculative decoding: a much smaller byte-level
+    model trained by `jaxserve.demo.train --config draft` on the same text."""
+    if not (DRAFT_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the demo's draft model is missing from {DRAFT_DIR}: reinstall jaxserve, or train "
+            "it with `python -m jaxserve.demo.train --config draft`")
+    return DRAFT_DIR

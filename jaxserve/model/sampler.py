@@ -192,26 +192,47 @@ def sample(logits: jax.Array, sm: SamplingMetadata, num_top: int, ops,
     return packed, replace(state, counts=counts)
 
 
-def _accepts(uniform: jax.Array, p_draft: jax.Array) -> jax.Array:
-    """Rejection sampling's test for a proposal of probability one: keep it with probability
-    p(d) (min(1, p/q) with q = 1)."""
-    return uniform < p_draft
+def _accepts(uniform: jax.Array, p_draft: jax.Array, q_draft: jax.Array) -> jax.Array:
+    """Rejection sampling's test: keep a proposal d drawn from q with probability
+    min(1, p(d) / q(d))."""
+    return uniform * q_draft < p_draft
+
+
+def draft_sample(logits: jax.Array, sm: SamplingMetadata, ops) -> tuple[jax.Array, jax.Array]:
+    """A draft model's proposal: logits [B, V] -> (token [B], q [B, V], the distribution it was
+    drawn from: the row's own filtering of the draft's logits; zeros for a greedy row, which
+    proposes its argmax). Its draws fold 2 into the row's key: apart from the target's."""
+    greedy = first_argmax(logits)
+
+    def random_rows():
+        order, masked = _filtered(logits, sm, ops)
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, 2))(_keys(sm))
+        q = jnp.zeros(logits.shape, jnp.float32).at[
+            jnp.arange(logits.shape[0])[:, None], order].set(ops.softmax(masked))
+        return _draw(order, masked, keys), q
+
+    drawn, q = jax.lax.cond(jnp.all(sm.temperature == 0),
+                            lambda: (greedy, jnp.zeros(logits.shape, jnp.float32)), random_rows)
+    return jnp.where(sm.temperature == 0, greedy, drawn), q
 
 
 def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sm: SamplingMetadata,
-           num_top: int, ops) -> jax.Array:
+           num_top: int, ops, draft_probs: jax.Array | None = None) -> jax.Array:
     """Speculative decoding's verification: a row's tokens and the logits after each.
 
     logits [B, K + 1, V]: after the row's newest token and each of its K proposed tokens
     drafts [B, K] int32: the proposals, the first num_drafts [B] of each row real
     sm: the rows' sampling arrays, `positions` the first sampled token's
+    draft_probs [B, K, V] | None: the distribution q each proposal was drawn from (a draft
+        model's); None: proposals of probability one (prompt lookup)
     -> packed [B, K + 1, W] (as `sample`'s), the row's tokens in order, then token -1
 
     A greedy row keeps each proposal that is its argmax and then its own argmax. A sampled row
-    keeps proposal d with probability p(d), p its filtered distribution there (top-k, top-p,
-    temperature); where it refuses one it draws from p without d, renormalised, and past the
-    last proposal from p: each token comes out with exactly its probability under p (Leviathan
-    et al. 2023, Chen et al. 2023, with a proposal of probability one). The uniforms and draws
+    keeps proposal d with probability min(1, p(d) / q(d)), p its filtered distribution there
+    (top-k, top-p, temperature); where it refuses one it draws from max(p - q, 0),
+    renormalised (for q of probability one: p without d), and past the last proposal from p:
+    each token comes out with exactly its probability under p (Leviathan et al. 2023, Chen et
+    al. 2023). The uniforms and draws
     of position q use the request's seed folded with q, whatever the batch; the token past the
     last proposal is the very one a plain step would draw there.
     """
@@ -233,13 +254,24 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, sm: Samp
     def random_rows():
         order, masked = _filtered(flat, fsm, ops)
         is_draft = order == draft[:, None]
-        p_draft = jnp.sum(jnp.where(is_draft, ops.softmax(masked), 0.0), axis=-1)
+        p = ops.softmax(masked)
+        p_draft = jnp.sum(jnp.where(is_draft, p, 0.0), axis=-1)
         keys = _keys(fsm)
         uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)
-        # refused: the draw leaves the proposal out (a row whose p(d) is 1 never refuses it)
-        residual = jnp.where(has_draft[:, None] & is_draft & (p_draft < 1)[:, None], -jnp.inf,
-                             masked)
-        return _accepts(uniform, p_draft), _draw(order, residual, keys)
+        if draft_probs is None:  # q(d) = 1: refused, the draw leaves d out (a row whose p(d)
+            # is 1 never refuses it)
+            residual = jnp.where(has_draft[:, None] & is_draft & (p_draft < 1)[:, None],
+                                 -jnp.inf, masked)
+            return _accepts(uniform, p_draft, 1.0), _draw(order, residual, keys)
+        q = jnp.concatenate([draft_probs, jnp.zeros((b, 1, vocab), draft_probs.dtype)],
+                            axis=1).reshape(b * width, vocab)
+        q = jnp.take_along_axis(q, order, axis=-1)  # sorted as p
+        q_draft = jnp.sum(jnp.where(is_draft, q, 0.0), axis=-1)
+        # refused: a draw from max(p - q, 0); where p <= q everywhere the row never refuses
+        excess = jnp.maximum(p - q, 0.0)
+        residual = jnp.where(has_draft[:, None] & jnp.any(excess > 0, axis=-1, keepdims=True),
+                             jnp.log(excess), masked)
+        return _accepts(uniform, p_draft, q_draft), _draw(order, residual, keys)
 
     accept_random, drawn = jax.lax.cond(
         jnp.all(sm.temperature == 0),

@@ -39,6 +39,7 @@ from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.sampler import (
     Controls,
     SamplerState,
+    draft_sample,
     sample,
     token_logprobs,
     verify,
@@ -71,10 +72,14 @@ class StepFns:
     head: Callable
     # (state, slot, counts [V], prompt [V], bias_ids [L], bias_values [L]) -> state
     write_slot: Callable
-    # speculative decoding's verification: (weights, kv, tokens [B, K + 1], md, sm,
-    #   drafts [B, K], num_drafts [B]) -> (packed [B, K + 1, W]: each row's kept tokens, then
-    #   -1; kv)
+    # speculative decoding's verification: (weights, kv, first [B], drafts [B, K],
+    #   num_drafts [B], md, sm, draft_probs [B, K, V] | None) -> (packed [B, K + 1, W]: each
+    #   row's kept tokens, then -1; kv). A row feeds its newest token, then its drafts
     verify: Callable
+    # a draft model's proposals: (weights, kv, tokens [B, 2], md: a chunk of the row's
+    #   unfed tokens (1 or 2, the newest last), sm: positions the first proposal's, steps=K)
+    #   -> (drafts [B, K], q [B, K, V], kv). Feeds its drafts but the last
+    draft: Callable
 
 
 def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
@@ -170,10 +175,32 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
         packed = sample(model.logits(last[:rows], backend), sm, num_top, backend.ops)
         return packed, carry.at[carry_index].set(packed[:, 0], mode="drop")
 
-    def verify_step(weights, kv, tokens, md, sm, drafts, num_drafts):
+    def verify_step(weights, kv, first, drafts, num_drafts, md, sm, draft_probs):
+        tokens = jnp.concatenate([first[:, None], drafts], axis=1)
         model, hidden, _, kv = chunk_hidden(weights, kv, tokens, md)
         return verify(model.logits(hidden, backend), drafts, num_drafts, sm, num_top,
-                      backend.ops), kv
+                      backend.ops, draft_probs), kv
+
+    def draft(weights, kv, tokens, md, sm, steps):
+        model, _, h, kv = chunk_hidden(weights, kv, tokens, md)
+        _, rope = merge(weights)
+        seq_lens = md.seq_lens
+        # then one token a step, from the position past the chunk's last
+        md = replace(md, positions=seq_lens[:, None], query_lens=jnp.ones_like(seq_lens),
+                     seq_lens=seq_lens + 1)
+
+        def one_step(carry, j):
+            h, kv, md = carry
+            token, q = draft_sample(model.logits(h, backend),
+                                    replace(sm, positions=sm.positions + j), backend.ops)
+            hidden, kv = jax.lax.cond(  # the last proposal is not fed
+                j < steps - 1, lambda kv: model(token[:, None], kv, md, backend, rope),
+                lambda kv: (h[:, None], kv), kv)
+            md = replace(md, positions=md.positions + 1, seq_lens=md.seq_lens + 1)
+            return (hidden[:, 0], kv, md), (token, q)
+
+        (_, kv, _), (drafts, q) = jax.lax.scan(one_step, (h, kv, md), jnp.arange(steps))
+        return drafts.T, q.transpose(1, 0, 2), kv
 
     def on_mesh(fn, args: str, outs: str):
         """fn per shard: `args` and `outs` spell where each positional argument and output
@@ -204,5 +231,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
         head=jax.jit(on_mesh(head, "wrrrrrr", "rrr"), donate_argnums=(4,),
                      static_argnames=("rows",)),
         write_slot=jax.jit(write_slot, donate_argnums=(0,)),
-        verify=jax.jit(on_mesh(verify_step, "wkrrrrr", "rk"), donate_argnums=(1,)),
+        verify=jax.jit(on_mesh(verify_step, "wkrrrrrr", "rk"), donate_argnums=(1,)),
+        draft=jax.jit(on_mesh(draft, "wkrrr", "rrk"), donate_argnums=(1,),
+                      static_argnames=("steps",)),
     )
