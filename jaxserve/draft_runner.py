@@ -8,7 +8,7 @@ draft K/V sits at the same (page, offset) as its target K/V, so the target's pag
 both and there is no second allocator. How far a request's draft K/V is valid:
 
     a proposal at start s feeds the row's unfed tokens up to its newest (at s), then its own
-        drafts d1 .. d(k-1) at s+1 .. s+k-1 (dk is proposed, not fed)
+        drafts d1 .. dk at s+1 .. s+k (the target's row holds those positions too)
     the verification keeps a drafts: the target's K/V is valid below s + a + 1, and so is the
         draft's, up to what it fed: min(fed, next start)
     a new request, or one preempted since: nothing; its first proposal catches up over prompt
@@ -75,7 +75,7 @@ class DraftRunner:
                 computed = start - 1
             starts[i], lens[i] = computed, start + 1 - computed
             tokens[i, :lens[i]] = request.token_ids(computed, start + 1)
-            self._fed[request] = (request.metrics.num_preemptions, start + self.k)
+            self._fed[request] = (request.metrics.num_preemptions, start + 1 + self.k)
         for request in [r for r in self._fed if r.status.finished]:
             del self._fed[request]
         md = AttentionMetadata(positions=starts[:, None] + np.arange(2, dtype=np.int32),

@@ -188,7 +188,12 @@ class ModelRunner:
                  self.matmul_impl, "scanned" if self.scan_layers else "unrolled")
         self.page_size = config.page_size
         spec = config.speculative_config
-        self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
+        self.num_spec_tokens = k = 0 if spec is None else spec.num_speculative_tokens
+        # the verification call's widths (1 + drafts): prompt lookup's rows propose 0..k
+        # tokens, padded to powers of two and k + 1; a draft model's always k
+        self.verify_widths = () if not k else (k + 1,) if spec.method == "draft_model" else (
+            tuple(sorted({2**i for i in range(1, (k + 1).bit_length()) if 2**i < k + 1}
+                         | {k + 1})))
         self.pages_per_seq = config.pages_per_seq(self.max_model_len)
         self.num_pages = config.num_pages or self._pages_that_fit()
         if self.num_pages - 1 < self.pages_per_seq:
@@ -469,7 +474,7 @@ class ModelRunner:
         """Speculative decoding's verification call: each row its newest token and its draft
         (the host holds both: the iteration before was read), K + 1 tokens a row."""
         b = bucket(len(chunks), self.row_buckets, "verification rows")
-        k = self.num_spec_tokens
+        k = bucket(max(len(c.draft) for c in chunks) + 1, self.verify_widths, "drafts") - 1
         first = np.zeros((b,), np.int32)
         drafts = np.zeros((b, k), np.int32)
         num_drafts = np.zeros((b,), np.int32)
@@ -603,8 +608,7 @@ class ModelRunner:
             shapes += [("prefill_hidden", b, c, 1) for b, c in self._prefill_buckets()]
         shapes += [("head", b, 1, 1)
                    for b in sorted(set(self.row_buckets) | set(self.prefill_row_buckets))]
-        if self.num_spec_tokens:
-            shapes += [("verify", b, self.num_spec_tokens + 1, 1) for b in self.row_buckets]
+        shapes += [("verify", b, w, 1) for b in self.row_buckets for w in self.verify_widths]
         with self._counting():
             for kind, b, c, steps in tqdm(shapes, desc="compiling", disable=not progress):
                 self._warm(kind, b, c, steps)
@@ -649,7 +653,7 @@ class ModelRunner:
                               np.zeros((b,), np.int32), np.zeros((b,), bool))
         tokens = np.zeros((b, c), np.int32)
         if kind == "verify":
-            drafts, probs = np.zeros((b, self.num_spec_tokens), np.int32), None
+            drafts, probs = np.zeros((b, c - 1), np.int32), None
             if self.draft is not None:  # on the device, as they come when serving
                 drafts, probs = self.draft.warm(b, md.page_table, sm)
             _, self.kv = self.fns.verify(self.weights, self.kv, tokens[:, 0], drafts,

@@ -499,19 +499,21 @@ def test_bench_sweep_server(server, stories_dir, tmp_path):
     assert (tmp_path / "latency_vs_concurrency.png").is_file()
 
 
-def test_speculative_bench_compares_ngram_with_none_on_both_workloads(capsys):
-    """bench/speculative.py: prompt lookup against none on the demo model, code edits and free
-    text; speculation proposes, and the greedy ids are none's."""
+def test_speculative_bench_compares_ngram_and_draft_with_none_on_both_workloads(capsys):
+    """bench/speculative.py: prompt lookup and the demo's draft against none on the demo model,
+    code edits and free text; speculation proposes, and the greedy ids are none's."""
     rows = _load(ROOT / "bench" / "speculative.py").main(
-        ["--batches", "1", "--requests-scale", "0.25", "--output-len", "16"])
+        ["--batches", "1", "--requests-scale", "0.25", "--output-len", "16", "--repeats", "1"])
+    methods = ("none", "ngram", "draft")
     assert [(r["workload"], r["method"]) for r in rows] == [
-        (w, m) for w in ("code_edit", "free") for m in ("none", "ngram")]
+        (w, m) for w in ("code_edit", "free") for m in methods]
     assert all(r["requests"] == 2 and r["output_tokens"] > 0 for r in rows)
-    ngram = [r for r in rows if r["method"] == "ngram"]
-    assert all(r["same_ids"] and r["draft_tokens"] > 0 for r in ngram)
+    speculating = [r for r in rows if r["method"] != "none"]
+    assert all(r["same_ids"] and r["draft_tokens"] > 0 for r in speculating)
+    assert all(r["compilations"] == 0 for r in rows)
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("workload"))
     assert lines[header].rstrip().endswith("same ids")
     printed = [line.split() for line in lines[header + 1:]]
     assert [(cells[1], cells[-1]) for cells in printed] == [
-        ("none", "-"), ("ngram", "yes"), ("none", "-"), ("ngram", "yes")]
+        ("none", "-"), ("ngram", "yes"), ("draft", "yes")] * 2

@@ -228,6 +228,9 @@ class Scheduler:
             if allocated:
                 budget -= positions if draft is not None else n
                 self._commit(request, n, out, draft)
+        if out.speculative and not any(c.draft for c in out.chunks):
+            for chunk in out.chunks:  # nothing to verify: its rows decode one token as usual
+                chunk.draft = None
         if out.preempted:
             # pages ran short: the preempted go back first, nobody new takes their pages (and a
             # newcomer never joins a multi-step iteration, whose K it was not counted in)

@@ -78,7 +78,7 @@ class StepFns:
     verify: Callable
     # a draft model's proposals: (weights, kv, tokens [B, 2], md: a chunk of the row's
     #   unfed tokens (1 or 2, the newest last), sm: positions the first proposal's, steps=K)
-    #   -> (drafts [B, K], q [B, K, V], kv). Feeds its drafts but the last
+    #   -> (drafts [B, K], q [B, K, V], kv). Feeds every draft it makes
     draft: Callable
 
 
@@ -193,9 +193,9 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
             h, kv, md = carry
             token, q = draft_sample(model.logits(h, backend),
                                     replace(sm, positions=sm.positions + j), backend.ops)
-            hidden, kv = jax.lax.cond(  # the last proposal is not fed
-                j < steps - 1, lambda kv: model(token[:, None], kv, md, backend, rope),
-                lambda kv: (h[:, None], kv), kv)
+            # every proposal is fed, the last too (its K/V is kept if the row keeps it all);
+            # a lax.cond around the last would copy the draft's KV pool every step
+            hidden, kv = model(token[:, None], kv, md, backend, rope)
             md = replace(md, positions=md.positions + 1, seq_lens=md.seq_lens + 1)
             return (hidden[:, 0], kv, md), (token, q)
 
