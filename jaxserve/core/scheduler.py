@@ -38,7 +38,7 @@ from jaxserve.core.window import AdaptiveWindow, BatchingWindow
 from jaxserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from jaxserve.spec.ngram import NgramProposer as Proposer
+    from jaxserve.spec import Proposer
 
 BATCHING_MODES = ("static", "dynamic", "continuous")
 
