@@ -74,7 +74,7 @@ from served import KEY, metrics_of
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo"
 VOCAB = 258  # the demo's byte vocabulary: 256 bytes, then BOS (256) and EOS (257)
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 CHAT = [{"role": "system", "content": "you are a helpful assistant"},

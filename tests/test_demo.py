@@ -21,7 +21,7 @@ from jaxserve.model_config import ModelConfig
 
 # One row bucket keeps the warm-up to five compiles.
 SMALL = dict(max_num_seqs=1, prefill_chunk_sizes=(16, 64), page_size=16, num_pages=32,
-             max_num_batched_tokens=64)
+             max_num_batched_tokens=64, max_model_len=256)
 GREEDY_64 = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 SNIPPET = ("import os\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of a file.\"\"\"\n"
            "    with open(path) as f:\n        return f.read().splitlines()\n")

@@ -135,7 +135,7 @@ def test_the_demo_model_same_text_with_the_cache():
                                         "    return ")]
     params = SamplingParams(max_tokens=24, temperature=0.0)
     demo = dict(max_num_seqs=2, prefill_chunk_sizes=(64,), page_size=16, num_pages=40,
-                max_num_batched_tokens=64)
+                max_num_batched_tokens=64, max_model_len=256)
     texts = {}
     for on in (False, True):
         llm = LLM(enable_prefix_caching=on, **demo)
