@@ -57,12 +57,12 @@ class DraftRunner:
         self._fed: dict[Request, tuple[int, int]] = {}
         self._warmed_catch_up = False
 
-    def propose(self, chunks: list[ScheduledChunk], first: np.ndarray, page_table: np.ndarray,
+    def propose(self, chunks: list[ScheduledChunk], page_table: np.ndarray,
                 sm: SamplingMetadata) -> tuple[jax.Array, jax.Array]:
         """The k proposals of each verification row and their distributions, on the device:
-        (drafts [B, k], q [B, k, V]). `first` [B] holds each row's newest token, `page_table`
-        [B, pages] its pages, `sm` its sampling arrays (positions: the first proposal's)."""
-        b = len(first)
+        (drafts [B, k], q [B, k, V]). `page_table` [B, pages]: the rows' pages (B: the call's
+        row bucket), `sm` their sampling arrays (positions: the first proposal's)."""
+        b = len(page_table)
         tokens = np.zeros((b, 2), np.int32)
         starts = np.zeros((b,), np.int32)  # where each row's draft chunk begins
         lens = np.zeros((b,), np.int32)

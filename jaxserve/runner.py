@@ -488,7 +488,7 @@ class ModelRunner:
         sm = self._sampling(slots, md.seq_lens - md.query_lens + 1)  # the first sampled token's
         probs = None
         if self.draft is not None:  # the drafts are the draft model's, on the device
-            drafts, probs = self.draft.propose(chunks, first, md.page_table, sm)
+            drafts, probs = self.draft.propose(chunks, md.page_table, sm)
         packed, self.kv = self.fns.verify(self.weights, self.kv, first, drafts, num_drafts, md,
                                           sm, probs)
         return packed

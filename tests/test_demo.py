@@ -92,7 +92,7 @@ def test_training_script_runs_and_its_checkpoint_serves(tmp_path):
     assert train_main(["--config", "tiny", "--steps", "3", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / REPORT_FILE).read_text())
     assert report["steps"] == 3 and np.isfinite(report["val_bits_per_byte"])
-    out = LLM(tmp_path, **SMALL).generate("def f(x):", SamplingParams(
+    out = LLM(tmp_path, **(SMALL | dict(max_model_len=None))).generate("def f(x):", SamplingParams(
         max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 8
 

@@ -339,6 +339,9 @@ def test_cli_simulates_with_a_saved_fit(tmp_path, capsys):
     # the KV cache is sized by pages; --seed seeds the step-time draws as well as the workload
     assert main(["--fit", str(tmp_path / "fit.json"), "--set", "kv_cache_bytes_cpu=1000"]) == 2
     assert "pass --num-pages" in capsys.readouterr().err
+    assert main(["--fit", str(tmp_path / "fit.json"), "--set",
+                 'speculative_config={"num_speculative_tokens": 2}']) == 2
+    assert "does not model speculative decoding" in capsys.readouterr().err
     fit.spread = tuple(np.linspace(0.5, 1.5, 101))
     fit.save(tmp_path / "spread.json")
     trace = tmp_path / "t.jsonl"

@@ -74,14 +74,15 @@ def test_max_tokens_and_max_completion_tokens(client):
 
 
 def test_a_prompt_too_long_for_the_model_is_400(client):
-    bad_request(lambda: client.completions.create(model=MODEL, prompt="x" * 300, max_tokens=5),
-                 "prompt")
+    long, near = "x" * (MAX_MODEL_LEN + 44), "x" * (MAX_MODEL_LEN - 56)
+    bad_request(lambda: client.completions.create(model=MODEL, prompt=long, max_tokens=5),
+                "prompt")
     bad_request(lambda: client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x" * 300}]), "messages")
-    bad_request(lambda: client.completions.create(model=MODEL, prompt="x" * 200,
+        model=MODEL, messages=[{"role": "user", "content": long}]), "messages")
+    bad_request(lambda: client.completions.create(model=MODEL, prompt=near,
                                                    max_tokens=100), "max_tokens")
     bad_request(lambda: client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x" * 200}],
+        model=MODEL, messages=[{"role": "user", "content": near}],
         max_completion_tokens=100), "max_completion_tokens")
 
 

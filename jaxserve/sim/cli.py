@@ -247,6 +247,9 @@ def run(args) -> int:
         fit = calibrate(args.model, config, args.fit, freeze=True)
         print(json.dumps(fit.info, indent=1))
         return 0
+    if config.speculative_config is not None:  # its steps' costs and acceptance are not fit
+        raise ValueError("speculative_config: the simulator does not model speculative "
+                         "decoding; leave it unset")
     for name in ("kv_cache_memory_fraction", "kv_cache_bytes_cpu"):
         if getattr(config, name) != getattr(EngineConfig(), name):
             raise ValueError(f"{name}: the simulator sizes the KV cache by num_pages (the fit's "
