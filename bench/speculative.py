@@ -7,7 +7,7 @@ against none, on the demo model, one run.
 Workloads (greedy, every request submitted at the start, `batch` of them at a time):
 
     code_edit  a small standard-library function (`inspect.getsource`, its docstring dropped so
-               prompt and output fit the demo model's 256 positions), then "# The same function,
+               prompt and output fit the model's context), then "# The same function,
                renamed to new_<name>:" and the renamed def line; max_tokens is the body's length
                (at most --output-len), so a model that copies the body can be guessed from the
                prompt
