@@ -243,6 +243,10 @@ class EngineConfig:
     # tensor parallelism (vLLM's name, -tp): the model's heads, MLP columns, vocabulary and KV
     # pool split over this many devices of one mesh (jaxserve/sharding.py)
     tensor_parallel_size: int = 1
+    # a mixture-of-experts model's experts split whole over the tensor-parallel devices
+    # (vLLM's name), each device num_experts / tensor_parallel_size of them; else each expert
+    # is split like a dense MLP
+    enable_expert_parallel: bool = False
     # the decoder's linear layers quantised as they load (vLLM's option and flag): int8 or fp8
     # (e4m3) weights with a float32 scale per output column, dequantised inside the matmul;
     # the embedding table and the LM head keep the model's dtype (jaxserve/model/quant.py)

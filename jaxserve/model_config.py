@@ -15,7 +15,10 @@ from typing import Any, Literal
 from jaxserve.checks import is_finite, is_int, show
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Phi3ForCausalLM")
+                           "MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# mixture of experts: every layer's MLP is a routed set of experts (jaxserve/model/moe.py)
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 PHI3_ROPE_TYPES = ("default", "longrope")  # Phi-3's own, as transformers' Phi3Config
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -36,6 +39,15 @@ _HF_DEFAULTS = {
                            "head_dim": None, "rms_norm_eps": 1e-6},
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "num_key_value_heads": None,
                         "head_dim": None, "rms_norm_eps": 1e-5},
+    "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
+                           "head_dim": None, "rms_norm_eps": 1e-5, "num_experts": 8,
+                           "num_experts_per_tok": 2},
+    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 16,
+                            "head_dim": None, "rms_norm_eps": 1e-6, "num_experts": 60,
+                            "num_experts_per_tok": 4},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4,
+                            "head_dim": None, "rms_norm_eps": 1e-6, "num_experts": 128,
+                            "num_experts_per_tok": 8},
 }
 # Phi3Config's default, and the value Phi-3 reads over one inside rope_scaling
 _PHI3_ORIGINAL_MAX_POSITIONS = 4096
@@ -75,7 +87,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3)."""
+    """The shape of a Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3), dense or
+    with mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
     architecture: str
     vocab_size: int
@@ -101,6 +114,16 @@ class ModelConfig:
     # the linear layers' weights stored int8 or fp8 with a scale per output column
     # (jaxserve/model/quant.py); set from the engine's quantization option
     quantization: str | None = None
+    # mixture of experts (0: a dense MLP): each token's MLP is the weighted sum of its top
+    # num_experts_per_tok of num_experts experts (each a SwiGLU MLP of moe_intermediate_size),
+    # the weights the router's softmax over all experts at the chosen ones, renormalised to sum
+    # to 1 where norm_topk_prob (Mixtral always); Qwen2-MoE adds a shared expert of
+    # shared_expert_intermediate_size to every token, scaled by a sigmoid gate
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -140,6 +163,15 @@ class ModelConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got "
                              f"{self.quantization!r}")
+        if self.num_experts:
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                _check_positive_int(name, getattr(self, name))
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} is more than "
+                                 f"the {self.num_experts} experts")
+            if self.quantization is not None:
+                raise ValueError(f"quantization {self.quantization!r} of a mixture-of-experts "
+                                 "model is not supported yet; serve it unquantised")
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
@@ -201,12 +233,14 @@ class ModelConfig:
         max_len = _check_positive_int("max_position_embeddings", hf.get(
             "max_position_embeddings", defaults["max_position_embeddings"]))
         theta, scaling, partial = _read_rope(arch, hf, max_len)
-        # as transformers: Llama's and Qwen3's attention_bias covers q, k, v and o; Qwen2 has
-        # q, k, v biases and no o bias; Mistral and Phi-3 have none
+        # as transformers: Llama's and Qwen3's (and Qwen3-MoE's) attention_bias covers q, k, v
+        # and o; Qwen2 and Qwen2-MoE have q, k, v biases and no o bias; Mistral, Mixtral and
+        # Phi-3 have none
         attention_bias = bool(hf.get("attention_bias", False)) and arch in (
-            "LlamaForCausalLM", "Qwen3ForCausalLM")
-        qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
+            "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        qkv_bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias
         sliding = _sliding_window(arch, hf)
+        moe = _read_moe(arch, hf, defaults) if arch in MOE_ARCHITECTURES else {}
         eos_ids = tuple(_id_list(hf.get("eos_token_id")))
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         if dtype not in _TORCH_DTYPES:
@@ -229,12 +263,13 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=_TORCH_DTYPES[dtype],
             quantization=quantization,
+            **moe,
         )
 
     @property
@@ -247,6 +282,11 @@ class ModelConfig:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += 2 * self.head_dim if self.qk_norm else 0
         mlp = 3 * self.hidden_size * self.intermediate_size
+        if self.num_experts:  # the experts, the router, and a shared expert and its gate
+            mlp = self.hidden_size * (3 * self.num_experts * self.moe_intermediate_size
+                                      + self.num_experts)
+            if self.shared_expert_intermediate_size:
+                mlp += self.hidden_size * (3 * self.shared_expert_intermediate_size + 1)
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
 
@@ -261,7 +301,15 @@ class ModelConfig:
             if self.architecture == "Phi3ForCausalLM":  # the one it reads
                 extra["original_max_position_embeddings"] = (
                     self.rope_scaling.original_max_position_embeddings)
-        return extra | {
+        if self.num_experts:
+            extra |= {"num_experts": self.num_experts, "num_local_experts": self.num_experts,
+                      "num_experts_per_tok": self.num_experts_per_tok,
+                      "moe_intermediate_size": self.moe_intermediate_size,
+                      "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+                      "norm_topk_prob": self.norm_topk_prob}
+            if self.architecture == "MixtralForCausalLM":  # its experts are the MLP's size
+                extra["intermediate_size"] = self.moe_intermediate_size
+        return {
             "architectures": [self.architecture], "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
@@ -274,7 +322,34 @@ class ModelConfig:
             "use_sliding_window": self.sliding_window is not None,
             "max_window_layers": 0, "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids), "dtype": self.dtype,
-        }
+        } | extra
+
+
+def _read_moe(arch: str, hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A mixture-of-experts config's expert fields, as transformers reads each family: Mixtral's
+    experts (num_local_experts) are intermediate_size wide and always renormalised; the Qwen
+    MoEs' (num_experts, saved by transformers 5 as num_local_experts too) are
+    moe_intermediate_size wide, renormalised where norm_topk_prob, and Qwen2-MoE has a shared
+    expert. Every layer must be sparse: a model whose decoder_sparse_step or mlp_only_layers
+    leave some layers dense is refused (no released checkpoint of these families has one)."""
+    count = hf.get("num_experts", hf.get("num_local_experts", defaults["num_experts"]))
+    moe = {"num_experts": _check_positive_int("num_experts", count),
+           "num_experts_per_tok": _check_positive_int("num_experts_per_tok", hf.get(
+               "num_experts_per_tok", defaults["num_experts_per_tok"]))}
+    if arch == "MixtralForCausalLM":
+        return moe | {"moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True}
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise ValueError(f"decoder_sparse_step {show(step)} with mlp_only_layers {show(dense)}: "
+                         "only models whose every layer is sparse (step 1, no mlp_only_layers) "
+                         "are supported")
+    moe |= {"moe_intermediate_size": _check_positive_int(
+                "moe_intermediate_size", hf.get("moe_intermediate_size")),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
+    if arch == "Qwen2MoeForCausalLM":
+        moe["shared_expert_intermediate_size"] = _check_positive_int(
+            "shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"))
+    return moe
 
 
 def _read_quantization(quant: Any) -> str | None:
@@ -364,16 +439,17 @@ def _id_list(value: Any) -> list[int]:
 def _sliding_window(arch: str, hf: dict[str, Any]) -> int | None:
     """The attention window, None for full attention, as transformers reads each architecture:
     Llama has none; Mistral's (every layer's) defaults to 4096 when the key is absent (null:
-    none), Phi-3's (every layer's) to none; Qwen2's and Qwen3's applies only with
-    use_sliding_window (4096 when absent), to the layers that `layer_types` names
-    "sliding_attention", or when it is absent to the layers from max_window_layers (default 28)
-    on. A window for some layers is returned as one for all:
+    none), Phi-3's and Mixtral's (every layer's) to none; the Qwen families' (dense and MoE)
+    applies only with use_sliding_window (4096 when absent), to the layers that `layer_types`
+    names "sliding_attention", or when it is absent to the layers from max_window_layers
+    (default 28) on. A window for some layers is returned as one for all:
     the kernels have none, so EngineConfig refuses a max_model_len longer than it, where the
     two agree."""
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         window = hf.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
         return None if window is None else _check_positive_int("sliding_window", window)
-    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                    "Qwen3MoeForCausalLM"):
         return None
     window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
     if window is None:

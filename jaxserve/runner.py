@@ -164,11 +164,12 @@ class ModelRunner:
         enable_compilation_cache(config.compilation_cache_dir)
         start = time.perf_counter()
         tp = self.tensor_parallel_size = config.tensor_parallel_size
-        check_tensor_parallel(model_config, tp, self.attention_impl, len(jax.devices()))
+        experts = config.enable_expert_parallel
+        check_tensor_parallel(model_config, tp, self.attention_impl, len(jax.devices()), experts)
         mesh = make_mesh(tp) if tp > 1 else None
         self.graphdef, self.state = load_state(
             model_path, model_config, self.dtype, config.load_format, config.seed,
-            ShardPlacement(mesh, model_config, tp) if mesh else None)
+            ShardPlacement(mesh, model_config, tp, experts) if mesh else None)
         if tp == 1:  # split, the kernels take each shard's weights as they are
             self.graphdef, self.state = self.backend.ops.pack_weights(self.graphdef, self.state)
         self.scan_layers = (self.backend.ops.scan_layers if config.scan_layers is None
@@ -179,7 +180,7 @@ class ModelRunner:
         if tp > 1:  # each device its part of every split weight (jaxserve/sharding.py)
             self.backend = replace(self.backend, model_axis=MODEL_AXIS)
             self.state, weight_specs = shard_state(
-                repeat_kv_heads(self.state, model_config, tp), mesh)
+                repeat_kv_heads(self.state, model_config, tp), mesh, experts)
         log.info("weights: %.1f MiB (%s%s) in %.1f s; backend %s (attention %s, matmul %s, "
                  "layers %s)", state_bytes(self.state) / 2**20, jnp.dtype(self.dtype).name,
                  "" if model_config.quantization is None else

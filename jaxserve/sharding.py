@@ -7,6 +7,10 @@ and the LM head split by vocabulary (a token's row comes from the shard that hol
 shard's logits are gathered for sampling). The KV pool is split by KV heads; where there are
 fewer KV heads than shards, each head is repeated so every shard holds one, as vLLM does.
 
+Mixture-of-experts layers (model/moe.py) split each expert like a dense MLP (its intermediate
+columns over the shards), or with `enable_expert_parallel` (vLLM's name) each shard holds
+num_experts / tp whole experts; the router is on every shard.
+
 The model runs once per shard under `jax.shard_map` (model/step.py), on its own part of each
 array, so every backend's kernels (the C++ kernels on the CPU, Pallas on the GPU) see plain local
 arrays; `Backend.model_axis` tells the model where to sum and gather.
@@ -31,16 +35,25 @@ _ROWS = ("o_proj", "down_proj")  # [in, out]: in split
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int, attention_name: str,
-                          num_devices: int) -> None:
+                          num_devices: int, expert_parallel: bool = False) -> None:
     """A ValueError naming tensor_parallel_size where the model or the machine cannot take tp."""
     if tp > num_devices:
         raise ValueError(f"tensor_parallel_size {tp} needs {tp} devices; "
                          f"{num_devices} found")
+    if expert_parallel and not cfg.num_experts:
+        raise ValueError(f"enable_expert_parallel: the {cfg.architecture} model has no experts")
     if tp == 1:
         return
-    for name, value in (("attention heads", cfg.num_heads),
-                        ("MLP intermediate size", cfg.intermediate_size),
-                        ("vocabulary", cfg.vocab_size)):
+    splits = [("attention heads", cfg.num_heads), ("vocabulary", cfg.vocab_size)]
+    if not cfg.num_experts:
+        splits.append(("MLP intermediate size", cfg.intermediate_size))
+    elif expert_parallel:
+        splits.append(("experts (enable_expert_parallel)", cfg.num_experts))
+    else:
+        splits.append(("experts' intermediate size", cfg.moe_intermediate_size))
+    if cfg.shared_expert_intermediate_size:
+        splits.append(("shared expert's intermediate size", cfg.shared_expert_intermediate_size))
+    for name, value in splits:
         if value % tp:
             raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {value} "
                              f"{name}")
@@ -83,10 +96,13 @@ def path_names(path) -> list[str]:
     return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
-def weight_spec(names: list[str], ndim: int) -> P:
-    """The split of the weight at `names` (its path in the state) with `ndim` dims."""
+def weight_spec(names: list[str], ndim: int, expert_parallel: bool = False) -> P:
+    """The split of the weight at `names` (its path in the state) with `ndim` dims; experts'
+    kernels [num_experts, in, out] by expert with `expert_parallel`, else like a dense MLP's."""
     tail: tuple = ()
-    if any(n in _COLUMNS for n in names):
+    if expert_parallel and "experts" in names:
+        tail = (MODEL_AXIS, None, None)
+    elif any(n in _COLUMNS for n in names):
         tail = (None, MODEL_AXIS) if "kernel" in names else (MODEL_AXIS,)
     elif any(n in _ROWS for n in names):
         tail = (MODEL_AXIS, None) if "kernel" in names else (None,)
@@ -126,24 +142,26 @@ class ShardPlacement:
     mesh: Mesh
     cfg: ModelConfig
     tp: int
+    expert_parallel: bool = False
 
     def transform(self, path: tuple, x):  # the model's layout -> the sharded model's
         return _repeat_heads([str(p) for p in path], x, self.cfg, self.tp)
 
     def sharding(self, path: tuple, ndim: int) -> NamedSharding:
-        return NamedSharding(self.mesh, weight_spec([str(p) for p in path], ndim))
+        return NamedSharding(self.mesh, weight_spec([str(p) for p in path], ndim,
+                                                    self.expert_parallel))
 
     def __call__(self, path: tuple, tensor):
         x = self.transform(path, np.asarray(tensor))
         return jax.device_put(x, self.sharding(path, x.ndim))
 
 
-def shard_state(state, mesh: Mesh) -> tuple[object, list]:
+def shard_state(state, mesh: Mesh, expert_parallel: bool = False) -> tuple[object, list]:
     """The state's arrays placed on their shards, and their specs in leaf order."""
     specs = []
 
     def place(path, x):
-        spec = weight_spec(path_names(path), x.ndim)
+        spec = weight_spec(path_names(path), x.ndim, expert_parallel)
         specs.append(spec)
         return jax.device_put(x, NamedSharding(mesh, spec))
 

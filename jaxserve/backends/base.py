@@ -102,6 +102,12 @@ class Ops:
     def linear(self, layer: nnx.Linear, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
         return layer(x)
 
+    def grouped_linear(self, layer, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """Mixture-of-experts' grouped matmul: x [M, in] with rows sorted by expert, the first
+        group_sizes[0] rows times expert 0's kernel [in, out] (layer.kernel [E, in, out]), the
+        next group_sizes[1] expert 1's, ...; rows past the groups' total are zero."""
+        return jax.lax.ragged_dot(x, layer.kernel[...], group_sizes)
+
     def tied_logits(self, hidden: jax.Array, table: jax.Array) -> jax.Array:
         """hidden [..., e] against the embedding table [vocab, e] -> float32 [..., vocab]."""
         return jnp.einsum("...e,ve->...v", hidden, table, preferred_element_type=jnp.float32)
@@ -154,6 +160,9 @@ class Backend:
         if self.model_axis is None:
             return logits
         return jax.lax.all_gather(logits, self.model_axis, axis=logits.ndim - 1, tiled=True)
+
+    def shard_index(self) -> jax.Array | int:  # this shard's place on the model axis
+        return 0 if self.model_axis is None else jax.lax.axis_index(self.model_axis)
 
     def vocab_offset(self, rows: int) -> jax.Array | int:
         """The first token id of this shard's part of the vocabulary (`rows` ids a shard)."""

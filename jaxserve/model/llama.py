@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Phi-3) in Flax NNX over the paged KV
-cache.
+"""The Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Phi-3, and with mixture-of-experts
+MLPs Mixtral, Qwen2-MoE and Qwen3-MoE: model/moe.py) in Flax NNX over the paged KV cache.
 
 Attribute names mirror Hugging Face's parameter names (model.layers.0.self_attn.q_proj ...), so
 the loader maps a checkpoint mechanically (and splits Phi-3's fused qkv_proj and gate_up_proj).
@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
+from jaxserve.model.moe import SparseMoeBlock
 from jaxserve.model.quant import QuantizedLinear
 from jaxserve.model_config import ModelConfig
 
@@ -132,16 +133,25 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        e, i, quant = cfg.hidden_size, cfg.intermediate_size, cfg.quantization
+    """SwiGLU; `intermediate_size`: another width than the config's (a shared expert's)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs,
+                 intermediate_size: int | None = None):
+        e, quant = cfg.hidden_size, cfg.quantization
+        i = cfg.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = _linear(e, i, False, dtype, rngs, quant)
         self.up_proj = _linear(e, i, False, dtype, rngs, quant)
         self.down_proj = _linear(i, e, False, dtype, rngs, quant)
 
     def __call__(self, x, backend):
+        return backend.sum_shards(self.partial(x, backend))
+
+    def partial(self, x, backend):
+        """The output before the shards' sum: under tensor parallelism, this shard's
+        columns' share."""
         linear = backend.ops.linear
         gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
-        return backend.sum_shards(linear(self.down_proj, jax.nn.silu(gate) * up))
+        return linear(self.down_proj, jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -149,7 +159,8 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = SparseMoeBlock(cfg, dtype, rngs, MLP) if cfg.num_experts else MLP(cfg, dtype,
+                                                                                     rngs)
 
     def __call__(self, x, cos, sin, kv, md, write_index, backend):
         h, kv = self.self_attn(self.input_layernorm(x, backend), cos, sin, kv, md, write_index,

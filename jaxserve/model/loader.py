@@ -228,10 +228,14 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
     graphdef, abstract = abstract_model(cfg, dtype)
     expected = _flat(abstract)
     values: dict[tuple, jax.Array] = {}
+    experts: dict[tuple, tuple[np.ndarray, set[int]]] = {}  # a stack being filled, expert by expert
     for file in _safetensor_files(path):
         # placed: read into host memory, each device then sent its part
         with _open_safetensors(safe_open, file, "flax" if place is None else "numpy") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if cfg.num_experts and _load_experts(f, file, name, cfg, expected, experts,
+                                                     values, place):
+                    continue
                 parts = _fused_parts(name, cfg)
                 targets = [_hf_path(part, expected) for part, _ in parts]
                 if None in targets:
@@ -268,11 +272,76 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                         continue
                     values[key] = (jnp.asarray(tensor, dtype=expected[key].dtype) if place is None
                                    else place(key, tensor).astype(expected[key].dtype))
+    for key, (_, filled) in experts.items():
+        lacking = sorted(set(range(cfg.num_experts)) - filled)
+        raise ValueError(f"checkpoint {path} is missing experts {lacking} of "
+                         f"{'.'.join(str(p) for p in key[:-1])}")
     missing = [_hf_name(k) for k in expected if k not in values]
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing)}")
     nnx.replace_by_pure_dict(abstract, _nest(values))
     return graphdef, abstract
+
+
+# Mixtral's names for the MoE block and its experts' projections -> the model's (transformers')
+_MIXTRAL_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj",
+                  "w2": "down_proj"}
+
+
+def _load_experts(f, file: Path, name: str, cfg: ModelConfig, expected: dict, experts: dict,
+                  values: dict, place) -> bool:
+    """Whether `name` is a mixture-of-experts tensor, read here: the router (Mixtral's names
+    mapped), one expert's projection ([out, in] at experts.E.<proj>.weight, gathered into the
+    model's stack [E, in, out], placed once every expert has arrived) or transformers 5's fused
+    stacks (experts.gate_up_proj [E, 2 I, H], experts.down_proj [E, H, I])."""
+    renamed = [_MIXTRAL_NAMES.get(p, p) for p in name.split(".")]
+    if "mlp" not in renamed:
+        return False
+    where = renamed.index("mlp")
+    tail = renamed[where + 1:]
+    stem = tuple(int(p) if p.isdigit() else p for p in renamed[:where + 1])
+
+    def put(key: tuple, tensor: np.ndarray) -> None:
+        want = tuple(expected[key].shape)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint "
+                             f"but the model expects {want} (as [experts, in, out])")
+        values[key] = (jnp.asarray(tensor, dtype=expected[key].dtype) if place is None
+                       else place(key, tensor).astype(expected[key].dtype))
+
+    if tail == ["gate", "weight"]:  # the router [E, H]
+        key = (*stem, "gate", "kernel")
+        put(key, np.asarray(_get_tensor(f, file, name)).T)
+        return True
+    if len(tail) == 4 and tail[0] == "experts" and tail[1].isdigit() and tail[3] == "weight":
+        key = (*stem, "experts", tail[2], "kernel")
+        index = int(tail[1])
+        if key not in expected or index >= cfg.num_experts:
+            raise ValueError(f"checkpoint tensor {name!r} in {file.name} has no place in the "
+                             f"{cfg.architecture} model ({cfg.num_experts} experts)")
+        tensor = np.asarray(_get_tensor(f, file, name))
+        shape = tuple(expected[key].shape)
+        if tensor.shape[::-1] != shape[1:]:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint "
+                             f"but the model expects {shape[1:][::-1]}")
+        stack, filled = experts.setdefault(
+            key, (np.empty(shape, np.dtype(tensor.dtype)), set()))
+        stack[index] = tensor.T
+        filled.add(index)
+        if len(filled) == cfg.num_experts:
+            put(key, experts.pop(key)[0])
+        return True
+    if tail == ["experts", "gate_up_proj"]:
+        fused = np.asarray(_get_tensor(f, file, name))  # [E, 2 I, H]: gate's rows, then up's
+        half = fused.shape[1] // 2
+        put((*stem, "experts", "gate_proj", "kernel"), fused[:, :half].transpose(0, 2, 1))
+        put((*stem, "experts", "up_proj", "kernel"), fused[:, half:].transpose(0, 2, 1))
+        return True
+    if tail == ["experts", "down_proj"]:  # [E, H, I]
+        put((*stem, "experts", "down_proj", "kernel"),
+            np.asarray(_get_tensor(f, file, name)).transpose(0, 2, 1))
+        return True
+    return False
 
 
 def _scales(name: str, tensor, columns: int, place, key: tuple) -> jax.Array:
