@@ -281,6 +281,8 @@ class ModelConfig:
     def num_params(self) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += 2 * self.head_dim if self.qk_norm else 0
+        attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
+        attn += self.hidden_size if self.o_bias else 0
         mlp = 3 * self.hidden_size * self.intermediate_size
         if self.num_experts:  # the experts, the router, and a shared expert and its gate
             mlp = self.hidden_size * (3 * self.num_experts * self.moe_intermediate_size

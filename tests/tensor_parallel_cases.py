@@ -31,7 +31,7 @@ _spec = importlib.util.spec_from_file_location("bench_tp", ROOT / "bench" / "ten
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 MODELS = {name: ROOT / "tests" / "fixtures" / "hf" / name
-          for name in ("llama", "qwen2", "mistral", "phi3")}
+          for name in ("llama", "qwen2", "mistral", "phi3", "mixtral", "qwen3_moe")}
 MODELS["stories260K"] = ROOT / "models" / "stories260K"
 ENGINE = dict(max_num_seqs=4, page_size=8, num_pages=80, prefill_chunk_sizes=(16,),
               max_num_batched_tokens=32, row_buckets=(4,), enable_prompt_logprobs=False)
@@ -127,7 +127,11 @@ def main() -> None:
     if len(jax.devices()) < 8:
         sys.exit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
     report = {name: run_model(path, (1, 2, 4)) for name, path in MODELS.items()
-              if name != "stories260K"}
+              if name not in ("stories260K", "mixtral", "qwen3_moe")}
+    # mixtures of experts: each expert split (tp=2), and whole experts over 4 devices
+    for name in ("mixtral", "qwen3_moe"):
+        report[name] = run_model(MODELS[name], (1, 2))
+        report[f"{name}_ep"] = run_model(MODELS[name], (1, 4), enable_expert_parallel=True)
     report["stories260K"] = run_model(MODELS["stories260K"], (1, 4))
     # quantised weights: the narrow kernels and their column scales split with the model
     report["llama_int8"] = run_model(MODELS["llama"], (1, 2, 4), quantization="int8")

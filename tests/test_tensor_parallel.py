@@ -22,6 +22,8 @@ from jaxserve.sharding import check_tensor_parallel
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("llama", "qwen2", "mistral", "phi3", "stories260K")
+# mixtures of experts: each expert split over tp=2, and whole experts over 4 devices (_ep)
+MOE = ("mixtral", "qwen3_moe", "mixtral_ep", "qwen3_moe_ep")
 QUANTISED = ("llama_int8", "qwen2_fp8")  # quantization="int8" / "fp8" on those checkpoints
 
 
@@ -35,7 +37,7 @@ def report() -> dict:
     return json.loads(run.stdout)
 
 
-@pytest.mark.parametrize("model", MODELS + QUANTISED)
+@pytest.mark.parametrize("model", MODELS + QUANTISED + MOE)
 def test_logits_within_1e_5_of_one_device_and_the_same_greedy_ids(report, model):
     runs = report[model]
     one = np.array(runs["1"]["logits"])
@@ -67,19 +69,25 @@ def test_sampler_controls_structured_output_and_prompt_logprobs_as_on_one_device
     assert outputs[2][1] in ("Lily", "Tom") and outputs[0][2] and compilations == 0
 
 
-@pytest.mark.parametrize("model", MODELS + QUANTISED)
+@pytest.mark.parametrize("model", MODELS + QUANTISED + MOE)
 def test_batch_invariance_holds_in_each_configuration(report, model):
     """A prompt alone gives the bits it gives in a batch (ids and logprobs), at every tp."""
     for tp, run in report[model].items():
         assert run["alone_same"], tp
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS + MOE)
 def test_each_device_holds_its_share_of_every_split_weight_and_the_kv_pool(report, model):
+    """Every weight split tp ways but the norms (and a mixture of experts' router): experts
+    by their columns, or (_ep) whole experts, a tp-th of them on each device."""
     for tp, run in report[model].items():
         tp = int(tp)
         weights = run["bytes"]["weights"]
-        split = {k: v for k, v in weights.items() if "norm" not in k}
+        router = {k for k in weights if "'gate'" in k}
+        assert bool(router) == (model in MOE), router
+        for name in router:
+            assert weights[name][0] == weights[name][1], (tp, name)
+        split = {k: v for k, v in weights.items() if "norm" not in k and k not in router}
         assert split, weights
         for name, (local, whole) in split.items():
             assert local * tp == whole, (tp, name, local, whole)
@@ -104,7 +112,7 @@ def test_quantised_kernels_and_their_scales_split_with_their_layers(report, mode
         assert len(scales) == 7 * run["num_layers"]
 
 
-@pytest.mark.parametrize("model", MODELS + QUANTISED)
+@pytest.mark.parametrize("model", MODELS + QUANTISED + MOE)
 def test_no_step_gathers_a_weight_and_none_compiles_after_warm_up(report, model):
     """The decode step gathers only activations: the logits [rows, vocab] and, on the CPU
     backend, the shards' partial sums [shards, rows, 1, hidden]."""
@@ -120,8 +128,9 @@ def test_the_decode_step_sums_twice_a_layer(report):
     """Two sums a layer (after o_proj, after down_proj) and one for the embedding; the logits
     gathered once. XLA's dot (reference backend, layers scanned: one layer's body): all-reduces;
     the CPU kernels (layers unrolled): the parts gathered and added in shard order (the
-    all-reduce's order changes with the rows)."""
-    for model in MODELS:
+    all-reduce's order changes with the rows). A mixture of experts sums its experts' shares
+    once, as a dense MLP its columns'."""
+    for model in MODELS + MOE:
         for tp, run in report[model].items():
             collectives = run["collectives"]
             if tp == "1":

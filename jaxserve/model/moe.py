@@ -123,4 +123,4 @@ class SparseMoeBlock(nnx.Module):
         if self.shared_expert is not None:  # its partial products: one sum with the experts'
             scale = jax.nn.sigmoid(linear(self.shared_expert_gate, x))
             out = out + scale * self.shared_expert.partial(x, backend)
-        return backend.sum_shards(out).reshape(shape)
+        return backend.sum_shards(out.reshape(shape))
