@@ -1,4 +1,4 @@
-// The linear layers' matmul for the CPU, called from XLA through its FFI (see cpu_matmul.py).
+// The linear layers' matmul for the CPU, called from XLA through its FFI (see matmul.py).
 //
 //   out[M, N] = x[M, K] @ w[K, N]    float32, row-major, w as a linear layer stores it
 //   out[M, N] = x[M, K] @ w[N, K]^T  the same for a tied LM head (w: the embedding table); each
@@ -13,6 +13,10 @@
 //                                    each weight widened to float32 exactly as it is loaded,
 //                                    the chain as float32's, then one multiply by the column's
 //                                    scale; a decode step reads a quarter of float32's bytes
+//   out[M, N] = x[M, K] @ w[e]       grouped, for a mixture-of-experts layer: w [E, K, N] (or
+//                                    as panels per expert), the rows sorted by expert in groups
+//                                    of sizes[E] rows (jax.lax.ragged_dot), each group run as
+//                                    its own problem
 //
 // What XLA's CPU dot does not give a serving engine:
 //   - batch invariance: every output element is one chain of fused multiply-adds over
@@ -24,14 +28,16 @@
 //   - few rows at the weights' pace: a decode step's handful of rows streams w once, where
 //     XLA's dot runs M = 16 at a third of its large-M rate.
 //
-// Blocking: work items are (a block of kMC rows, a panel of kNC columns); within one, K in
-// blocks of kKC (the panel of w stays in L2 while every row tile uses it; partial sums pass
-// through `out` unchanged, so the chain per element is the same as one pass), then tiles of up
-// to kMR rows x kNC columns held in registers.
+// Blocking: work items are (a block of kMC rows, a panel of kNC columns), a grouped matmul's
+// rows blocked within each group; within one, K in blocks of kKC (the panel of w stays in L2
+// while every row tile uses it; partial sums pass through `out` unchanged, so the chain per
+// element is the same as one pass), then tiles of up to kMR rows x kNC columns held in
+// registers.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -284,13 +290,25 @@ void block(const Problem& p, int64_t row_begin, int64_t row_end, int64_t col, in
   }
 }
 
+// Each problem's rows in blocks of kMC from its own first row, each block times each panel of
+// columns a work item (the problems share N: one, or one per expert group of a grouped matmul).
 template <class W>
-ffi::Error Run(ffi::ThreadPool& pool, const Problem& p) {
-  const int64_t row_blocks = (p.m + kMC - 1) / kMC, panels = (p.n + kNC - 1) / kNC;
-  parallel_items(pool, row_blocks * panels, [p, panels](int64_t i, std::vector<float>& scratch) {
-    const int64_t rb = i / panels, col = (i % panels) * kNC;
-    block<W>(p, rb * kMC, std::min(p.m, (rb + 1) * kMC), col, std::min(kNC, p.n - col),
-             scratch);
+ffi::Error Run(ffi::ThreadPool& pool, std::vector<Problem> problems) {
+  struct RowBlock {
+    int64_t problem, begin, end;
+  };
+  std::vector<RowBlock> blocks;
+  for (int64_t i = 0; i < static_cast<int64_t>(problems.size()); ++i)
+    for (int64_t row = 0; row < problems[i].m; row += kMC)
+      blocks.push_back({i, row, std::min(problems[i].m, row + kMC)});
+  if (blocks.empty()) return ffi::Error::Success();
+  const int64_t n = problems[0].n, panels = (n + kNC - 1) / kNC;
+  const int64_t total = static_cast<int64_t>(blocks.size()) * panels;
+  parallel_items(pool, total, [problems = std::move(problems), blocks = std::move(blocks), n,
+                               panels](int64_t i, std::vector<float>& scratch) {
+    const RowBlock& b = blocks[i / panels];
+    const int64_t col = (i % panels) * kNC;
+    block<W>(problems[b.problem], b.begin, b.end, col, std::min(kNC, n - col), scratch);
   });
   return ffi::Error::Success();
 }
@@ -320,8 +338,8 @@ ffi::Error RunFloat(ffi::ThreadPool& pool, Matrix& x, Weights& w, Out& out, Layo
     return ffi::Error::InvalidArgument("cpu matmul: inconsistent shapes");
   }
   const auto od = out->dimensions();
-  return Run<float>(pool, {x.typed_data(), w.typed_data(), nullptr, out->typed_data(), od[0],
-                           x.dimensions()[1], od[1], layout});
+  return Run<float>(pool, {{x.typed_data(), w.typed_data(), nullptr, out->typed_data(), od[0],
+                            x.dimensions()[1], od[1], layout}});
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, Matrix x, Matrix w, Out out) {
@@ -346,8 +364,8 @@ ffi::Error RunQuantised(ffi::ThreadPool& pool, Matrix& x, ffi::AnyBuffer& w, Sca
   const Problem p{x.typed_data(), w.untyped_data(), scale.typed_data(), out->typed_data(),
                   od[0], x.dimensions()[1], od[1], layout};
   switch (w.element_type()) {
-    case ffi::DataType::S8: return Run<int8_t>(pool, p);
-    case ffi::DataType::F8E4M3FN: return Run<fp8_e4m3>(pool, p);
+    case ffi::DataType::S8: return Run<int8_t>(pool, {p});
+    case ffi::DataType::F8E4M3FN: return Run<fp8_e4m3>(pool, {p});
     default: return ffi::Error::InvalidArgument("cpu matmul: w must be int8 or float8_e4m3fn");
   }
 }
@@ -360,6 +378,55 @@ ffi::Error MatmulQuantised(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer w, Sca
 ffi::Error MatmulQuantisedPanels(ffi::ThreadPool pool, Matrix x, ffi::AnyBuffer w, Scale scale,
                                  Out out) {
   return RunQuantised(pool, x, w, scale, out, Layout::kPanels);
+}
+
+// The grouped (ragged) matmul of a mixture-of-experts layer: x's rows sorted by expert, group e
+// the next sizes[e] of them, each multiplied by its expert's w (jax.lax.ragged_dot's meaning):
+//
+//   x, out [M, *]   | group 0: sizes[0] rows | group 1 | ... | group E-1 | past the total |
+//                     @ w[0]                   @ w[1]          @ w[E-1]    zero
+//
+// A negative size counts as 0, and groups end at row M (a total past M is cut there). Each
+// group is its own Problem (x, out and w offset to it), blocked from its first row, so a row
+// gets the bits of the matmul above on that row alone with w[e]: the chain per element is the
+// same whichever rows, groups or offsets share the call.
+using Sizes = ffi::BufferR1<ffi::S32>;
+using Experts = ffi::BufferR3<ffi::F32>;       // [E, K, N]
+using ExpertPanels = ffi::BufferR4<ffi::F32>;  // [E, ceil(N / kNC), K, kNC]
+
+template <class Weights>
+ffi::Error RunGrouped(ffi::ThreadPool& pool, Matrix& x, Weights& w, Sizes& sizes, Out& out,
+                      Layout layout) {
+  const auto wd = w.dimensions();
+  const int64_t experts = wd[0];
+  if (!fits(x.dimensions(), wd.last(wd.size() - 1), out->dimensions(), layout) ||
+      sizes.dimensions()[0] != experts) {
+    return ffi::Error::InvalidArgument("cpu grouped matmul: inconsistent shapes");
+  }
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = out->dimensions()[1];
+  const int64_t per_expert = experts > 0 ? static_cast<int64_t>(w.element_count()) / experts : 0;
+  const int32_t* size = sizes.typed_data();
+  std::vector<Problem> groups;
+  int64_t row = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t end = std::min(m, row + std::max<int64_t>(size[e], 0));
+    if (end > row) {
+      groups.push_back({x.typed_data() + row * k, w.typed_data() + e * per_expert, nullptr,
+                        out->typed_data() + row * n, end - row, k, n, layout});
+    }
+    row = end;
+  }
+  std::fill(out->typed_data() + row * n, out->typed_data() + m * n, 0.f);
+  return Run<float>(pool, std::move(groups));
+}
+
+ffi::Error MatmulGrouped(ffi::ThreadPool pool, Matrix x, Experts w, Sizes sizes, Out out) {
+  return RunGrouped(pool, x, w, sizes, out, Layout::kRows);
+}
+
+ffi::Error MatmulGroupedPanels(ffi::ThreadPool pool, Matrix x, ExpertPanels w, Sizes sizes,
+                               Out out) {
+  return RunGrouped(pool, x, w, sizes, out, Layout::kPanels);
 }
 
 // out[r] = x[r, 0]^2 + x[r, 1]^2 + ... in index order, each square rounded before its add: the
@@ -459,4 +526,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuMatmulQuantisedPanels, MatmulQuantisedP
                                   .Arg<Matrix>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Scale>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuMatmulGrouped, MatmulGrouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Experts>()
+                                  .Arg<Sizes>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuMatmulGroupedPanels, MatmulGroupedPanels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<ExpertPanels>()
+                                  .Arg<Sizes>()
                                   .Ret<Matrix>());

@@ -3,7 +3,8 @@
     cpu_decode.cc, cpu_prefill.cc   paged attention on float32, bfloat16 or float8_e4m3fn
                                     pages (wrapped by attention.py)
     cpu_matmul.cc                   the linear layers' matmul, on float32 weights or int8 /
-                                    float8_e4m3fn ones with column scales (matmul.py)
+                                    float8_e4m3fn ones with column scales, and the experts'
+                                    grouped matmul (matmul.py)
     cpu_amx.cc                      the same on AMX tiles in three bf16 passes (matmul.py)
     cpu_kernels.h                   what they share
 
@@ -51,6 +52,9 @@ TARGETS = {
     # a float32 scale per column
     "jaxserve_cpu_matmul_quantised": "JaxserveCpuMatmulQuantised",
     "jaxserve_cpu_matmul_quantised_panels": "JaxserveCpuMatmulQuantisedPanels",
+    # the grouped (ragged) matmul of a mixture-of-experts layer, w [E, K, N] or its panels
+    "jaxserve_cpu_matmul_grouped": "JaxserveCpuMatmulGrouped",
+    "jaxserve_cpu_matmul_grouped_panels": "JaxserveCpuMatmulGroupedPanels",
     "jaxserve_cpu_row_sum_squares": "JaxserveCpuRowSumSquares",
     "jaxserve_cpu_matmul_amx": "JaxserveCpuMatmulAmx",
 }

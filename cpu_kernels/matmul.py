@@ -13,6 +13,10 @@ Weight-only quantisation: an int8 or float8_e4m3fn w with a float32 scale per co
 (`matmul_cpu_quant`, in place or packed by the same `pack_panels`), widened to float32 in the
 kernel as it is loaded. A decode step's few rows read the weights at memory speed, and these
 are a quarter of float32's bytes.
+
+A mixture-of-experts layer's grouped matmul (`matmul_cpu_grouped`, jax.lax.ragged_dot's
+meaning): the rows sorted by expert, each group times its expert's w, a row's bits those of
+`matmul_cpu` on that row alone with that w.
 """
 
 import math
@@ -102,6 +106,58 @@ def matmul_cpu_quant_panels(
     return _call_on_rows("jaxserve_cpu_matmul_quantised_panels", x, (panels, scale), n, library)
 
 
+def matmul_cpu_grouped(
+    x: jax.Array,  # [M, K] float32, rows sorted by expert
+    w: jax.Array,  # [E, K, N] float32
+    group_sizes: jax.Array,  # [E] int32: expert e's rows follow those of experts 0 .. e-1
+    library: str = "",
+) -> jax.Array:  # [M, N] float32
+    """jax.lax.ragged_dot(x, w, group_sizes): rows 0 .. g0-1 times w[0], the next g1 rows times
+    w[1], and so on; rows past the groups are zero. The sizes are read at run time: a negative
+    one counts as 0, and a total past M ends the groups at row M. Each row has the bits of
+    `matmul_cpu(row, w[e])` alone, whatever the other rows and groups."""
+    _check_float32(x, w)
+    if x.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"x has shape {x.shape} and w {w.shape}: expected [M, K] and "
+                         "[E, K, N]")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features, w takes {w.shape[1]} (w {w.shape})")
+    _check_group_sizes(group_sizes, w.shape[0])
+    return call("jaxserve_cpu_matmul_grouped",
+                jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32), x, w, group_sizes,
+                suffix=library)
+
+
+def pack_expert_panels(w: jax.Array) -> jax.Array:  # [E, K, N] -> [E, ceil(N / PANEL), K, PANEL]
+    """`pack_panels` of each expert's w, for `matmul_cpu_grouped_panels`."""
+    if w.ndim != 3:
+        raise ValueError(f"w has shape {w.shape}: expected a stack of matrices [E, K, N]")
+    return jax.vmap(pack_panels)(w)
+
+
+def matmul_cpu_grouped_panels(
+    x: jax.Array,  # [M, K] float32, rows sorted by expert
+    panels: jax.Array,  # [E, ceil(N / PANEL), K, PANEL] float32, from pack_expert_panels
+    group_sizes: jax.Array,  # [E] int32
+    n: int,  # w's columns
+    library: str = "",
+) -> jax.Array:  # [M, N] float32
+    """`matmul_cpu_grouped(x, w, group_sizes)` for w given as `pack_expert_panels(w)`: the same
+    bits."""
+    _check_float32(x, panels)
+    blocks = -(-n // PANEL)
+    if panels.ndim != 4 or panels.shape[1] != blocks or panels.shape[3] != PANEL:
+        raise ValueError(f"panels have shape {panels.shape}: expected [E, {blocks}, K, {PANEL}] "
+                         f"for {n} columns (pack_expert_panels)")
+    if x.ndim != 2 or x.shape[1] != panels.shape[2]:
+        raise ValueError(f"x has shape {x.shape}: expected [M, {panels.shape[2]}], the panels' "
+                         "features")
+    _check_group_sizes(group_sizes, panels.shape[0])
+    return call("jaxserve_cpu_matmul_grouped_panels",
+                jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), x, panels, group_sizes,
+                suffix=library)
+
+
 AMX_BLOCK = 16  # columns per block of pack_amx (cpu_amx.cc)
 AMX_K = 32  # k per tile product: K must be a multiple
 
@@ -167,6 +223,12 @@ def row_sum_squares_cpu(x: jax.Array, library: str = "") -> jax.Array:  # [..., 
 def _check_float32(x: jax.Array, w: jax.Array) -> None:
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {w.dtype}")
+
+
+def _check_group_sizes(group_sizes: jax.Array, experts: int) -> None:
+    if group_sizes.dtype != jnp.int32 or group_sizes.shape != (experts,):
+        raise ValueError(f"group_sizes is {group_sizes.dtype}{list(group_sizes.shape)}: "
+                         f"expected int32[{experts}], one size per expert of w")
 
 
 def _check_quantised(x: jax.Array, w: jax.Array, scale: jax.Array, n: int) -> None:
