@@ -13,6 +13,12 @@ softmax; the splits' partial results (out, max, sum) are merged after the kernel
     split 0 runs blocks 0, 1; split 1 runs block 0 only (its trip count depends on seq_len).
     Tokens 21..23 of page 8 are masked; ids past the used pages are read as the null page 0.
 
+With a sliding window of w keys a slot's walk starts at the page holding key seq_len - w, not
+page 0, and the splits share only the pages a window can touch (at most ceil((w - 1) /
+page_size) + 1), so a step costs the window, not the context:
+
+    page_size 4, seq_len 21, w 6: keys 15..20 -> walk pages 3 (key 15 on), 4, 5 of the row
+
 Triton lowering rules this code keeps (interpret mode checks none of them): static grid, no
 scalar prefetch, no scratch, power-of-two load shapes, tl.dot operands >= 16 on every side.
 """
@@ -26,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.reference import FP8_POOL, widen
+from pallas_kernels.reference import FP8_POOL, cap_scores, check_options, widen
 
 # Finite stand-in for -inf, as in the reference: rows with no valid key stay NaN-free.
 MASK_VALUE = -1e30
@@ -111,14 +117,20 @@ def init_carry(rows: int, head_dim: int):
 
 
 def attend_page_block(q, k_pages_ref, v_pages_ref, page_ids, kv_head, valid, written, carry,
-                      qk_scale):
+                      qk_scale, soft_cap=None):
     """One online-softmax step of the query rows ``q`` over one block of pages.
 
     q: ``[rows, head_dim]``; page_ids: ``[pages_per_block]``; valid: ``[rows, block_k]`` bool;
     written: ``[block_k]`` bool, the keys before the sequence's length (the others' values
     count as zeros: a page's unwritten tail may hold a previous request's NaN, and a zero
     weight times NaN is NaN); carry: unnormalised out ``[rows, head_dim]``, running max
-    ``[rows]`` (base-2 logits) and running sum ``[rows]``, all float32.
+    ``[rows]`` (base-2 logits) and running sum ``[rows]``, all float32; soft_cap: the cap
+    on the natural-log scores, or None.
+
+    With a sliding window a row may meet keys before its window ahead of any key it sees (in
+    prefill, a later query of a block walked from its earliest query's window): its max stays
+    MASK_VALUE and each such key adds exp2(0) = 1 to its sums. Harmless: the row's own key
+    comes later in the walk, and the correction exp2(MASK_VALUE - max) it brings is exactly 0.
     """
     o_prev, m_prev, l_prev = carry
     block_k = page_ids.shape[0] * k_pages_ref.shape[1]
@@ -128,7 +140,10 @@ def attend_page_block(q, k_pages_ref, v_pages_ref, page_ids, kv_head, valid, wri
     k = widen(k_pages_ref[page_ids, :, kv_head, :].reshape(block_k, head_dim), q.dtype)
     v = widen(v_pages_ref[page_ids, :, kv_head, :].reshape(block_k, head_dim), q.dtype)
     v = jnp.where(jnp.broadcast_to(written[:, None], v.shape), v, jnp.zeros_like(v))
-    s = jnp.where(valid, _scores(q, k) * qk_scale, MASK_VALUE)  # [rows, block_k]
+    s = _scores(q, k) * qk_scale  # [rows, block_k]
+    if soft_cap is not None:
+        s = cap_scores(s, soft_cap * LOG2E)  # in base 2, as s is
+    s = jnp.where(valid, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1))
     correction = jnp.exp2(m_prev - m_next)  # [rows]
     p = jnp.exp2(s - m_next[:, None])  # [rows, block_k]
@@ -220,6 +235,8 @@ def _decode_kernel(
     pages_per_block: int,
     pages_per_split: int,
     pages_per_seq: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
 ):
     kv_head, split = pl.program_id(1), pl.program_id(2)
     num_pages, page_size = k_pages_ref.shape[:2]
@@ -229,6 +246,11 @@ def _decode_kernel(
     seq_len = jnp.minimum(seq_len_ref[0], pages_per_seq * page_size)
     used_pages = pl.cdiv(seq_len, page_size)
     first_page = split * pages_per_split
+    if sliding_window is not None:
+        # the query (at seq_len - 1) sees keys from window_start on; the splits share the
+        # pages from the one holding it
+        window_start = jnp.maximum(seq_len_ref[0] - sliding_window, 0)
+        first_page += window_start // page_size
     end_page = jnp.minimum(used_pages, first_page + pages_per_split)
     num_blocks = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_block)
 
@@ -239,9 +261,12 @@ def _decode_kernel(
         ids = block_page_ids(page_table_ref, start_page, pages_per_block, used_pages, num_pages)
         tokens = start_page * page_size + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         written = tokens < seq_len
-        valid = jnp.broadcast_to(written[None, :], (rows, block_k))
+        seen = written
+        if sliding_window is not None:
+            seen &= tokens >= window_start
+        valid = jnp.broadcast_to(seen[None, :], (rows, block_k))
         return attend_page_block(q, k_pages_ref, v_pages_ref, ids, kv_head, valid, written, carry,
-                                 qk_scale)
+                                 qk_scale, soft_cap)
 
     o, row_max, row_sum = lax.fori_loop(0, num_blocks, body, init_carry(rows, head_dim))
     o_ref[...] = normalise(o, row_sum).astype(o_ref.dtype)
@@ -261,6 +286,8 @@ def _decode_call(
     num_splits: int,
     pages_per_split: int,
     pages_per_seq: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
     num_warps: int,
     num_stages: int,
     interpret: bool,
@@ -274,6 +301,8 @@ def _decode_call(
         pages_per_block=pages_per_block,
         pages_per_split=pages_per_split,
         pages_per_seq=pages_per_seq,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     split_shape = (num_splits, slots, num_kv_heads, rows)
     return pl.pallas_call(
@@ -320,6 +349,8 @@ def _merge_splits(o, row_max, row_sum):
         "num_warps",
         "num_stages",
         "interpret",
+        "sliding_window",
+        "soft_cap",
     ),
 )
 def decode_attention(
@@ -335,6 +366,8 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [S, num_heads, head_dim]
     """Paged decode attention; same contract as ``decode_attention_ref``.
 
@@ -342,7 +375,8 @@ def decode_attention(
     tokens, lowered to the table's width. num_splits: sequence splits per (slot, kv head);
     None picks about 256 programs in all. num_warps, num_stages: Triton's. interpret: run on
     the CPU through the Pallas interpreter. scale is static (a Python float). Empty slots give
-    zeros.
+    zeros. sliding_window, soft_cap: as in ``reference.py`` (static); with a window a slot walks
+    only the pages its window touches.
     """
     if q.ndim != 3:
         raise ValueError(f"q has shape {q.shape}, expected [slots, num_heads, head_dim]")
@@ -355,20 +389,28 @@ def decode_attention(
     check_power_of_2("pages_per_block", pages_per_block)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits is {num_splits!r}, expected a positive int or None")
+    check_options(sliding_window, soft_cap)
 
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     pages_per_seq = page_table.shape[1]
+    # the pages one slot's walk covers: all of its table, or as many as w keys can touch
+    walk_pages = pages_per_seq
+    if sliding_window is not None:
+        walk_pages = min(pages_per_seq, pl.cdiv(sliding_window + page_size - 1, page_size))
     pages_per_block = max(
-        min(pages_per_block, next_power_of_2(pages_per_seq)), MIN_DOT // page_size, 1
+        min(pages_per_block, next_power_of_2(walk_pages)), MIN_DOT // page_size, 1
     )
-    num_blocks = pl.cdiv(pages_per_seq, pages_per_block)
+    num_blocks = pl.cdiv(walk_pages, pages_per_block)
     if num_splits is None:
         num_splits = _TARGET_PROGRAMS // (slots * num_kv_heads)
     num_splits = max(1, min(num_splits, num_blocks))
     pages_per_split = pl.cdiv(num_blocks, num_splits) * pages_per_block
-    num_splits = pl.cdiv(pages_per_seq, pages_per_split)  # no split left without pages
+    num_splits = pl.cdiv(walk_pages, pages_per_split)  # no split left without pages
     padded_pages = num_splits * pages_per_split
+    if sliding_window is not None:
+        # a walk from its window's first page (any page) reads up to a block past its last
+        padded_pages = max(padded_pages, pages_per_seq + pages_per_block - 1)
 
     # q: [S, H, D] -> [S, kv_heads, group_pad, D]; the pad rows are zeros and are dropped below.
     group_pad = max(next_power_of_2(group), MIN_DOT)
@@ -387,6 +429,8 @@ def decode_attention(
         num_splits=num_splits,
         pages_per_split=pages_per_split,
         pages_per_seq=pages_per_seq,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,

@@ -13,7 +13,10 @@ query block:
 
 Keys are walked a block of pages at a time, up to the block's last query position: blocks of
 keys past it are never loaded. Row r may use key j when j <= positions[r // group_pad] and
-j < seq_len.
+j < seq_len. With a sliding window of w keys (also j > positions[r // group_pad] - w) the walk
+starts at the page holding the first key the block's earliest query sees:
+
+    page_size 4, w 5, query block at positions 20..23: keys 16..23 -> pages 4, 5 only
 """
 
 import functools
@@ -35,6 +38,7 @@ from pallas_kernels.decode import (
     next_power_of_2,
     normalise,
 )
+from pallas_kernels.reference import check_options
 
 # Query rows per program when block_q is None (block_q * group_pad).
 _TARGET_ROWS = 128
@@ -52,6 +56,8 @@ def _prefill_kernel(
     qk_scale: float,
     pages_per_block: int,
     pages_per_seq: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
 ):
     kv_head = pl.program_id(1)
     num_pages, page_size = k_pages_ref.shape[:2]
@@ -67,16 +73,24 @@ def _prefill_kernel(
     used_pages = pl.cdiv(seq_len, page_size)
     # Causal skip: no query of this block sees a key past its largest position.
     kv_len = jnp.minimum(seq_len, positions.max() + 1)
-    num_blocks = pl.cdiv(jnp.maximum(kv_len, 0), block_k)
+    first_page = 0
+    if sliding_window is not None:
+        # Window skip: no query of this block sees a key before its earliest query's window
+        # (the wrapper's padding queries, at -1, see nothing and do not count).
+        earliest = jnp.where(positions >= 0, positions, positions.max()).min()
+        first_page = jnp.maximum(earliest - sliding_window + 1, 0) // page_size
+    num_blocks = pl.cdiv(jnp.maximum(kv_len - first_page * page_size, 0), block_k)
 
     def body(i, carry):
-        start_page = i * pages_per_block
+        start_page = first_page + i * pages_per_block
         ids = block_page_ids(page_table_ref, start_page, pages_per_block, used_pages, num_pages)
         keys = start_page * page_size + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         written = keys < seq_len
         valid = (keys[None, :] <= row_positions[:, None]) & written[None, :]
+        if sliding_window is not None:
+            valid &= keys[None, :] > row_positions[:, None] - sliding_window
         return attend_page_block(q, k_pages_ref, v_pages_ref, ids, kv_head, valid, written, carry,
-                                 qk_scale)
+                                 qk_scale, soft_cap)
 
     o, _, row_sum = lax.fori_loop(0, num_blocks, body, init_carry(rows, head_dim))
     o_ref[...] = normalise(o, row_sum).astype(o_ref.dtype).reshape(block_q, group_pad, head_dim)
@@ -94,6 +108,8 @@ def _prefill_call(
     block_q: int,
     pages_per_block: int,
     pages_per_seq: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
     num_warps: int,
     num_stages: int,
     interpret: bool,
@@ -106,6 +122,8 @@ def _prefill_call(
         qk_scale=qk_scale,
         pages_per_block=pages_per_block,
         pages_per_seq=pages_per_seq,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     q_spec = pl.BlockSpec(
         (None, block_q, None, group_pad, head_dim), lambda b, h, i: (b, i, h, 0, 0)
@@ -138,6 +156,8 @@ def _prefill_call(
         "num_warps",
         "num_stages",
         "interpret",
+        "sliding_window",
+        "soft_cap",
     ),
 )
 def prefill_attention(
@@ -154,6 +174,8 @@ def prefill_attention(
     num_warps: int = 8,
     num_stages: int = 2,
     interpret: bool = False,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [B, C, num_heads, head_dim]
     """Paged causal prefill attention; same contract as ``prefill_attention_ref``.
 
@@ -162,7 +184,8 @@ def prefill_attention(
     two); raised so a key block has >= 16 tokens, lowered to the table's width. num_warps,
     num_stages: Triton's. interpret: run on the CPU through the Pallas interpreter. scale is
     static (a Python float). Queries with no valid key (padding) give finite values that
-    callers ignore, as the reference's do.
+    callers ignore, as the reference's do. sliding_window, soft_cap: as in ``reference.py``
+    (static); with a window a query block walks from the first page its queries' windows touch.
     """
     if q.ndim != 4:
         raise ValueError(f"q has shape {q.shape}, expected [batch, chunk, num_heads, head_dim]")
@@ -182,6 +205,7 @@ def prefill_attention(
     if block_q is not None:
         check_power_of_2("block_q", block_q)
     check_power_of_2("pages_per_block", pages_per_block)
+    check_options(sliding_window, soft_cap)
 
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -195,6 +219,9 @@ def prefill_attention(
         min(pages_per_block, next_power_of_2(pages_per_seq)), MIN_DOT // page_size, 1
     )
     padded_pages = pl.cdiv(pages_per_seq, pages_per_block) * pages_per_block
+    if sliding_window is not None:
+        # a walk from its window's first page (any page) reads up to a block past its last
+        padded_pages = max(padded_pages, pages_per_seq + pages_per_block - 1)
 
     # q: [B, C, H, D] -> [B, chunk_pad, kv_heads, group_pad, D]; pad queries get position -1
     # (no key), pad heads are zeros; both are dropped below.
@@ -214,6 +241,8 @@ def prefill_attention(
         block_q=block_q,
         pages_per_block=pages_per_block,
         pages_per_seq=pages_per_seq,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,

@@ -14,6 +14,16 @@ ones of its sequence (decode rows have one, prefill chunks many, in one call):
     q:            [ r0 r0 r0 | r1 | r2 r2 | pad pad ]     query_starts = [0, 3, 4, 6]
     causal mask:  query i of row b sits at position seq_lens[b] - query_lens[b] + i
 
+sliding_window and soft_cap go to the kernel's own parameters of those names, whose semantics
+(JAX 0.10.2, and its `ref_ragged_paged_attention`) are jaxserve's: key j is masked for the query
+at p when p - w >= j, and the scaled score s becomes soft_cap * tanh(s / soft_cap) before the
+mask. The kernel walks every row from its first page even so; `ragged_attention` drops the
+pages before the row's first window from its table and length, which shifts every position by
+the same count and so changes no mask (they compare positions only with each other):
+
+    page_size 4, w 3, one query at 13 (keys 11..13): table [a b c d ..] len 14 -> [c d ..] len 6,
+    the query at 5 (keys 3..5)
+
 Interpret mode (`interpret=True`, the CPU): the kernel runs through Pallas's HLO interpreter,
 which in JAX 0.10.2 needs two allowances, each explained where it is made: one fix to a
 discharge rule (`_fix_masked_store_discharge`) and one grid step per call (`_interpret_call`).
@@ -26,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+
+from pallas_kernels.reference import check_options
 
 # The dtypes the kernel's loads take: its query fold asserts float32 or bfloat16, and 8-bit
 # pools need k_scale / v_scale, which jaxserve does not pass.
@@ -84,7 +96,8 @@ def write_kv(
     return kv_pages.at[page, offset].set(kv.astype(kv_pages.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_sizes",
+                                             "sliding_window", "soft_cap"))
 def ragged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]   rows' new tokens packed, then padding
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -95,6 +108,9 @@ def ragged_attention(
     scale: float,
     interpret: bool = False,
     block_sizes: tuple[int, int] | None = None,  # (kv pages, queries) per kernel block
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim]
     """Causal attention of packed queries over their rows' pages, through the TPU kernel.
 
@@ -103,7 +119,9 @@ def ragged_attention(
     not checked, the values being traced). Tokens past the rows' queries (padding) and rows
     with no queries come out as zeros. block_sizes: None takes the kernel's tuned table, which
     exists on a TPU only; interpret mode uses (min(pages_per_seq, 128), T) and honours only the
-    kv-page part (see `_interpret_call`).
+    kv-page part (see `_interpret_call`). sliding_window, soft_cap: as in ``reference.py``
+    (static), the kernel's own; with a window the pages before each row's first window are
+    not walked (see the module's docstring).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, combined, _ = kv_pages.shape
@@ -119,6 +137,7 @@ def ragged_attention(
     if query_starts.shape != (rows + 1,) or seq_lens.shape != (rows,):
         raise ValueError(f"query_starts {query_starts.shape} and seq_lens {seq_lens.shape} do not "
                          f"fit page_table {page_table.shape}: [B + 1] and [B]")
+    check_options(sliding_window, soft_cap)
 
     # Rows with no queries go after the live ones and out of num_seqs. The kernel prefetches
     # each row's first KV block while it finishes the row before; a row of seq_len 0 never
@@ -135,13 +154,23 @@ def ragged_attention(
     # ids outside the pool are clipped, as jnp indexing in the reference does: the kernel's
     # DMA would read outside the pool
     table = jnp.clip(page_table[order], 0, kv_pages.shape[0] - 1).astype(jnp.int32)
-    args = (q, kv_pages, jnp.where(live, seq_lens[order], 0).astype(jnp.int32), table,
-            starts.astype(jnp.int32), jnp.sum(live, dtype=jnp.int32)[None])
+    kv_lens = jnp.where(live, seq_lens[order], 0).astype(jnp.int32)
+    if sliding_window is not None:
+        # the pages wholly before the window of the row's first query, dropped: its table
+        # starts later, its length is shorter by as many tokens (at least its queries remain)
+        first_key = jnp.maximum(kv_lens - query_lens - sliding_window + 1, 0)  # [B]
+        skip = first_key // page_size
+        column = skip[:, None] + jnp.arange(table.shape[1], dtype=jnp.int32)
+        table = jnp.take_along_axis(table, column, axis=1, mode="clip")
+        kv_lens = kv_lens - skip * page_size
+    args = (q, kv_pages, kv_lens, table, starts.astype(jnp.int32),
+            jnp.sum(live, dtype=jnp.int32)[None])
+    options = {"sm_scale": scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
     if interpret:
-        out = _interpret_call(*args, scale=scale, block_sizes=block_sizes)
+        out = _interpret_call(*args, options=options, block_sizes=block_sizes)
     else:
         pages, queries = block_sizes or (None, None)
-        out = rpa.ragged_paged_attention(*args, sm_scale=scale, num_kv_pages_per_block=pages,
+        out = rpa.ragged_paged_attention(*args, **options, num_kv_pages_per_block=pages,
                                          num_queries_per_block=queries)
     # the kernel leaves tokens past the last row's queries as its scratch held them
     token = jnp.arange(num_tokens)
@@ -149,7 +178,8 @@ def ragged_attention(
     return jnp.where(real[:, None, None], out, 0).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_sizes",
+                                             "sliding_window", "soft_cap"))
 def padded_attention(
     q: jax.Array,  # [B, C, num_heads, head_dim]   C = 1: decode; C > 1: prefill chunks
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * num_kv_heads, head_dim]
@@ -160,6 +190,9 @@ def padded_attention(
     scale: float,
     interpret: bool = False,
     block_sizes: tuple[int, int] | None = None,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [B, C, num_heads, head_dim]
     """The padded step's attention (one layout for decode and prefill chunks) through the
     ragged kernel: the rows' real queries are packed to the front, padding to the back, and
@@ -181,7 +214,8 @@ def padded_attention(
     dest = jnp.where(real, (starts[:-1, None] + c[None, :]).reshape(-1), starts[-1] + pad_rank)
     packed = q.reshape(batch * chunk, num_heads, head_dim)[jnp.argsort(dest)]
     out = ragged_attention(packed, kv_pages, page_table, starts, seq_lens, batch, scale=scale,
-                           interpret=interpret, block_sizes=block_sizes)
+                           interpret=interpret, block_sizes=block_sizes,
+                           sliding_window=sliding_window, soft_cap=soft_cap)
     return out[dest].reshape(q.shape)
 
 
@@ -193,7 +227,7 @@ def _interpret_call(
     cu_q_lens: jax.Array,  # [B + 1] int32
     num_seqs: jax.Array,  # [1] int32
     *,
-    scale: float,
+    options: dict,
     block_sizes: tuple[int, int] | None,
 ) -> jax.Array:  # [T, num_heads, head_dim]
     """The kernel through Pallas's HLO interpreter (JAX 0.10.2), in calls of one grid step.
@@ -221,7 +255,7 @@ def _interpret_call(
         for g in range(num_heads // heads):
             outs.append(rpa.ragged_paged_attention(
                 q[:, g * heads:(g + 1) * heads], kv_pages[:, :, g * combined:(g + 1) * combined],
-                kv_lens, page_table, cu_q_lens, num_seqs, sm_scale=scale,
+                kv_lens, page_table, cu_q_lens, num_seqs, **options,
                 num_kv_pages_per_block=pages, num_queries_per_block=num_tokens))
     return jnp.concatenate(outs, axis=1)
 

@@ -1,4 +1,8 @@
-"""The XLA block-walking attention (the CPU path) equals the gather-everything reference."""
+"""The XLA block-walking attention (the CPU path) equals the gather-everything reference.
+
+With a sliding window the pages wholly before a row's first window are NaN in the walk's pools
+(and finite in the reference's): the walk must skip them, and a read would show (a masked key's
+weight, 0, times NaN is NaN)."""
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +31,45 @@ def test_decode_blocked_equals_reference(group, page_size, ppb):
     q = jnp.asarray(rng.standard_normal((slots, kv_heads * group, head_dim)), jnp.float32)
     want = decode_attention_ref(q, k, v, table, seq_lens, 0.25)
     got = decode_attention_blocked(q, k, v, table, seq_lens, 0.25, pages_per_block=ppb)
+    live = np.asarray(seq_lens) > 0
+    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=1e-5)
+    assert np.isfinite(np.asarray(got)).all()
+
+
+def _poison_before_window(k, v, table, first_positions, window, page_size):
+    """The pools with NaN in the pages each row's walk must skip: those wholly before the
+    window of its earliest query (first_positions [B])."""
+    table = np.asarray(table)
+    pages = np.concatenate([table[b, :max(p - window + 1, 0) // page_size]
+                            for b, p in enumerate(np.asarray(first_positions))])
+    assert pages.size, "a case whose windows skip no page checks no skip"
+    return k.at[pages].set(jnp.nan), v.at[pages].set(jnp.nan)
+
+
+# (sliding_window, soft_cap, pages_per_block, rows_per_tile): windows of 1 key, not a multiple
+# of the page size 4, longer than every sequence; the cap alone and with a window; sorted
+# tiles of 2 slots
+DECODE_OPTIONS = [(1, None, 2, 16), (6, None, 3, 2), (1000, None, 4, 16), (None, 1.0, 4, 16),
+                  (9, 1.0, 3, 2)]
+
+
+@pytest.mark.parametrize(("sliding_window", "soft_cap", "ppb", "rows_per_tile"), DECODE_OPTIONS)
+def test_decode_blocked_with_window_and_cap_equals_reference(sliding_window, soft_cap, ppb,
+                                                             rows_per_tile):
+    rng = np.random.default_rng(20)
+    slots, kv_heads, group, head_dim, page_size, pages_per_seq = 6, 2, 2, 16, 4, 9
+    k, v = _pools(rng, 64, page_size, kv_heads, head_dim, jnp.float32)
+    table = jnp.asarray(rng.permutation(63)[:slots * pages_per_seq].reshape(slots, -1) + 1,
+                        jnp.int32)
+    seq_lens = jnp.array([1, page_size, page_size + 3, 5 * page_size, 0, 9 * page_size],
+                         jnp.int32)
+    q = jnp.asarray(rng.standard_normal((slots, kv_heads * group, head_dim)), jnp.float32)
+    options = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    want = decode_attention_ref(q, k, v, table, seq_lens, 0.25, **options)
+    if sliding_window is not None and sliding_window < max(seq_lens):
+        k, v = _poison_before_window(k, v, table, seq_lens - 1, sliding_window, page_size)
+    got = decode_attention_blocked(q, k, v, table, seq_lens, 0.25, pages_per_block=ppb,
+                                   rows_per_tile=rows_per_tile, **options)
     live = np.asarray(seq_lens) > 0
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=1e-5)
     assert np.isfinite(np.asarray(got)).all()
@@ -75,6 +118,38 @@ def test_prefill_blocked_equals_reference(dtype, page_tail):
     assert jax.tree.all(jax.tree.map(lambda x: bool(jnp.isfinite(x).all()), got))
 
 
+# (sliding_window, soft_cap, page_tail, dtype), as DECODE_OPTIONS
+PREFILL_OPTIONS = [(1, None, False, jnp.float32), (6, None, True, jnp.float32),
+                   (100, None, False, jnp.float32), (None, 1.0, False, jnp.float32),
+                   (6, 1.0, False, jnp.float32), (13, 2.0, True, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize(("sliding_window", "soft_cap", "page_tail", "dtype"), PREFILL_OPTIONS)
+def test_prefill_blocked_with_window_and_cap_equals_reference(sliding_window, soft_cap,
+                                                              page_tail, dtype):
+    # chunks from 0, 13 and 30 (row 1's padded), so the windows start on different pages
+    rng = np.random.default_rng(21)
+    batch, chunk, kv_heads, group, head_dim, page_size, pages_per_seq = 3, 8, 2, 2, 16, 4, 12
+    k, v = _pools(rng, 48, page_size, kv_heads, head_dim, dtype)
+    table = jnp.asarray(rng.permutation(47)[:batch * pages_per_seq].reshape(batch, -1) + 1,
+                        jnp.int32)
+    starts, lens = np.array([0, 13, 30]), np.array([8, 5, 8])
+    positions = jnp.asarray(starts[:, None] + np.arange(chunk), jnp.int32)
+    seq_lens = jnp.asarray(starts + lens, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, chunk, kv_heads * group, head_dim)), dtype)
+    options = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    want = prefill_attention_ref(q, k, v, table, positions, seq_lens, 0.3, **options)
+    if sliding_window is not None and sliding_window < starts.max():
+        k, v = _poison_before_window(k, v, table, starts, sliding_window, page_size)
+    got = prefill_attention_blocked(q, k, v, table, positions, seq_lens, scale=0.3,
+                                    pages_per_block=5, page_tail=page_tail, **options)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    for b in range(batch):
+        np.testing.assert_allclose(np.asarray(got[b, :lens[b]], np.float32),
+                                   np.asarray(want[b, :lens[b]], np.float32), atol=tol, rtol=tol)
+    assert bool(jnp.isfinite(got).all())
+
+
 def test_blocked_reads_neither_stale_pages_nor_past_the_table():
     # row 0 is short: its table entries past its pages name a NaN page, which the kernels
     # never read (they read the null page 0 there); row 1's length exceeds its table (4 pages
@@ -121,6 +196,8 @@ def test_a_stale_nan_in_a_reused_pages_tail_reaches_no_one():
     ({"q": jnp.zeros((2, 6, 16), jnp.float32)}, "q has 6 heads, not a multiple of k_pages' 4"),
     ({"q": jnp.zeros((2, 8, 16), jnp.int8)}, "q has dtype int8"),
     ({"seq_lens": jnp.zeros((2,), jnp.float32)}, r"seq_lens is float32\[2\]"),
+    ({"sliding_window": 0}, "sliding_window is 0, expected a positive int or None"),
+    ({"soft_cap": -3.0}, r"soft_cap is -3\.0, expected a positive number or None"),
 ])
 def test_blocked_decode_rejects_bad_inputs(args, message):
     call = {"q": jnp.zeros((2, 8, 16), jnp.float32), "k_pages": jnp.zeros((5, 4, 4, 16)),

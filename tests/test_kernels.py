@@ -8,6 +8,11 @@ Unwritten outputs: the Pallas interpreter fills every output with NaN before the
 (`test_interpreter_poisons_unwritten_outputs` holds it to that), so the finiteness checks below
 catch any output element, or any split's partial result, that a kernel forgets to write.
 Table entries past a sequence's pages point at NaN-filled pages that the kernels must never read.
+
+Sliding windows and soft caps (the options Gemma, Mistral and Qwen2's sliding layers need): the
+reference twin is checked against attention written out in numpy, the kernels against the
+twin. The pages wholly before a row's first window are NaN-filled in the kernels' pools: a walk
+must skip them, and a read would show (a masked key's weight, 0, times NaN is NaN).
 """
 
 from typing import NamedTuple
@@ -74,9 +79,83 @@ def _assert_close(out, ref, rows, dtype):
         np.testing.assert_allclose(out[rows], ref[rows], rtol=2e-2, atol=2e-2 * scale)
 
 
-def _reference(fn, *args):
+def _reference(fn, *args, **options):
     with jax.default_matmul_precision("float32"):  # no TF32 in the reference on a GPU
-        return fn(*args)
+        return fn(*args, **options)
+
+
+def _poison_before_window(kv, table, first_positions, window, page_size):
+    """NaN into the pages each row's walk must skip: those wholly before the window of the
+    row's earliest query (first_positions [B]). kv: the kernels' (k_pages, v_pages)."""
+    table = np.asarray(table)
+    pages = np.concatenate([table[b, :max(p - window + 1, 0) // page_size]
+                            for b, p in enumerate(first_positions)]).astype(np.int32)
+    assert pages.size, "a case whose windows skip no page checks no skip"
+    return tuple(x.at[pages].set(np.nan) for x in kv)
+
+
+def _dense_attention(q, k, v, positions, seq_lens, scale, sliding_window, soft_cap):
+    """Attention written out in numpy over each sequence's keys laid end to end.
+
+    q: [B, C, H, D]; k, v: [B, L, KV, D]; positions: [B, C]; the mask spelled out: query p
+    sees key j when j <= p, j < seq_len and (with a window w) p - w < j. A query that sees no
+    key (padding) gives zeros."""
+    batch, chunk, heads, _ = q.shape
+    group = heads // k.shape[2]
+    out = np.zeros(q.shape)
+    for b, c, h in np.ndindex(batch, chunk, heads):
+        p, j = positions[b, c], np.arange(k.shape[1])
+        mask = (j <= p) & (j < seq_lens[b])
+        if sliding_window is not None:
+            mask &= j > p - sliding_window
+        if not mask.any():
+            continue
+        s = scale * (k[b, :, h // group] @ q[b, c, h])  # [L]
+        if soft_cap is not None:
+            s = soft_cap * np.tanh(s / soft_cap)
+        s = np.where(mask, s, -np.inf)
+        w = np.exp(s - s.max())
+        out[b, c, h] = (w / w.sum()) @ v[b, :, h // group]
+    return out
+
+
+@pytest.mark.parametrize(("sliding_window", "soft_cap"),
+                         [(1, None), (6, None), (8, None), (100, None), (None, 1.0), (6, 1.0)])
+def test_reference_equals_dense_numpy_attention(sliding_window, soft_cap):
+    """The twin (prefill chunks from past 0, and decode) against `_dense_attention`; windows of
+    1 key, of 6 (not a multiple of the page size 4), of 2 pages and longer than every
+    sequence."""
+    rng = np.random.default_rng(30)
+    page_size, pages_per_seq, kv_heads, group, head_dim, chunk = 4, 6, 2, 3, 8, 5
+    starts, chunk_lens = np.array([0, 9, 18]), np.array([5, 4, 3])
+    seq_lens = starts + chunk_lens
+    batch, max_len = len(starts), pages_per_seq * page_size
+    k = rng.standard_normal((batch, max_len, kv_heads, head_dim))
+    v = rng.standard_normal((batch, max_len, kv_heads, head_dim))
+    table = rng.permutation(np.arange(1, 1 + batch * pages_per_seq)).reshape(batch, -1)
+    k_pages = np.zeros((1 + batch * pages_per_seq, page_size, kv_heads, head_dim))
+    v_pages = np.zeros_like(k_pages)
+    k_pages[table] = k.reshape(batch, pages_per_seq, page_size, kv_heads, head_dim)
+    v_pages[table] = v.reshape(batch, pages_per_seq, page_size, kv_heads, head_dim)
+    q = rng.standard_normal((batch, chunk, kv_heads * group, head_dim))
+    positions = starts[:, None] + np.arange(chunk)
+    args = [jnp.asarray(x, F32) for x in (q, k_pages, v_pages)] + [jnp.asarray(table, jnp.int32)]
+    options = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+
+    got = _reference(prefill_attention_ref, *args, jnp.asarray(positions, jnp.int32),
+                     jnp.asarray(seq_lens, jnp.int32), 0.4, **options)
+    want = _dense_attention(q, k, v, positions, seq_lens, 0.4, **options)
+    real = np.arange(chunk)[None, :] < chunk_lens[:, None]
+    np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-5, atol=1e-5)
+    if soft_cap is not None or sliding_window < seq_lens.max():
+        plain = _dense_attention(q, k, v, positions, seq_lens, 0.4, None, None)
+        assert not np.allclose(want[real], plain[real]), "the options change nothing here"
+
+    decode_q = q[np.arange(batch), chunk_lens - 1]  # each row's last query, at seq_len - 1
+    got = _reference(decode_attention_ref, jnp.asarray(decode_q, F32), *args[1:],
+                     jnp.asarray(seq_lens, jnp.int32), 0.4, **options)
+    np.testing.assert_allclose(np.asarray(got), want[np.arange(batch), chunk_lens - 1],
+                               rtol=1e-5, atol=1e-5)
 
 
 class DecodeCase(NamedTuple):
@@ -132,6 +211,40 @@ def test_decode_matches_reference(name):
     _assert_close(out, ref, np.asarray(case.seq_lens) > 0, case.dtype)
 
 
+# (case, sliding_window, soft_cap): windows of 1 key, not a multiple of the page size, longer
+# than every sequence; the cap alone and with a window
+DECODE_OPTIONS = [
+    ("gqa4-8slots-splits", 1, None),
+    ("gqa4-8slots-splits", 37, None),
+    ("gqa4-8slots-splits", 1000, None),
+    ("gqa4-8slots-splits", None, 1.0),
+    ("gqa4-8slots-splits", 37, 1.0),
+    ("gqa2-boundary-len1-empty", 5, 2.0),
+    ("gqa4-bf16-auto-splits", 48, 2.0),
+]
+
+
+@pytest.mark.parametrize(("name", "sliding_window", "soft_cap"), DECODE_OPTIONS, ids=str)
+def test_decode_with_window_and_cap_matches_reference(name, sliding_window, soft_cap):
+    case = DECODE_CASES[name]
+    rng = np.random.default_rng(case.seed + 40)
+    (k, v), (k_ref, v_ref), table = _paged_kv(rng, case.seq_lens, case)
+    lens = np.asarray(case.seq_lens)
+    if sliding_window is not None and sliding_window < lens.max():
+        k, v = _poison_before_window((k, v), table, lens - 1, sliding_window, case.page_size)
+    q = jnp.asarray(
+        rng.standard_normal((len(case.seq_lens), case.heads, case.head_dim)), case.dtype
+    )
+    options = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    scale = case.head_dim**-0.5
+
+    out = decode_attention(q, k, v, table, jnp.asarray(lens, jnp.int32), scale,
+                           interpret=INTERPRET, **(case.tuning or {}), **options)
+    ref = _reference(decode_attention_ref, q, k_ref, v_ref, table, jnp.asarray(lens, jnp.int32),
+                     scale, **options)
+    _assert_close(out, ref, lens > 0, case.dtype)
+
+
 class PrefillCase(NamedTuple):
     seed: int
     starts: list[int]  # position of each sequence's first chunk query
@@ -184,8 +297,44 @@ def test_prefill_matches_reference(name):
     _assert_close(out, ref, rows, case.dtype)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_an_fp8_pool_is_read_as_its_values_widened(dtype):
+# (case, sliding_window, soft_cap), as DECODE_OPTIONS; chunks that start past 0 in every case
+PREFILL_OPTIONS = [
+    ("gqa2-mid-sequence-padded", 1, None),
+    ("gqa2-mid-sequence-padded", 6, None),
+    ("gqa2-mid-sequence-padded", 1000, None),
+    ("gqa2-mid-sequence-padded", None, 1.0),
+    ("gqa4-many-key-blocks", 13, 1.0),
+    ("gqa4-bf16-empty-seq", 20, 2.0),
+]
+
+
+@pytest.mark.parametrize(("name", "sliding_window", "soft_cap"), PREFILL_OPTIONS, ids=str)
+def test_prefill_with_window_and_cap_matches_reference(name, sliding_window, soft_cap):
+    case = PREFILL_CASES[name]
+    rng = np.random.default_rng(case.seed + 40)
+    starts = np.asarray(case.starts)
+    seq_lens = starts + np.asarray(case.chunk_lens)
+    (k, v), (k_ref, v_ref), table = _paged_kv(rng, seq_lens, case)
+    if sliding_window is not None and sliding_window < starts.max():
+        k, v = _poison_before_window((k, v), table, starts, sliding_window, case.page_size)
+    q_shape = (len(starts), case.chunk, case.heads, case.head_dim)
+    q = jnp.asarray(rng.standard_normal(q_shape), case.dtype)
+    positions = starts[:, None] + np.arange(case.chunk)[None, :]
+    args = (jnp.asarray(positions, jnp.int32), jnp.asarray(seq_lens, jnp.int32),
+            case.head_dim**-0.5)
+    options = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+
+    out = prefill_attention(q, k, v, table, *args, interpret=INTERPRET, **(case.tuning or {}),
+                            **options)
+    ref = _reference(prefill_attention_ref, q, k_ref, v_ref, table, *args, **options)
+    # a padding query past its sequence sees no key in a window: only real queries count
+    _assert_close(out, ref, positions < seq_lens[:, None], case.dtype)
+
+
+@pytest.mark.parametrize(("dtype", "options"), [
+    (F32, {}), (BF16, {}), (BF16, {"sliding_window": 37, "soft_cap": 2.0}),
+])
+def test_an_fp8_pool_is_read_as_its_values_widened(dtype, options):
     """kv_cache_dtype="fp8": the kernels widen each float8_e4m3fn key and value to q's dtype as
     they load it (exactly: float32 and bfloat16 hold e4m3's values), so they give the outputs
     they give over the pool widened beforehand, for decode and prefill chunks."""
@@ -195,9 +344,10 @@ def test_an_fp8_pool_is_read_as_its_values_widened(dtype):
     k8, v8 = k.astype(FP8), v.astype(FP8)
     q = jnp.asarray(rng.standard_normal((len(case.seq_lens), case.heads, case.head_dim)), dtype)
     lens = jnp.asarray(case.seq_lens, jnp.int32)
-    out = decode_attention(q, k8, v8, table, lens, 0.125, interpret=INTERPRET, **case.tuning)
+    out = decode_attention(q, k8, v8, table, lens, 0.125, interpret=INTERPRET, **case.tuning,
+                           **options)
     wide = decode_attention(q, k8.astype(dtype), v8.astype(dtype), table, lens, 0.125,
-                            interpret=INTERPRET, **case.tuning)
+                            interpret=INTERPRET, **case.tuning, **options)
     rows = np.asarray(case.seq_lens) > 0
     np.testing.assert_array_equal(np.asarray(out.astype(F32))[rows],
                                   np.asarray(wide.astype(F32))[rows])
@@ -206,34 +356,42 @@ def test_an_fp8_pool_is_read_as_its_values_widened(dtype):
                                           case.head_dim)), dtype)
     starts = np.maximum(np.asarray(case.seq_lens) - chunk, 0)
     positions = jnp.asarray(starts[:, None] + np.arange(chunk)[None, :], jnp.int32)
-    out = prefill_attention(qc, k8, v8, table, positions, lens, 0.125, interpret=INTERPRET)
+    out = prefill_attention(qc, k8, v8, table, positions, lens, 0.125, interpret=INTERPRET,
+                            **options)
     wide = prefill_attention(qc, k8.astype(dtype), v8.astype(dtype), table, positions, lens,
-                             0.125, interpret=INTERPRET)
+                             0.125, interpret=INTERPRET, **options)
     np.testing.assert_array_equal(np.asarray(out.astype(F32))[rows],
                                   np.asarray(wide.astype(F32))[rows])
 
 
-@pytest.mark.parametrize(("dtype", "head_dim", "page_size", "group", "num_splits", "pool"), [
-    (F32, 64, 16, 1, 1, None), (BF16, 128, 16, 4, 4, None), (F16, 64, 8, 2, 2, None),
-    (BF16, 64, 32, 2, None, None), (BF16, 128, 16, 4, None, FP8),
-])
-def test_kernels_lower_through_triton(dtype, head_dim, page_size, group, num_splits, pool):
+WINDOW_CAP = {"sliding_window": 40, "soft_cap": 30.0}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "page_size", "group", "num_splits", "pool", "options"), [
+        (F32, 64, 16, 1, 1, None, {}), (BF16, 128, 16, 4, 4, None, {}),
+        (F16, 64, 8, 2, 2, None, WINDOW_CAP), (BF16, 64, 32, 2, None, None, {}),
+        (BF16, 128, 16, 4, None, FP8, {}), (BF16, 128, 16, 4, None, FP8, WINDOW_CAP),
+    ])
+def test_kernels_lower_through_triton(dtype, head_dim, page_size, group, num_splits, pool,
+                                      options):
     """Lowered for CUDA, here on the CPU: the Triton lowering runs its rules (no scalar
     prefetch, no scratch, power-of-two blocks, the primitives it knows), which interpret mode
     never checks, so a kernel change that only a GPU would refuse fails here. `pool`: the KV
-    pool's dtype when it is not q's (fp8)."""
+    pool's dtype when it is not q's (fp8); `options`: a sliding window and a soft cap."""
     kv_heads, slots, pages_per_seq, chunk = 2, 4, 8, 32
     q = jax.ShapeDtypeStruct((slots, kv_heads * group, head_dim), dtype)
     pool = jax.ShapeDtypeStruct((64, page_size, kv_heads, head_dim), pool or dtype)
     table = jax.ShapeDtypeStruct((slots, pages_per_seq), jnp.int32)
     lens = jax.ShapeDtypeStruct((slots,), jnp.int32)
     decode = jax.jit(lambda q, k, v, t, n: decode_attention(q, k, v, t, n, 0.125,
-                                                              num_splits=num_splits))
+                                                              num_splits=num_splits, **options))
     text = decode.trace(q, pool, pool, table, lens).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
     qc = jax.ShapeDtypeStruct((slots, chunk, kv_heads * group, head_dim), dtype)
     positions = jax.ShapeDtypeStruct((slots, chunk), jnp.int32)
-    prefill = jax.jit(lambda q, k, v, t, p, n: prefill_attention(q, k, v, t, p, n, 0.125))
+    prefill = jax.jit(lambda q, k, v, t, p, n: prefill_attention(q, k, v, t, p, n, 0.125,
+                                                                 **options))
     text = prefill.trace(qc, pool, pool, table, positions, lens).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
@@ -290,6 +448,9 @@ DECODE_ERRORS = {
     "table rows": ({"page_table": jnp.zeros((3, 3), jnp.int32)}, r"page_table has shape \(3, 3\)"),
     "table dtype": ({"page_table": jnp.zeros((2, 3), F32)}, "page_table has dtype float32"),
     "seq_lens": ({"seq_lens": jnp.zeros((3,), jnp.int32)}, r"seq_lens is int32\[3\]"),
+    "window 0": ({"sliding_window": 0}, "sliding_window is 0, expected a positive int or None"),
+    "window float": ({"sliding_window": 4.0}, r"sliding_window is 4\.0, expected a positive int"),
+    "cap 0": ({"soft_cap": 0.0}, r"soft_cap is 0\.0, expected a positive number or None"),
 }
 
 
@@ -329,3 +490,7 @@ def test_prefill_rejects_bad_inputs():
         call(seq_lens=jnp.zeros((2,), F32))
     with pytest.raises(ValueError, match="block_q is 6, expected a power of two"):
         call(block_q=6)
+    with pytest.raises(ValueError, match="sliding_window is -2, expected a positive int"):
+        call(sliding_window=-2)
+    with pytest.raises(ValueError, match=r"soft_cap is -1\.0, expected a positive number"):
+        call(soft_cap=-1.0)

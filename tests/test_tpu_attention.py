@@ -1,11 +1,16 @@
 """The TPU backend's attention (JAX's Pallas TPU kernel, run in interpret mode on the CPU) equals
-the pure-jnp reference over the same K/V values."""
+the pure-jnp reference over the same K/V values.
+
+With a sliding window the pages wholly before a row's first window are NaN in the kernel's pool
+(and finite in the reference's): the wrapper drops them from the row's table, and a read would
+show (a masked key's weight, 0, times NaN is NaN)."""
 
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 
 from pallas_kernels import prefill_attention_ref
 from pallas_kernels.tpu_attention import (
@@ -35,8 +40,18 @@ def _table(rng, rows, pages_per_seq, num_pages):
     return jnp.asarray(pages.reshape(rows, pages_per_seq), jnp.int32)
 
 
+def _poison_before_window(kv, table, first_positions, window, page_size):
+    """The kernel's pool with NaN in the pages each row's walk must skip: those wholly before
+    the window of its earliest query (first_positions [B])."""
+    table = np.asarray(table)
+    pages = np.concatenate([table[b, :max(p - window + 1, 0) // page_size]
+                            for b, p in enumerate(np.asarray(first_positions))])
+    assert pages.size, "a case whose windows skip no page checks no skip"
+    return kv.at[pages].set(jnp.nan)
+
+
 def _padded_case(rng, query_lens, seq_lens, kv_heads=2, group=4, page_size=16,
-                 pages_per_seq=4, dtype=jnp.float32):
+                 pages_per_seq=4, dtype=jnp.float32, sliding_window=None, soft_cap=None):
     rows, chunk = len(query_lens), max(max(query_lens), 1)
     k, v, kv = _pools(rng, 40, page_size, kv_heads, dtype)
     table = _table(rng, rows, pages_per_seq, 40)
@@ -44,9 +59,12 @@ def _padded_case(rng, query_lens, seq_lens, kv_heads=2, group=4, page_size=16,
     seq_lens = jnp.array(seq_lens, jnp.int32)
     positions = (seq_lens - query_lens)[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None]
     q = jnp.asarray(rng.standard_normal((rows, chunk, kv_heads * group, HEAD_DIM)), dtype)
-    want = prefill_attention_ref(q, k, v, table, positions, seq_lens, SCALE)
+    options = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    want = prefill_attention_ref(q, k, v, table, positions, seq_lens, SCALE, **options)
+    if sliding_window is not None and sliding_window < int(positions[:, 0].max()):
+        kv = _poison_before_window(kv, table, positions[:, 0], sliding_window, page_size)
     got = padded_attention(q, kv, table, positions, query_lens, seq_lens, scale=SCALE,
-                           interpret=True, block_sizes=(2, 8))
+                           interpret=True, block_sizes=(2, 8), **options)
     real = np.arange(chunk)[None, :] < np.asarray(query_lens)[:, None]  # [B, C]
     return np.asarray(got, np.float32), np.asarray(want, np.float32), real
 
@@ -74,6 +92,48 @@ def test_bfloat16_prefill_chunks():
     assert (got[~real] == 0).all()
 
 
+# (sliding_window, soft_cap): windows of 1 key, not a multiple of the page size 16, longer than
+# every sequence; the cap alone and with a window (a cap of 1 bends scores of about 1)
+@pytest.mark.parametrize(("sliding_window", "soft_cap"),
+                         [(1, None), (20, None), (1000, None), (None, 1.0), (20, 1.0)])
+def test_decode_rows_with_window_and_cap(sliding_window, soft_cap):
+    got, want, real = _padded_case(np.random.default_rng(7), [1, 1, 1, 0, 1],
+                                   [1, 16, 37, 0, 64], sliding_window=sliding_window,
+                                   soft_cap=soft_cap)
+    np.testing.assert_allclose(got[real], want[real], atol=2e-5)
+    assert (got[~real] == 0).all()
+
+
+@pytest.mark.parametrize(("sliding_window", "soft_cap", "dtype"),
+                         [(5, None, jnp.float32), (20, 1.0, jnp.float32),
+                          (13, 2.0, jnp.bfloat16)])
+def test_prefill_chunks_with_window_and_cap(sliding_window, soft_cap, dtype):
+    # chunks from 0, 13, 40 and 57: windows that start on each row's own page
+    got, want, real = _padded_case(np.random.default_rng(8), [8, 8, 3, 0, 7],
+                                   [8, 21, 43, 0, 64], dtype=dtype,
+                                   sliding_window=sliding_window, soft_cap=soft_cap)
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(got[real], want[real], atol=tol)
+    assert (got[~real] == 0).all()
+
+
+def test_options_are_the_kernels_own():
+    """JAX's own reference for its kernel (`ref_ragged_paged_attention`, over K/V in the same
+    combined layout) takes sliding_window and soft_cap as jaxserve's reference does."""
+    rng = np.random.default_rng(9)
+    k, v, kv = _pools(rng, 12, 4, 2)
+    table = _table(rng, 1, 5, 12)
+    q = jnp.asarray(rng.standard_normal((1, 6, 4, HEAD_DIM)), jnp.float32)
+    positions = jnp.arange(13, 19, dtype=jnp.int32)[None]
+    options = {"sliding_window": 7, "soft_cap": 1.0}
+    want = prefill_attention_ref(q, k, v, table, positions, jnp.array([19], jnp.int32), SCALE,
+                                 **options)
+    theirs = rpa.ref_ragged_paged_attention(
+        q[0], kv, jnp.array([19], jnp.int32), table, jnp.array([0, 6], jnp.int32),
+        jnp.array([1], jnp.int32), sm_scale=SCALE, **options)
+    np.testing.assert_allclose(np.asarray(theirs), np.asarray(want[0]), atol=2e-5)
+
+
 def test_two_head_blocks_of_the_kernel():
     # 8 kv heads in float32 is two of the kernel's head blocks: one call per block
     got, want, real = _padded_case(np.random.default_rng(3), [5, 1], [20, 33], kv_heads=8,
@@ -81,9 +141,11 @@ def test_two_head_blocks_of_the_kernel():
     np.testing.assert_allclose(got[real], want[real], atol=2e-5)
 
 
-def test_mixed_ragged_batch_equals_reference():
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 10, "soft_cap": 1.0}])
+def test_mixed_ragged_batch_equals_reference(options):
     # decode rows and prefill chunks packed in one call, an empty row among them (it must not
-    # disturb the row after it), padding at the end, a row past num_seqs ignored
+    # disturb the row after it), padding at the end, a row past num_seqs ignored; with a
+    # window, rows whose first pages are dropped next to rows that keep all theirs
     rng = np.random.default_rng(4)
     kv_heads, group, page_size, pages_per_seq = 2, 2, 16, 4
     k, v, kv = _pools(rng, 40, page_size, kv_heads)
@@ -95,14 +157,14 @@ def test_mixed_ragged_batch_equals_reference():
     q = jnp.asarray(rng.standard_normal((total, kv_heads * group, HEAD_DIM)), jnp.float32)
     got = np.asarray(ragged_attention(q, kv, table, jnp.asarray(starts), jnp.asarray(seq_lens,
                                       jnp.int32), rows - 1, scale=SCALE, interpret=True,
-                                      block_sizes=(1, 8)))
+                                      block_sizes=(1, 8), **options))
     # the reference in the padded layout: row b's queries at [b, :query_lens[b]]
     chunk = query_lens.max()
     c = np.arange(chunk)
     token = np.minimum(starts[:-1, None] + c, total - 1)  # [B, C]
     positions = jnp.asarray(seq_lens[:, None] - query_lens[:, None] + c, jnp.int32)
     want = np.asarray(prefill_attention_ref(q[token], k, v, table, positions,
-                                            jnp.asarray(seq_lens, jnp.int32), SCALE))
+                                            jnp.asarray(seq_lens, jnp.int32), SCALE, **options))
     for b in range(rows - 1):
         np.testing.assert_allclose(got[starts[b]:starts[b + 1]], want[b, :query_lens[b]],
                                    atol=2e-5, err_msg=f"row {b}")
