@@ -347,18 +347,13 @@ class EngineConfig:
         return dataclasses.replace(model, quantization=self.quantization)
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
-        """The context limit: the override, bounded by the model, checked against its window
-        and LongRoPE's short factors' range."""
+        """The context limit: the override, bounded by the model, checked against LongRoPE's
+        short factors' range."""
         limit = self.max_model_len or model.max_position_embeddings
         if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {model.max_position_embeddings}"
-            )
-        if model.sliding_window is not None and model.sliding_window < limit:
-            raise ValueError(
-                f"sliding_window {model.sliding_window} is shorter than max_model_len {limit}; "
-                f"sliding-window attention is not supported: set max_model_len <= {model.sliding_window}"
             )
         scaling = model.rope_scaling
         original = None if scaling is None else scaling.original_max_position_embeddings

@@ -43,7 +43,7 @@ class DraftRunner:
         self.page_size, self.chunk_buckets = page_size, chunk_buckets
         graphdef, state = load_state(path, model_config, dtype)
         graphdef, state = backend.ops.pack_weights(graphdef, state)
-        if backend.ops.scan_layers:
+        if backend.ops.scan_layers and model_config.uniform_layers:
             graphdef, state = stack_layers(graphdef, state, consume=True)
         self.state = state
         self.weights = (jax.tree.leaves(state),

@@ -15,8 +15,11 @@ from typing import Any, Literal
 from jaxserve.checks import is_finite, is_int, show
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
-                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                           "MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                           "Qwen3MoeForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation (SwiGLU, GeGLU)
 # mixture of experts: every layer's MLP is a routed set of experts (jaxserve/model/moe.py)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -39,6 +42,10 @@ _HF_DEFAULTS = {
                            "head_dim": None, "rms_norm_eps": 1e-6},
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "num_key_value_heads": None,
                         "head_dim": None, "rms_norm_eps": 1e-5},
+    "Gemma2ForCausalLM": {"max_position_embeddings": 8192, "num_key_value_heads": 4,
+                          "head_dim": 256, "rms_norm_eps": 1e-6},
+    "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 4,
+                          "head_dim": 256, "rms_norm_eps": 1e-6},
     "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
                            "head_dim": None, "rms_norm_eps": 1e-5, "num_experts": 8,
                            "num_experts_per_tok": 2},
@@ -87,8 +94,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3), dense or
-    with mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    """The shape of a Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2/3),
+    dense or with mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
     architecture: str
     vocab_size: int
@@ -108,6 +115,21 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k, before RoPE
     sliding_window: int | None = None
+    # each layer's attention, transformers' names: "sliding_attention" (the last
+    # sliding_window positions) or "full_attention"; () with a sliding_window: every layer
+    # slides
+    layer_types: tuple[str, ...] = ()
+    # Gemma 2/3: RMSNorm weights stored as w - 1 (the norm multiplies by 1 + w, in float32),
+    # a norm after attention and around the MLP too, the embedding scaled by sqrt(hidden),
+    # a GeGLU MLP, queries scaled by query_pre_attn_scalar ** -0.5 (not head_dim's), scores and
+    # final logits soft-capped (c * tanh(x / c)), and (Gemma 3) the sliding layers' RoPE of
+    # base rope_local_theta
+    gemma_norms: bool = False
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's own dtype
@@ -163,6 +185,20 @@ class ModelConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got "
                              f"{self.quantization!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: "
+                             f"{', '.join(ACTIVATIONS)}")
+        if self.layer_types and (len(self.layer_types) != self.num_layers or any(
+                t not in ("full_attention", "sliding_attention") for t in self.layer_types)):
+            raise ValueError(f"layer_types must list 'full_attention' or 'sliding_attention' "
+                             f"for each of the {self.num_layers} layers, got "
+                             f"{list(self.layer_types)}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types names sliding layers but sliding_window is null")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping", "rope_local_theta"):
+            if getattr(self, name) is not None:
+                _check_positive_number(name, getattr(self, name))
         if self.num_experts:
             for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
                 _check_positive_int(name, getattr(self, name))
@@ -214,9 +250,12 @@ class ModelConfig:
             raise ValueError(
                 f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported; supported: 'silu'")
+        # Gemma names it hidden_activation (its configs may carry both)
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or (
+            "gelu_pytorch_tanh" if arch in GEMMA_ARCHITECTURES else "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: "
+                             f"{', '.join(ACTIVATIONS)}")
         if hf.get("mlp_bias", False):
             raise ValueError("mlp_bias=true is not supported; supported: mlp_bias=false")
         quantization = _read_quantization(hf.get("quantization_config"))
@@ -237,9 +276,10 @@ class ModelConfig:
         # and o; Qwen2 and Qwen2-MoE have q, k, v biases and no o bias; Mistral, Mixtral and
         # Phi-3 have none
         attention_bias = bool(hf.get("attention_bias", False)) and arch in (
-            "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+            "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *GEMMA_ARCHITECTURES)
         qkv_bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or attention_bias
-        sliding = _sliding_window(arch, hf)
+        sliding, layer_types = _sliding_window(arch, hf)
+        gemma = _read_gemma(arch, hf) if arch in GEMMA_ARCHITECTURES else {}
         moe = _read_moe(arch, hf, defaults) if arch in MOE_ARCHITECTURES else {}
         eos_ids = tuple(_id_list(hf.get("eos_token_id")))
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
@@ -263,14 +303,29 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=attention_bias,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=sliding,
+            layer_types=layer_types,
+            hidden_act=act,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=_TORCH_DTYPES[dtype],
             quantization=quantization,
             **moe,
+            **gemma,
         )
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (None: it sees every earlier position)."""
+        if self.sliding_window is None or (
+                self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every layer is built alike (window and RoPE), as jax.lax.scan needs."""
+        return len({self.window(i) for i in range(self.num_layers)}) == 1
 
     @property
     def rotary_dim(self) -> int:
@@ -290,7 +345,8 @@ class ModelConfig:
             if self.shared_expert_intermediate_size:
                 mlp += self.hidden_size * (3 * self.shared_expert_intermediate_size + 1)
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+        norms = (4 if self.gemma_norms else 2) * self.hidden_size
+        return self.num_layers * (attn + mlp + norms) + embed + self.hidden_size
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers-5 style config.json for this shape (used by saved checkpoints)."""
@@ -303,6 +359,11 @@ class ModelConfig:
             if self.architecture == "Phi3ForCausalLM":  # the one it reads
                 extra["original_max_position_embeddings"] = (
                     self.rope_scaling.original_max_position_embeddings)
+        if self.gemma_norms:
+            extra |= {"query_pre_attn_scalar": self.query_pre_attn_scalar,
+                      "attn_logit_softcapping": self.attn_logit_softcapping,
+                      "final_logit_softcapping": self.final_logit_softcapping,
+                      "rope_local_base_freq": self.rope_local_theta}
         if self.num_experts:
             extra |= {"num_experts": self.num_experts, "num_local_experts": self.num_experts,
                       "num_experts_per_tok": self.num_experts_per_tok,
@@ -319,8 +380,9 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.o_bias, "hidden_act": "silu",
+            "attention_bias": self.o_bias, "hidden_act": self.hidden_act,
             "sliding_window": self.sliding_window,
+            "layer_types": list(self.layer_types) or None,
             "use_sliding_window": self.sliding_window is not None,
             "max_window_layers": 0, "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids), "dtype": self.dtype,
@@ -438,37 +500,70 @@ def _id_list(value: Any) -> list[int]:
     return list(value) if isinstance(value, list) else [] if value is None else [value]
 
 
-def _sliding_window(arch: str, hf: dict[str, Any]) -> int | None:
-    """The attention window, None for full attention, as transformers reads each architecture:
-    Llama has none; Mistral's (every layer's) defaults to 4096 when the key is absent (null:
-    none), Phi-3's and Mixtral's (every layer's) to none; the Qwen families' (dense and MoE)
-    applies only with use_sliding_window (4096 when absent), to the layers that `layer_types`
-    names "sliding_attention", or when it is absent to the layers from max_window_layers
-    (default 28) on. A window for some layers is returned as one for all:
-    the kernels have none, so EngineConfig refuses a max_model_len longer than it, where the
-    two agree."""
+def _sliding_window(arch: str, hf: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """The attention window and which layers it applies to (layer_types; () when every
+    layer's), as transformers reads each architecture: Llama has none; Mistral's (every
+    layer's) defaults to 4096 when the key is absent (null: none), Phi-3's and Mixtral's (every
+    layer's) to none; the Qwen families' (dense and MoE) applies only with use_sliding_window
+    (4096 when absent), to the layers that `layer_types` names "sliding_attention", or when it
+    is absent to the layers from max_window_layers (default 28) on. Gemma 2's and 3's (4096
+    when absent) applies to the layers `layer_types` names, else Gemma 2's even layers and
+    Gemma 3's all but every sliding_window_pattern-th (default 6)."""
+    layers = hf["num_hidden_layers"]
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         window = hf.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
-        return None if window is None else _check_positive_int("sliding_window", window)
+        return (None if window is None else _check_positive_int("sliding_window", window)), ()
+    if arch in GEMMA_ARCHITECTURES:
+        window = _check_positive_int("sliding_window", hf.get("sliding_window", 4096))
+        pattern = 2 if arch == "Gemma2ForCausalLM" else hf.get(
+            "sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        pattern = _check_positive_int("sliding_window_pattern", pattern)
+        default = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                   for i in range(layers)]
+        return window, _layer_types(hf.get("layer_types", default), layers)
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
                     "Qwen3MoeForCausalLM"):
-        return None
+        return None, ()
     window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
     if window is None:
-        return None
+        return None, ()
     layer_types = hf.get("layer_types")
     if layer_types is None:
         first = hf.get("max_window_layers", 28)
         if not is_int(first):
             raise ValueError(f"max_window_layers must be an integer, got {show(first)}")
-        slides = first < hf["num_hidden_layers"]
-    elif (isinstance(layer_types, list) and len(layer_types) == hf["num_hidden_layers"]
-          and all(t in ("full_attention", "sliding_attention") for t in layer_types)):
-        slides = "sliding_attention" in layer_types
-    else:
-        raise ValueError(f"layer_types must list 'full_attention' or 'sliding_attention' for "
-                         f"each of the {hf['num_hidden_layers']} layers, got {show(layer_types)}")
-    return _check_positive_int("sliding_window", window) if slides else None
+        layer_types = ["full_attention" if i < first else "sliding_attention"
+                       for i in range(layers)]
+    types = _layer_types(layer_types, layers)
+    if "sliding_attention" not in types:
+        return None, ()
+    return _check_positive_int("sliding_window", window), types
+
+
+def _layer_types(layer_types: Any, layers: int) -> tuple[str, ...]:
+    if (isinstance(layer_types, list) and len(layer_types) == layers
+            and all(t in ("full_attention", "sliding_attention") for t in layer_types)):
+        return tuple(layer_types)
+    raise ValueError(f"layer_types must list 'full_attention' or 'sliding_attention' for "
+                     f"each of the {layers} layers, got {show(layer_types)}")
+
+
+def _read_gemma(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's and 3's own keys, transformers' defaults where absent (query_pre_attn_scalar
+    256; Gemma 2 caps scores at 50 and logits at 30, Gemma 3 neither; Gemma 3's sliding layers
+    turn RoPE at base 10000: rope_local_base_freq, or transformers 5's rope_parameters
+    sliding_attention)."""
+    gemma2 = arch == "Gemma2ForCausalLM"
+    out = {"gemma_norms": True,
+           "query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256),
+           "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0 if gemma2 else None),
+           "final_logit_softcapping": hf.get("final_logit_softcapping",
+                                             30.0 if gemma2 else None)}
+    if not gemma2:
+        local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+        out["rope_local_theta"] = local.get("rope_theta", hf.get("rope_local_base_freq",
+                                                                  10000.0))
+    return out
 
 
 def _read_rope(arch: str, hf: dict[str, Any], max_position_embeddings: int
@@ -478,6 +573,8 @@ def _read_rope(arch: str, hf: dict[str, Any], max_position_embeddings: int
     wins over `rope_parameters`. Phi-3 alone reads longrope (its old names "su" and "yarn"
     too) and a partial_rotary_factor (the rope dict's, else the top-level key's)."""
     base = dict(hf.get("rope_parameters") or {})
+    if isinstance(base.get("full_attention"), dict):  # per layer type (Gemma 3): the global
+        base = dict(base["full_attention"])           # layers'; the sliding ones' is local
     params = dict(hf.get("rope_scaling") or {}) or base
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = _check_positive_number("rope_theta", params.get(

@@ -174,6 +174,11 @@ class ModelRunner:
             self.graphdef, self.state = self.backend.ops.pack_weights(self.graphdef, self.state)
         self.scan_layers = (self.backend.ops.scan_layers if config.scan_layers is None
                             else config.scan_layers)
+        if not model_config.uniform_layers:  # sliding-window and full layers: unrolled
+            if config.scan_layers:
+                raise ValueError("scan_layers: the model's layers differ (sliding-window and "
+                                 "full attention), so they cannot be stacked; leave it unset")
+            self.scan_layers = False
         if self.scan_layers:  # one layer compiled, whatever the depth
             self.graphdef, self.state = stack_layers(self.graphdef, self.state, consume=True)
         self.shards = None

@@ -22,8 +22,8 @@ def stories_dir() -> Path:
 
 
 HF_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
-HF_MODELS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "mixtral",
-             "qwen2_moe", "qwen3_moe")
+HF_MODELS = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope", "gemma2",
+             "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 # the server tests' engine: few buckets, so start-up compiles little; the CLI tests pass the
 # same flags, so their subprocesses find every step in the persistent compilation cache

@@ -57,12 +57,36 @@ def test_the_grouped_matmul_gives_a_loop_over_experts_outputs():
     experts = jnp.asarray(rng.choice([0, 2, 3, 5], size=(11, 2)), jnp.int32)
     grouped = grouped_experts(x, experts, layers, cfg.num_experts, REFERENCE)
     np.testing.assert_allclose(np.asarray(grouped),
-                               np.asarray(dense_experts(x, experts, layers)), atol=1e-5)
+                               np.asarray(dense_experts(x, experts, layers, cfg.num_experts,
+                                                        REFERENCE)), atol=1e-5)
     for t, e in ((0, 0), (7, 1)):  # one pair by hand
         k = experts[t, e]
         h = jax.nn.silu(x[t] @ layers.gate_proj.kernel[k]) * (x[t] @ layers.up_proj.kernel[k])
         np.testing.assert_allclose(np.asarray(grouped[t, e]),
                                    np.asarray(h @ layers.down_proj.kernel[k]), atol=1e-5)
+
+
+def test_on_the_cpu_backend_grouped_rows_have_the_bits_of_the_loop_over_experts():
+    """The C++ grouped matmul runs each row as one chain with its expert's weights: the
+    same bits as that expert run on every row (and packed as the engine packs it)."""
+    from jaxserve.backends.select import select_backend
+
+    cfg = _config(hidden_size=72, moe_intermediate_size=40)
+    backend = select_backend("cpu", "cpu", "float32", cfg.head_dim, 4)
+    layers = Experts(cfg, jnp.float32, nnx.Rngs(5))
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(13, cfg.hidden_size)), jnp.float32)
+    experts = jnp.asarray(np.argsort(rng.random((13, cfg.num_experts)), 1)[:, :2], jnp.int32)
+    want = dense_experts(x, experts, layers, cfg.num_experts, backend)
+    np.testing.assert_array_equal(
+        grouped_experts(x, experts, layers, cfg.num_experts, backend), want)
+    graphdef, state = backend.ops.pack_weights(*nnx.split(layers))
+    packed = nnx.merge(graphdef, state)
+    assert packed.gate_proj.kernel.ndim == 4
+    np.testing.assert_array_equal(
+        grouped_experts(x, experts, packed, cfg.num_experts, backend), want)
+    np.testing.assert_array_equal(
+        grouped_experts(x[5:6], experts[5:6], packed, cfg.num_experts, backend), want[5:6])
 
 
 @pytest.mark.parametrize("name", [*MOE_MODELS, "qwen2", "llama3"])

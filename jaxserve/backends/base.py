@@ -64,25 +64,30 @@ class Attention:
                               v_pool.at[page, offset].set(to_pool(v, v_pool.dtype))),
                        num_pages=kv.num_pages)
 
-    def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata,
-               scale: float) -> jax.Array:
-        """q [B, C, heads, head_dim] -> the same shape; md's page table is the layer's."""
+    def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata, scale: float,
+               sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
+        """q [B, C, heads, head_dim] -> the same shape; md's page table is the layer's.
+        `sliding_window` w: a query at position p sees positions p - w + 1 .. p (None: all up
+        to p); `soft_cap` c: each scaled score s becomes c * tanh(s / c) (None: as it is)."""
         k_pool, v_pool = kv.pools
+        window = dict(sliding_window=sliding_window, soft_cap=soft_cap)
         if q.shape[1] == 1:  # walks only the pages the longest sequence uses
             return decode_attention_blocked(q[:, 0], k_pool, v_pool, md.page_table,
-                                            md.seq_lens, scale)[:, None]
+                                            md.seq_lens, scale, **window)[:, None]
         return prefill_attention_blocked(q, k_pool, v_pool, md.page_table, md.positions,
-                                         md.seq_lens, scale=scale)
+                                         md.seq_lens, scale=scale, **window)
 
-    def ragged(self, q: jax.Array, kv: KVCache, md: RaggedMetadata, scale: float) -> jax.Array:
+    def ragged(self, q: jax.Array, kv: KVCache, md: RaggedMetadata, scale: float,
+               sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
         """q [1, T, heads, head_dim] packed rows -> the same shape."""
         raise ValueError(f"a ragged call runs on the cpu or tpu attention, not {self.name!r}")
 
     def __call__(self, q: jax.Array, kv: KVCache, md: AttentionMetadata | RaggedMetadata,
-                 scale: float) -> jax.Array:
+                 scale: float, sliding_window: int | None = None,
+                 soft_cap: float | None = None) -> jax.Array:
         if isinstance(md, RaggedMetadata):
-            return self.ragged(q, kv, md, scale)
-        return self.padded(q, kv, md, scale)
+            return self.ragged(q, kv, md, scale, sliding_window, soft_cap)
+        return self.padded(q, kv, md, scale, sliding_window, soft_cap)
 
 
 @dataclass(frozen=True)

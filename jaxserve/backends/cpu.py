@@ -8,7 +8,8 @@ matmul, the attention and every row sum run one chain of additions fixed by the 
                   prompt chunks into one row); a bfloat16 or fp8 pool is held as its bits
                   (uint16, uint8), which XLA on the CPU scatters in place
     CpuOps        float32 linear layers on packed panels (or AMX tiles; int8 or fp8 weights
-                  with their column scales), and the row sums as the kernel's products with a
+                  with their column scales), mixture-of-experts' grouped matmuls (each row
+                  its expert's chain), and the row sums as the kernel's products with a
                   column of ones
 """
 
@@ -31,15 +32,19 @@ from cpu_kernels.matmul import (
     amx_packable,
     matmul_cpu,
     matmul_cpu_amx,
+    matmul_cpu_grouped,
+    matmul_cpu_grouped_panels,
     matmul_cpu_panels,
     matmul_cpu_quant,
     matmul_cpu_quant_panels,
     pack_amx,
+    pack_expert_panels,
     pack_panels,
     row_sum_squares_cpu,
 )
 from jaxserve.backends.base import Attention, Ops
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
+from jaxserve.model.moe import ExpertLinear
 from jaxserve.model.quant import QuantizedLinear
 
 
@@ -59,20 +64,23 @@ class CpuAttention(Attention):
             k, v = fp8_bits(k), fp8_bits(v)
         return super().write(kv, k, v, index)
 
-    def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata,
-               scale: float) -> jax.Array:
+    def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata, scale: float,
+               sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
         k_pool, v_pool = kv.pools
+        window = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+        window = {k: v for k, v in window.items() if v is not None}  # TEMP until cpu kernels
         if q.shape[1] == 1:
             return decode_attention_cpu(q[:, 0], k_pool, v_pool, md.page_table, md.seq_lens,
-                                        scale)[:, None]
+                                        scale, **window)[:, None]
         return prefill_attention_cpu(q, k_pool, v_pool, md.page_table, md.positions,
-                                     md.seq_lens, scale)
+                                     md.seq_lens, scale, **window)
 
-    def ragged(self, q: jax.Array, kv: KVCache, md: RaggedMetadata, scale: float) -> jax.Array:
+    def ragged(self, q: jax.Array, kv: KVCache, md: RaggedMetadata, scale: float,
+               sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
         k_pool, v_pool = kv.pools
         return prefill_attention_cpu_ragged(q[0], k_pool, v_pool, md.page_table,
                                             md.positions[0], md.query_starts, md.seq_lens,
-                                            scale)[None]
+                                            scale, **{k: v for k, v in dict(sliding_window=sliding_window, soft_cap=soft_cap).items() if v is not None})[None]  # TEMP
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,15 @@ class CpuOps(Ops):
             y = matmul_cpu(x, w)
         return y if layer.bias is None else y + layer.bias[...]
 
+    def grouped_linear(self, layer, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """Each row its own chain with its expert's weights, whatever the groups (a token's
+        expert outputs do not depend on its step's other tokens); XLA's ragged_dot on the CPU
+        runs every expert on every row."""
+        w = layer.kernel[...]
+        if w.ndim == 4:  # pack_expert_panels' panels
+            return matmul_cpu_grouped_panels(x, w, group_sizes, layer.out_features)
+        return matmul_cpu_grouped(x, w, group_sizes)
+
     def tied_logits(self, hidden: jax.Array, table: jax.Array) -> jax.Array:
         return matmul_cpu(hidden, table, transposed=True)
 
@@ -127,7 +144,8 @@ class CpuOps(Ops):
 
     def pack_weights(self, graphdef: nnx.GraphDef,
                      state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
-        """Every Linear's kernel [in, out] as panels [ceil(out / 64), in, 64] (pack_panels),
+        """Every Linear's kernel [in, out] as panels [ceil(out / 64), in, 64] (pack_panels), and
+        every expert's of a mixture of experts (pack_expert_panels),
         which the kernel streams from memory in one run (1.1-1.6x the in-place layout's speed
         at a decode step's 2-64 rows, bench/cpu_kernel_speed.py); the same bits. With `amx`, a
         kernel whose input size is a multiple of 32 becomes its bf16 parts instead. The
@@ -136,6 +154,9 @@ class CpuOps(Ops):
         afterwards."""
         model = nnx.merge(graphdef, state)  # shares state's variables
         for _, module in nnx.iter_modules(model):
+            if isinstance(module, ExpertLinear) and module.kernel.get_value().ndim == 3:
+                module.kernel.set_value(pack_expert_panels(module.kernel.get_value()))
+                continue
             if (isinstance(module, nnx.Linear | QuantizedLinear)
                     and module.kernel.get_value().ndim == 2):
                 w = module.kernel.get_value()

@@ -16,11 +16,12 @@ class PallasAttention(Attention):
     name = "pallas"
     interpret: bool = False  # run through the Pallas interpreter (any platform; slow)
 
-    def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata,
-               scale: float) -> jax.Array:
+    def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata, scale: float,
+               sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
         k_pool, v_pool = kv.pools
+        window = dict(sliding_window=sliding_window, soft_cap=soft_cap)
         if q.shape[1] == 1:
             return decode_attention(q[:, 0], k_pool, v_pool, md.page_table, md.seq_lens, scale,
-                                    interpret=self.interpret)[:, None]
+                                    interpret=self.interpret, **window)[:, None]
         return prefill_attention(q, k_pool, v_pool, md.page_table, md.positions, md.seq_lens,
-                                 scale, interpret=self.interpret)
+                                 scale, interpret=self.interpret, **window)

@@ -42,14 +42,18 @@ class TpuAttention(Attention):
                                       offset)
         return KVCache(pools=(pool,), num_pages=kv.num_pages)
 
-    def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata,
-               scale: float) -> jax.Array:
+    def padded(self, q: jax.Array, kv: KVCache, md: AttentionMetadata, scale: float,
+               sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
         return tpu_attention.padded_attention(q, kv.pools[0], md.page_table, md.positions,
                                               md.query_lens, md.seq_lens, scale,
-                                              interpret=self.interpret)
+                                              interpret=self.interpret,
+                                              sliding_window=sliding_window, soft_cap=soft_cap)
 
-    def ragged(self, q: jax.Array, kv: KVCache, md: RaggedMetadata, scale: float) -> jax.Array:
+    def ragged(self, q: jax.Array, kv: KVCache, md: RaggedMetadata, scale: float,
+               sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
         rows = md.page_table.shape[0]  # the metadata's rows past the call's are empty
         return tpu_attention.ragged_attention(q[0], kv.pools[0], md.page_table, md.query_starts,
                                               md.seq_lens, jnp.int32(rows), scale,
-                                              interpret=self.interpret)[None]
+                                              interpret=self.interpret,
+                                              sliding_window=sliding_window,
+                                              soft_cap=soft_cap)[None]

@@ -12,6 +12,7 @@ turns them into one layer whose weights carry a leading layer axis, which it run
 `jax.lax.scan`: one layer compiled, whatever the depth.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -84,13 +85,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
+    """`plus_one` (Gemma): the weight is stored as w - 1 (zeros at init) and the normalised
+    row multiplied by 1 + w in float32 before the cast back, as transformers' Gemma norms."""
+
+    def __init__(self, dim: int, eps: float, dtype, plus_one: bool = False):
+        self.weight = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), dtype))
+        self.eps, self.plus_one = eps, plus_one
 
     def __call__(self, x: jax.Array, backend) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(backend.ops.row_sum_squares(xf) / x.shape[-1] + self.eps)
+        if self.plus_one:
+            return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * xf.astype(x.dtype)
 
 
@@ -103,16 +109,20 @@ def _linear(cfg_in: int, cfg_out: int, bias: bool, dtype, rngs: nnx.Rngs,
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layer: int = 0):
         e, d, quant = cfg.hidden_size, cfg.head_dim, cfg.quantization
         self.q_proj = _linear(e, cfg.num_heads * d, cfg.qkv_bias, dtype, rngs, quant)
         self.k_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, quant)
         self.v_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, quant)
         self.o_proj = _linear(cfg.num_heads * d, e, cfg.o_bias, dtype, rngs, quant)
         # Qwen3: each head's q and k RMS-normed over head_dim (one weight for all heads)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, cfg.gemma_norms) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, cfg.gemma_norms) if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        # the layer's window (None: full attention), score soft cap and query scale
+        self.sliding_window = cfg.window(layer)
+        self.soft_cap = cfg.attn_logit_softcapping
+        self.scale = (d if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar)**-0.5
 
     def __call__(self, x, cos, sin, kv: KVCache, md: AttentionMetadata | RaggedMetadata,
                  write_index, backend):
@@ -128,7 +138,7 @@ class Attention(nnx.Module):
         v = linear(self.v_proj, x)
         kv = backend.attention.write(kv, k.reshape(b * c, -1, d), v.reshape(b * c, -1, d),
                                      write_index)
-        out = backend.attention(q, kv, md, d**-0.5)
+        out = backend.attention(q, kv, md, self.scale, self.sliding_window, self.soft_cap)
         return backend.sum_shards(linear(self.o_proj, out.reshape(b, c, -1))), kv
 
 
@@ -142,6 +152,7 @@ class MLP(nnx.Module):
         self.gate_proj = _linear(e, i, False, dtype, rngs, quant)
         self.up_proj = _linear(e, i, False, dtype, rngs, quant)
         self.down_proj = _linear(i, e, False, dtype, rngs, quant)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
 
     def __call__(self, x, backend):
         return backend.sum_shards(self.partial(x, backend))
@@ -151,22 +162,34 @@ class MLP(nnx.Module):
         columns' share."""
         linear = backend.ops.linear
         gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
-        return linear(self.down_proj, jax.nn.silu(gate) * up)
+        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return linear(self.down_proj, act * up)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    """Pre-norm residual blocks; Gemma's also normalise each block's output (its
+    post_attention_layernorm comes after attention, pre/post_feedforward_layernorm around the
+    MLP), where the others' post_attention_layernorm is the MLP's input norm."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layer: int = 0):
+        e, eps, gemma = cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms
+        self.input_layernorm = RMSNorm(e, eps, dtype, gemma)
+        self.self_attn = Attention(cfg, dtype, rngs, layer)
+        self.post_attention_layernorm = RMSNorm(e, eps, dtype, gemma)
+        self.pre_feedforward_layernorm = RMSNorm(e, eps, dtype, gemma) if gemma else None
+        self.post_feedforward_layernorm = RMSNorm(e, eps, dtype, gemma) if gemma else None
         self.mlp = SparseMoeBlock(cfg, dtype, rngs, MLP) if cfg.num_experts else MLP(cfg, dtype,
                                                                                      rngs)
 
     def __call__(self, x, cos, sin, kv, md, write_index, backend):
         h, kv = self.self_attn(self.input_layernorm(x, backend), cos, sin, kv, md, write_index,
                                backend)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x, backend), backend), kv
+        if self.pre_feedforward_layernorm is None:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x, backend), backend), kv
+        x = x + self.post_attention_layernorm(h, backend)
+        h = self.mlp(self.pre_feedforward_layernorm(x, backend), backend)
+        return x + self.post_feedforward_layernorm(h, backend), kv
 
 
 class Decoder(nnx.Module):
@@ -174,8 +197,8 @@ class Decoder(nnx.Module):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs,
                                       embedding_init=nnx.initializers.normal(0.02))
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.gemma_norms)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -203,10 +226,14 @@ class LlamaForCausalLM(nnx.Module):
             cos, sin = (jnp.take(t, md.positions, axis=0, mode="clip").astype(x.dtype)
                         for t in rope)
         page, offset = md.write_index(kv.page_size)
+        local = None  # Gemma 3's sliding layers: RoPE of their own base
+        if self.config.rope_local_theta is not None:
+            local = rope_cos_sin(local_rope_config(self.config), md.positions, x.dtype)
 
         def run_layer(layer: DecoderLayer, x, kv: KVCache, index):
             first = index * kv.num_pages  # the layer's pages start at this pool row
-            return layer(x, cos, sin, kv, md.layer_pages(first), (page + first, offset), backend)
+            turn = (cos, sin) if local is None or layer.self_attn.sliding_window is None else local
+            return layer(x, *turn, kv, md.layer_pages(first), (page + first, offset), backend)
 
         layers = self.model.layers
         if isinstance(layers, nnx.List):  # as loaded (and trained)
@@ -225,8 +252,15 @@ class LlamaForCausalLM(nnx.Module):
         return self.model.norm(x, backend), kv
 
     def embed(self, tokens: jax.Array, backend) -> jax.Array:  # [B, C] -> [B, C, hidden]
-        """Each token's row of the embedding table; split by vocabulary over shards, the one
-        shard holding a token's row gives it and the others zeros, summed (exact)."""
+        """Each token's row of the embedding table (Gemma: times sqrt(hidden) in the model's
+        dtype); split by vocabulary over shards, the one shard holding a token's row gives it
+        and the others zeros, summed (exact)."""
+        rows = self._embed_rows(tokens, backend)
+        if not self.config.gemma_norms:
+            return rows
+        return rows * jnp.asarray(self.config.hidden_size**0.5, rows.dtype)
+
+    def _embed_rows(self, tokens: jax.Array, backend) -> jax.Array:
         if backend.model_axis is None:
             return self.model.embed_tokens(tokens)
         table = self.model.embed_tokens.embedding[...]
@@ -242,7 +276,15 @@ class LlamaForCausalLM(nnx.Module):
             logits = backend.ops.linear(self.lm_head, hidden).astype(jnp.float32)
         else:
             logits = backend.ops.tied_logits(hidden, self.model.embed_tokens.embedding[...])
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2: c * tanh(x / c), each logit alone
+            logits = cap * jnp.tanh(logits / cap)
         return backend.gather_vocab(logits)
+
+
+def local_rope_config(cfg: ModelConfig) -> ModelConfig:
+    """The config whose RoPE Gemma 3's sliding layers turn: base rope_local_theta, unscaled."""
+    return dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
 
 
 def stack_layers(graphdef: nnx.GraphDef, state: nnx.State,
@@ -253,6 +295,9 @@ def stack_layers(graphdef: nnx.GraphDef, state: nnx.State,
     weight's stack (an 8B model's gate_proj: 3.7 GB in bf16), not twice; `state` is unusable
     afterwards."""
     model = nnx.merge(graphdef, state)
+    if not model.config.uniform_layers:
+        raise ValueError("the model's layers differ (sliding-window and full attention): they "
+                         "run unrolled, not stacked (scan_layers false)")
     layers = list(model.model.layers)
     layer_graphdef, first = nnx.split(layers[0])
     treedef = jax.tree.structure(first)

@@ -77,13 +77,19 @@ def grouped_experts(x: jax.Array, experts: jax.Array, layers: Experts, num_exper
     return jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
 
 
-def dense_experts(x: jax.Array, experts: jax.Array, layers: Experts) -> jax.Array:
-    """grouped_experts' [T, k, H] by a loop over every expert, each run on every token: the
-    baseline the grouped matmul is measured against (bench/moe.py) and a reference for it."""
+def dense_experts(x: jax.Array, experts: jax.Array, layers: Experts, num_experts: int,
+                  backend) -> jax.Array:
+    """grouped_experts' [T, k, H] by a loop over every expert, each run on every token (one
+    group holding all rows, the same kernel): the baseline the grouped matmul is measured
+    against (bench/moe.py) and a reference for it. One device (no expert parallelism)."""
+    t = x.shape[0]
     out = jnp.zeros((*experts.shape, x.shape[-1]), x.dtype)
+    linear = backend.ops.grouped_linear
     for e in range(layers.gate_proj.kernel.shape[0]):
-        gate = x @ layers.gate_proj.kernel[e]
-        y = (jax.nn.silu(gate) * (x @ layers.up_proj.kernel[e])) @ layers.down_proj.kernel[e]
+        sizes = jnp.zeros(layers.gate_proj.kernel.shape[0], jnp.int32).at[e].set(t)
+        hidden = (jax.nn.silu(linear(layers.gate_proj, x, sizes))
+                  * linear(layers.up_proj, x, sizes))
+        y = linear(layers.down_proj, hidden, sizes)
         out = jnp.where((experts == e)[..., None], y[:, None, :], out)
     return out
 
@@ -112,8 +118,10 @@ class SparseMoeBlock(nnx.Module):
         x = x.reshape(-1, shape[-1])  # [T, H]
         linear = backend.ops.linear
         weights, experts = route(linear(self.gate, x), self.top_k, self.renormalise, backend)
-        outs = (dense_experts(x, experts, self.experts) if self.dense else
-                grouped_experts(x, experts, self.experts, self.num_experts, backend))
+        if self.dense:
+            outs = dense_experts(x, experts, self.experts, self.num_experts, backend)
+        else:
+            outs = grouped_experts(x, experts, self.experts, self.num_experts, backend)
         # each choice's output times its weight, summed over the choices in order (float32)
         parts = outs.astype(jnp.float32) * weights.astype(x.dtype).astype(jnp.float32)[..., None]
         total = parts[:, 0]
