@@ -124,7 +124,10 @@ class LLMEngine:
         self.runner = runner
         self.max_model_len = runner.max_model_len
         self.processor = OutputProcessor(self.tokenizer)
-        self.core = EngineCore(make_scheduler(config, runner.num_pages, runner.chunk_buckets[-1]),
+        model = getattr(runner, "model_config", None)
+        self.sliding_window = None if model is None else model.shared_window
+        self.core = EngineCore(make_scheduler(config, runner.num_pages, runner.chunk_buckets[-1],
+                                              sliding_window=self.sliding_window),
                                runner, processor=self.processor)
         self.warmup_seconds = runner.warmup(progress=progress)
         log.info("compiled every step shape in %.1f s", self.warmup_seconds)

@@ -323,6 +323,11 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def shared_window(self) -> int | None:
+        """The window every layer has (pages behind it are never read again), else None."""
+        return self.window(0) if self.uniform_layers else None
+
+    @property
     def uniform_layers(self) -> bool:
         """Whether every layer is built alike (window and RoPE), as jax.lax.scan needs."""
         return len({self.window(i) for i in range(self.num_layers)}) == 1

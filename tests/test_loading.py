@@ -201,10 +201,9 @@ def test_qwen3_config_read_as_transformers_reads_it():
         with pytest.raises(ValueError, match="layer_types must list 'full_attention' or "
                                              "'sliding_attention' for each of the 2 layers"):
             ModelConfig.from_hf_dict(sliding | {"layer_types": bad})
-    # a window the kernels cannot do is refused by name, not served as full attention
-    with pytest.raises(ValueError, match="sliding_window 64 is shorter than max_model_len 256"):
-        EngineConfig().resolve_max_model_len(windowed)
-    assert EngineConfig(max_model_len=64).resolve_max_model_len(windowed) == 64
+    # the window is the sliding layers' alone, and served past it
+    assert (windowed.window(0), windowed.window(1), windowed.uniform_layers) == (None, 64, False)
+    assert EngineConfig().resolve_max_model_len(windowed) == 256
 
 
 def test_phi3_config_read_as_transformers_reads_it():
@@ -248,11 +247,10 @@ def test_phi3_config_read_as_transformers_reads_it():
                                          "original_max_position_embeddings 64: past it LongRoPE"):
         EngineConfig().resolve_max_model_len(cfg)
     assert EngineConfig(max_model_len=64).resolve_max_model_len(cfg) == 64
-    # a window (every layer's), refused past max_model_len as Mistral's
-    windowed = ModelConfig.from_hf_dir(HF_FIXTURES / "phi3").to_hf_dict() | {"sliding_window": 64}
-    assert ModelConfig.from_hf_dict(windowed).sliding_window == 64
-    with pytest.raises(ValueError, match="sliding_window 64 is shorter than max_model_len 256"):
-        EngineConfig().resolve_max_model_len(ModelConfig.from_hf_dict(windowed))
+    # a window: every layer's, as Mistral's
+    windowed = ModelConfig.from_hf_dict(
+        ModelConfig.from_hf_dir(HF_FIXTURES / "phi3").to_hf_dict() | {"sliding_window": 64})
+    assert (windowed.sliding_window, windowed.window(1), windowed.uniform_layers) == (64, 64, True)
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -283,11 +281,10 @@ def test_longrope_is_phi3s_alone():
         ModelConfig.from_hf_dict(LLAMA_CONFIG | {"rope_scaling": PHI3_LONGROPE["rope_scaling"]})
 
 
-def test_sliding_window_shorter_than_max_model_len():
+def test_sliding_window_shorter_than_max_model_len_is_served():
     cfg = ModelConfig.from_hf_dict(LLAMA_CONFIG | {"architectures": ["MistralForCausalLM"],
                                                    "sliding_window": 64})
-    with pytest.raises(ValueError, match="sliding_window 64 is shorter than max_model_len 256"):
-        EngineConfig().resolve_max_model_len(cfg)
+    assert EngineConfig().resolve_max_model_len(cfg) == 256
     assert EngineConfig(max_model_len=64).resolve_max_model_len(cfg) == 64
     with pytest.raises(ValueError, match="max_model_len 512 exceeds the model's max_position"):
         EngineConfig(max_model_len=512).resolve_max_model_len(cfg)

@@ -44,7 +44,8 @@ def use_scheduler(engine: LLMEngine, **options) -> EngineConfig:
             raise ValueError(f"{name} {getattr(config, name)} exceeds the engine's "
                              f"{getattr(base, name)}, which its compiled shapes cover")
     engine.scheduler = make_scheduler(config, engine.runner.num_pages,
-                                      engine.runner.chunk_buckets[-1])
+                                      engine.runner.chunk_buckets[-1],
+                                      sliding_window=engine.sliding_window)
     return config
 
 

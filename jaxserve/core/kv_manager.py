@@ -33,9 +33,18 @@ class _Keyed:
 
 
 class KVCacheManager:
-    def __init__(self, pool: PagePool, page_size: int, enable_prefix_caching: bool = False):
+    """`sliding_window`: every layer attends to the last sliding_window positions alone, so a
+    request's pages wholly before its next token's window are given back as it runs
+    (`release_outside_window`), its page list keeping 0 (the null page) in their place, as
+    vLLM's sliding-window manager does: a long generation holds about window / page_size
+    pages."""
+
+    def __init__(self, pool: PagePool, page_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None):
         self.pool = pool
         self.page_size = page_size
+        self.sliding_window = sliding_window
+        self.released = 0  # pages given back from behind a window (stats)
         self.cache = PrefixCache() if enable_prefix_caching else None
         self.queries = 0  # tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # of which found cached (prefix_cache_hits)
@@ -57,14 +66,32 @@ class KVCacheManager:
         return pages
 
     def free(self, request: Request) -> None:
+        held = [page for page in request.pages if page]  # 0: released behind a window
         if self.cache is None:
-            self.pool.free(request.pages)
+            self.pool.free(held)
         else:
             # last page first: the least recently freed go first, so a request's deepest pages
             # are evicted before the prefixes they hang from (whose eviction would drop them)
-            self.pool.free(reversed(request.pages), self.cache)
+            self.pool.free(reversed(held), self.cache)
             self._keyed.pop(request, None)
         request.pages = []
+
+    def release_outside_window(self, request: Request) -> None:
+        """Give back the pages wholly before the window of the request's next token (position
+        num_computed_tokens, the start of what it computes next: it and every later token see
+        positions from num_computed_tokens - sliding_window + 1 on, and its count never goes
+        back below it, speculation's rollbacks included). Each becomes 0 in the request's
+        list; the kernels skip pages before a window, so no step reads it."""
+        if self.sliding_window is None:
+            return
+        first = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        end = min(first // self.page_size, len(request.pages))
+        released = [page for page in request.pages[:end] if page]
+        if not released:
+            return
+        self.pool.free(released, self.cache)
+        request.pages[:end] = [0] * end
+        self.released += len(released)
 
     def lookup(self, request: Request, use_cache: bool = True, extra: Hashable = None,
                count: bool = True) -> int:
@@ -132,6 +159,9 @@ class KVCacheManager:
             keyed.num_pages, keyed.parent, keyed.parent_key = 0, None, None
         parent, key = keyed.parent, keyed.parent_key
         for i in range(keyed.num_pages, full):
+            if not request.pages[i]:  # released behind a window before it was keyed
+                full = i
+                break
             key = (parent, self._page_tokens(request, i), keyed.extra)
             page = self.cache.page(key)
             if page is None:
@@ -173,8 +203,12 @@ class KVCacheManager:
 
     def fragmentation(self, requests: list[Request]) -> float:
         """Internal fragmentation: allocated token slots not holding a token / allocated slots."""
-        slots = sum(len(r.pages) for r in requests) * self.page_size
+        size = self.page_size
+        held = {r: sum(1 for page in r.pages if page) for r in requests}
+        slots = sum(held.values()) * size
         if slots == 0:
             return 0.0
-        used = sum(min(r.num_computed_tokens, len(r.pages) * self.page_size) for r in requests)
+        # a page released behind a window held its tokens
+        used = sum(min(r.num_computed_tokens, len(r.pages) * size) - (len(r.pages) - held[r]) * size
+                   for r in requests)
         return 1.0 - used / slots

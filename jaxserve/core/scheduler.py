@@ -81,7 +81,7 @@ class Scheduler:
                  window: BatchingWindow | None = None, decode_steps: int = 1,
                  length_buckets: tuple[int, ...] = (), enable_prefix_caching: bool = False,
                  num_spec_tokens: int = 0, proposer: "Proposer | None" = None,
-                 spec_max_batch: int | None = None,
+                 spec_max_batch: int | None = None, sliding_window: int | None = None,
                  clock: Callable[[], float] = time.monotonic):
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {batching!r}")
@@ -92,7 +92,9 @@ class Scheduler:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and "
                              f"max_chunk_tokens ({max_chunk_tokens}) must be at least 2: a prompt "
                              "chunk feeds 2 or more tokens, or a prompt could never start")
-        self.kv = KVCacheManager(PagePool(num_pages), page_size, enable_prefix_caching)
+        # sliding_window: every layer's, so pages behind a running request's window go back
+        self.kv = KVCacheManager(PagePool(num_pages), page_size, enable_prefix_caching,
+                                 sliding_window)
         self.enable_prefix_caching = enable_prefix_caching
         # requests whose computed tokens filled a page since their pages were last keyed (an
         # ordered set: the first to key a prefix holds it)
@@ -208,6 +210,7 @@ class Scheduler:
                 continue
             draft = self._draft(request, budget) if n == 1 and out.speculative else None
             positions = n if n > 1 else 1 + len(draft) if draft is not None else out.decode_steps
+            self.kv.release_outside_window(request)  # before it asks for more
             allocated = True
             while allocated and self.kv.allocate(request, positions) is None:
                 # as vLLM V1: the policy's last of every running request that runs on, even
@@ -459,6 +462,7 @@ class Scheduler:
             "num_preemptions": self.num_preemptions,
             "prefix_cache_queries": self.kv.queries,
             "prefix_cache_hits": self.kv.hits,
+            "kv_pages_released_by_window": self.kv.released,
             "spec_decode_num_drafts": self.spec_drafts,
             "spec_decode_num_draft_tokens": self.spec_draft_tokens,
             "spec_decode_num_accepted_tokens": self.spec_accepted_tokens,
@@ -467,8 +471,12 @@ class Scheduler:
 
 
 def make_scheduler(config: EngineConfig, num_pages: int, max_chunk_tokens: int,
-                   clock: Callable[[], float] = time.monotonic) -> Scheduler:
-    """The scheduler an engine config describes (the engine's, the simulator's, benchmarks')."""
+                   clock: Callable[[], float] = time.monotonic,
+                   sliding_window: int | None = None) -> Scheduler:
+    """The scheduler an engine config describes (the engine's, the simulator's, benchmarks').
+    `sliding_window`: the model's every layer's (ModelConfig.shared_window), whose pages
+    behind it go back; not with a draft model, which reads the target's pages from the
+    start."""
     max_batch = min(config.max_batch_size or config.max_num_seqs, config.max_num_seqs)
     min_batch = min(config.min_batch_size, max_batch)
     if config.adaptive_window:
@@ -490,7 +498,9 @@ def make_scheduler(config: EngineConfig, num_pages: int, max_chunk_tokens: int,
         from jaxserve.spec.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer()
+        sliding_window = None
     return Scheduler(
+        sliding_window=sliding_window,
         num_spec_tokens=0 if spec is None else spec.num_speculative_tokens, proposer=proposer,
         spec_max_batch=None if spec is None else spec.disable_by_batch_size,
         num_pages=num_pages, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
