@@ -163,8 +163,9 @@ def test_plan_gives_each_devices_bytes_as_the_runner_holds_them(report):
 
 
 def _config(**changes) -> ModelConfig:
-    base = dict(num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=128,
-                o_bias=False)
+    base = dict(architecture="LlamaForCausalLM", num_heads=4, num_kv_heads=2,
+                intermediate_size=128, vocab_size=128, o_bias=False, num_experts=0,
+                moe_intermediate_size=0, shared_expert_intermediate_size=0)
     return type("Cfg", (), dict(base, **changes))()
 
 
@@ -183,6 +184,18 @@ def test_bad_tensor_parallel_settings_are_clear_errors_at_start_up(tmp_path):
         check_tensor_parallel(_config(), 8, "cpu", 2)
     with pytest.raises(ValueError, match="tpu attention"):
         check_tensor_parallel(_config(), 2, "tpu", 8)
+    # a mixture of experts: its experts' columns, or with expert parallelism the experts
+    moe = dict(num_experts=6, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's 6 "
+                                         r"experts \(enable_expert_parallel\)"):
+        check_tensor_parallel(_config(**moe), 4, "cpu", 8, expert_parallel=True)
+    check_tensor_parallel(_config(**moe), 4, "cpu", 8)  # 32 columns split 4 ways
+    with pytest.raises(ValueError, match="does not divide the model's 20 shared expert's"):
+        check_tensor_parallel(_config(**moe, shared_expert_intermediate_size=20, num_heads=8,
+                                      num_kv_heads=8, vocab_size=128), 8, "cpu", 8)
+    with pytest.raises(ValueError, match="enable_expert_parallel: the LlamaForCausalLM model "
+                                         "has no experts"):
+        check_tensor_parallel(_config(), 2, "cpu", 8, expert_parallel=True)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(HERE / "fixtures" / "hf" / "llama", tensor_parallel_size=0)
     devices = len(jax.devices())
