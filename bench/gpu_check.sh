@@ -12,6 +12,8 @@
 #            fp8 weights with an fp8 KV pool (needs qwix: not in the device image, carry its wheel)
 #   spec     bench/profile_step.py --verify 4: the 8B shape's verification call (5 tokens a row)
 #            against its decode step, 2 and 32 rows (not by default: about a minute)
+#   moe      bench/moe.py on Qwen3-30B-A3B's layers (4 of them, bf16): jax.lax.ragged_dot's
+#            grouped matmul against a loop over experts at batch 1 and 32 (not by default)
 #   tests    the kernel tests, compiled by Triton for real
 #   kernels  bench/kernels.py: decode/prefill µs and GB/s vs copy bandwidth (not by default)
 #   tune     bench/tune_decode.py: the decode kernel's tuning arguments at 64 x 4096 (not by default)
@@ -87,6 +89,12 @@ if [[ $parts == *spec* ]]; then
       --rows "$rows" --context 300 --iters 10 --top 0 --verify 4 2>&1 |
       grep -v -e "^compiling" -e "op kind$"
   done
+fi
+if [[ $parts == *moe* ]]; then
+  echo "== mixture of experts: grouped matmul against a loop over experts, Qwen3-30B-A3B layers"
+  timeout 150 python3 bench/moe.py --hidden 2048 --moe-intermediate 768 --experts 128 \
+    --layers 4 --heads 32 --kv-heads 4 --head-dim 128 --vocab 151936 --dtype bfloat16 2>&1 |
+    tee "$out/moe.txt"
 fi
 if [[ $parts == *kernels* ]]; then
   echo "== kernel benchmark"; timeout 150 python3 bench/kernels.py --output-json "$out/kernels.json"

@@ -70,20 +70,21 @@ def decode_step(cfg: ModelConfig, state, graphdef, backend, rows: int, context: 
         hidden, kv = model(tokens, kv, md, backend)
         return model.logits(hidden[:, -1], backend), kv
 
-    return lambda: jax.block_until_ready(step(state, kv, tokens, md))
+    return lambda: jax.block_until_ready(step(state, kv, tokens, md)[0])
 
 
-def seconds_per_call(call, iters: int) -> float:
-    call()  # compiles
+def seconds_per_call(call, iters: int) -> tuple[float, np.ndarray]:
+    """The median seconds of a call, and its logits."""
+    logits = np.asarray(call())  # compiles
     times = []
     for _ in range(iters):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.median(times)), logits
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--moe-intermediate", type=int, default=384)
@@ -119,19 +120,28 @@ def main(argv: list[str] | None = None) -> None:
             layer.mlp.dense = dense
         variants["dense" if dense else "grouped"] = nnx.split(model)
     print(f"{'batch':>5} {'grouped tok/s':>14} {'dense tok/s':>12} {'speed-up':>9} "
-          f"{'grouped ms':>11} {'dense ms':>9} {'experts hit/layer':>18}")
+          f"{'grouped ms':>11} {'dense ms':>9} {'experts hit/layer':>18} {'same logits':>11}")
+    results = []
     for rows in (int(b) for b in args.batches.split(",")):
-        seconds = {}
+        seconds, logits = {}, {}
         for name, (g, s) in variants.items():
-            seconds[name] = seconds_per_call(
+            seconds[name], logits[name] = seconds_per_call(
                 decode_step(cfg, s, g, backend, rows, args.context), args.iters)
+        # bit for bit on the CPU backend (one kernel, each row its own chain); XLA's dot
+        # elsewhere may sum in another order
+        same = np.array_equal(logits["grouped"], logits["dense"])
         # the experts some token of a random batch picks: what the grouped matmul reads
         hit = np.mean([len(set(np.argsort(np.random.default_rng(i).random(
             (rows, cfg.num_experts)), axis=1)[:, :cfg.num_experts_per_tok].ravel()))
             for i in range(64)])
         print(f"{rows:>5} {rows / seconds['grouped']:>14.1f} {rows / seconds['dense']:>12.1f} "
               f"{seconds['dense'] / seconds['grouped']:>8.2f}x {1e3 * seconds['grouped']:>11.2f} "
-              f"{1e3 * seconds['dense']:>9.2f} {hit:>10.1f} of {cfg.num_experts}")
+              f"{1e3 * seconds['dense']:>9.2f} {hit:>10.1f} of {cfg.num_experts:<4} "
+              f"{'yes' if same else 'no':>11}")
+        results.append({"batch": rows, "seconds": seconds, "same_logits": same,
+                        "close": bool(np.allclose(logits["grouped"], logits["dense"],
+                                                  atol=1e-3))})
+    return results
 
 
 if __name__ == "__main__":

@@ -517,3 +517,16 @@ def test_speculative_bench_compares_ngram_and_draft_with_none_on_both_workloads(
     printed = [line.split() for line in lines[header + 1:]]
     assert [(cells[1], cells[-1]) for cells in printed] == [
         ("none", "-"), ("ngram", "yes"), ("draft", "yes")] * 2
+
+
+def test_moe_bench_times_grouped_and_dense_experts_with_the_same_logits(capsys):
+    """bench/moe.py at a tiny Qwen3-MoE shape: both ways of running the experts, each batch;
+    on the CPU backend the grouped matmul gives the loop's logits bit for bit."""
+    rows = _load(ROOT / "bench" / "moe.py").main(
+        ["--hidden", "64", "--moe-intermediate", "32", "--experts", "8", "--top-k", "2",
+         "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab",
+         "256", "--batches", "1,4", "--context", "20", "--iters", "2"])
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert all(r["same_logits"] and set(r["seconds"]) == {"grouped", "dense"} for r in rows)
+    out = capsys.readouterr().out
+    assert "Qwen3-MoE shape: 2 layers" in out and out.rstrip().endswith("yes")
