@@ -89,7 +89,7 @@ def test_on_the_cpu_backend_grouped_rows_have_the_bits_of_the_loop_over_experts(
         grouped_experts(x[5:6], experts[5:6], packed, cfg.num_experts, backend), want[5:6])
 
 
-@pytest.mark.parametrize("name", [*MOE_MODELS, "qwen2", "llama3"])
+@pytest.mark.parametrize("name", [*MOE_MODELS, "qwen2", "llama3", "gemma2", "gemma3"])
 def test_num_params_counts_the_experts_router_shared_expert_and_biases(name):
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / name)
     _, state = abstract_model(cfg, jnp.float32)
