@@ -68,7 +68,6 @@ class CpuAttention(Attention):
                sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
         k_pool, v_pool = kv.pools
         window = dict(sliding_window=sliding_window, soft_cap=soft_cap)
-        window = {k: v for k, v in window.items() if v is not None}  # TEMP until cpu kernels
         if q.shape[1] == 1:
             return decode_attention_cpu(q[:, 0], k_pool, v_pool, md.page_table, md.seq_lens,
                                         scale, **window)[:, None]
@@ -80,7 +79,8 @@ class CpuAttention(Attention):
         k_pool, v_pool = kv.pools
         return prefill_attention_cpu_ragged(q[0], k_pool, v_pool, md.page_table,
                                             md.positions[0], md.query_starts, md.seq_lens,
-                                            scale, **{k: v for k, v in dict(sliding_window=sliding_window, soft_cap=soft_cap).items() if v is not None})[None]  # TEMP
+                                            scale, sliding_window=sliding_window,
+                                            soft_cap=soft_cap)[None]
 
 
 @dataclass(frozen=True)
