@@ -12,6 +12,12 @@ float32 pages, bfloat16 pages held as their bits in uint16 (`BF16_BITS`; see `bf
 pages: 0.04 ms), where a bfloat16 one took 35 ms. The kernels widen each narrow key and value
 exactly as they load it, so a narrow pool gives the bits a float32 pool holding the widened
 values gives. Built with the other CPU kernels (`library.py`).
+
+Each also takes the reference's two static options, `sliding_window` and `soft_cap` (None: off).
+With a window a query's keys are read from its window's first on: the pages wholly before it
+are not read at all (the engine may have freed them and pointed their table entries at the
+null page), which is also what makes a window cheaper than the whole sequence. The cap is
+std::tanh in every path, so a query's bits stay independent of the rest of its call.
 """
 
 import jax
@@ -20,6 +26,7 @@ import numpy as np
 
 from cpu_kernels.library import call
 from pallas_kernels.decode import check_lengths, check_paged_inputs
+from pallas_kernels.reference import check_options
 
 BF16_BITS = jnp.uint16  # a bfloat16 pool's dtype: each element a bfloat16's bits
 
@@ -59,9 +66,13 @@ def decode_attention_cpu(
     seq_lens: jax.Array,  # [S] int32
     scale: float,
     library: str = "",  # a suffix given to cpu_library.register (another build)
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [S, num_heads, head_dim], q's dtype
-    """Same contract as `reference.decode_attention_ref`; empty slots give zeros. Runs only
-    on the CPU backend; raises KernelUnavailable where the kernels could not be built."""
+    """Same contract as `reference.decode_attention_ref`; empty slots give zeros, and so does
+    a slot whose window lies wholly past its table. Runs only on the CPU backend; raises
+    KernelUnavailable where the kernels could not be built."""
     if q.ndim != 3:
         raise ValueError(f"q has shape {q.shape}, expected [slots, num_heads, head_dim]")
     slots, num_heads, head_dim = q.shape
@@ -69,7 +80,8 @@ def decode_attention_cpu(
                        kernel=False)
     check_lengths("seq_lens", seq_lens, (slots,))
     return _call("jaxserve_cpu_decode_attention", q, k_pages, v_pages, page_table, seq_lens,
-                 scale=scale, library=library)
+                 scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                 library=library)
 
 
 def prefill_attention_cpu(
@@ -81,10 +93,14 @@ def prefill_attention_cpu(
     seq_lens: jax.Array,  # [B] int32
     scale: float,
     library: str = "",  # a suffix given to cpu_library.register (another build)
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [B, C, num_heads, head_dim], q's dtype
     """Same contract as `reference.prefill_attention_ref`, where a query at a position past its
-    row's `seq_lens` (padding) gives zeros. Runs only on the CPU backend; raises
-    KernelUnavailable where the kernels could not be built."""
+    row's `seq_lens` (padding) gives zeros, as does one whose window lies wholly past its
+    table. Runs only on the CPU backend; raises KernelUnavailable where the kernels could not
+    be built."""
     if q.ndim != 4:
         raise ValueError(f"q has shape {q.shape}, expected [batch, chunk, num_heads, head_dim]")
     batch, chunk, num_heads, head_dim = q.shape
@@ -93,7 +109,8 @@ def prefill_attention_cpu(
     check_lengths("positions", positions, (batch, chunk))
     check_lengths("seq_lens", seq_lens, (batch,))
     return _call("jaxserve_cpu_prefill_attention", q, k_pages, v_pages, page_table, positions,
-                 seq_lens, scale=scale, library=library)
+                 seq_lens, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                 library=library)
 
 
 def prefill_attention_cpu_ragged(
@@ -105,6 +122,9 @@ def prefill_attention_cpu_ragged(
     query_starts: jax.Array,  # [B + 1] int32   row b's queries: query_starts[b] .. [b + 1] - 1
     seq_lens: jax.Array,  # [B] int32
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q's dtype
     """prefill_attention_cpu over packed rows (no padding inside a row's chunk): each query
     gives the bits it gives there; tokens past query_starts[B] give zeros. query_starts must be
@@ -119,7 +139,8 @@ def prefill_attention_cpu_ragged(
     check_lengths("query_starts", query_starts, (batch + 1,))
     check_lengths("seq_lens", seq_lens, (batch,))
     return _call("jaxserve_cpu_prefill_attention_ragged", q, k_pages, v_pages, page_table,
-                 positions, query_starts, seq_lens, scale=scale)
+                 positions, query_starts, seq_lens, scale=scale, sliding_window=sliding_window,
+                 soft_cap=soft_cap)
 
 
 # a pool dtype -> its kernels' FFI target suffix (library.TARGETS)
@@ -128,12 +149,20 @@ _POOL_SUFFIXES = {jnp.dtype(jnp.float32): "", jnp.dtype(BF16_BITS): "_bf16",
 
 
 def _call(target: str, q, k_pages, v_pages, *int_args, scale: float,
-          library: str = "") -> jax.Array:
+          sliding_window: int | None, soft_cap: float | None, library: str = "") -> jax.Array:
+    check_options(sliding_window, soft_cap)
     if k_pages.dtype not in _POOL_SUFFIXES or v_pages.dtype != k_pages.dtype:
         raise ValueError("the CPU kernels read float8_e4m3fn pages as uint8 bits, float32 pages "
                          "or bfloat16 ones as uint16 bits, got "
                          f"{k_pages.dtype}/{v_pages.dtype}")
     target += _POOL_SUFFIXES[k_pages.dtype]
+    # the options only where set: a call without them is one that a library built before they
+    # existed takes too (bench/cpu_kernel_speed.py --baseline)
+    options = {}
+    if sliding_window is not None:
+        options["sliding_window"] = np.int64(sliding_window)
+    if soft_cap is not None:
+        options["soft_cap"] = np.float32(soft_cap)
     out = call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32), q.astype(jnp.float32),
-               k_pages, v_pages, *int_args, scale=np.float32(scale), suffix=library)
+               k_pages, v_pages, *int_args, scale=np.float32(scale), suffix=library, **options)
     return out.astype(q.dtype)

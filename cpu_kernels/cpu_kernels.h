@@ -310,6 +310,56 @@ inline void softmax_prefix(float* s, int64_t n, int64_t len, float scale) {
   std::fill(s + n, s + len, 0.f);
 }
 
+// What an attention call sets besides its buffers (its FFI attributes): `scale` always,
+// `sliding_window` and `soft_cap` only where the caller set them (attention.py), so a call that
+// sets neither is the call a library built before they existed takes (bench's --baseline).
+struct AttentionOptions {
+  float scale = 1.f;
+  int64_t window = 0;    // a query at p sees keys p - window < j <= p; 0: every j <= p
+  float soft_cap = 0.f;  // a scaled score x becomes soft_cap * tanh(x / soft_cap); 0: x
+
+  // The first key a query at `position` sees (the keys before it, and their pages, unread)
+  int64_t first_key(int64_t position) const {
+    return window > 0 ? std::max<int64_t>(position - window + 1, 0) : 0;
+  }
+};
+
+inline ffi::Error read_options(const ffi::Dictionary& attrs, AttentionOptions& options) {
+  const auto scale = attrs.get<float>("scale");
+  if (scale.has_error()) return scale.error();
+  options.scale = *scale;
+  if (attrs.contains("sliding_window")) {
+    const auto window = attrs.get<int64_t>("sliding_window");
+    if (window.has_error()) return window.error();
+    options.window = *window;
+  }
+  if (attrs.contains("soft_cap")) {
+    const auto cap = attrs.get<float>("soft_cap");
+    if (cap.has_error()) return cap.error();
+    options.soft_cap = *cap;
+  }
+  if (options.window < 0 || !(options.soft_cap >= 0.f && std::isfinite(options.soft_cap))) {
+    return ffi::Error::InvalidArgument("attention: sliding_window or soft_cap out of range");
+  }
+  return ffi::Error::Success();
+}
+
+// s[lo, hi) <- the weights of the keys there: the softmax of their scores times scale (capped
+// first, each by std::tanh, with a soft cap); s[0, lo) and s[hi, len) <- 0 (lo < hi). The
+// weights depend on s[lo, hi) alone, wherever the window falls in s: a query's weights are the
+// same whether it is scored alone (decode) or among others whose keys start before its own.
+inline void attention_weights(float* s, int64_t lo, int64_t hi, int64_t len,
+                              const AttentionOptions& options) {
+  float scale = options.scale;
+  if (options.soft_cap > 0.f) {
+    const float cap = options.soft_cap;
+    for (int64_t i = lo; i < hi; ++i) s[i] = cap * std::tanh(s[i] * scale / cap);
+    scale = 1.f;  // s[i] - max, rounded once, as fma(s[i], 1, -max)
+  }
+  std::fill(s, s + lo, 0.f);
+  softmax_prefix(s + lo, hi - lo, len - lo, scale);
+}
+
 #if defined(__AVX512F__)
 // acc + w[0] x[0] + w[1] x[1] + w[2] x[2] + w[3] x[3], fused multiply-adds in that order
 inline __m512 fma_chain4(__m512 acc, const __m512* w, const __m512* x) {
@@ -391,16 +441,17 @@ inline void add_weighted4x2(float* oa, float* ob, const float* wa, const float* 
 }
 
 // One decode query: all heads of a token at the end of its sequence (seq_len keys, the last its
-// own) against the sequence's pages, as the decode kernel computes a slot (cpu_decode.cc). The
-// ragged prefill kernel runs its one-token rows through it, so a decode row packed among prompt
-// chunks is the decode step's, to its bits and its reads.
+// own; only the last `options.window` of them with a window) against the sequence's pages, as the
+// decode kernel computes a slot (cpu_decode.cc). The ragged prefill kernel runs its one-token
+// rows through it, so a decode row packed among prompt chunks is the decode step's, to its bits
+// and its reads.
 //   q, out [heads, head_dim]; table the sequence's page_table row of pages_per_seq entries;
 //   T float, bf16_bits or fp8_e4m3 (cpu_decode.cc instantiates each)
 template <class T>
 void decode_query(const float* q, const T* k, const T* v, const int32_t* table,
                   int32_t seq_len, float* out, int64_t heads, int64_t head_dim, int64_t pages,
-                  int64_t page_size, int64_t kv_heads, int64_t pages_per_seq, float scale,
-                  std::vector<float>& scores);
+                  int64_t page_size, int64_t kv_heads, int64_t pages_per_seq,
+                  const AttentionOptions& options, std::vector<float>& scores);
 
 // Work items 0 .. total-1, taken in order by the calling thread and by tasks on XLA's pool, each
 // with its own scratch vector. A task that starts after the items ran out returns at once; the

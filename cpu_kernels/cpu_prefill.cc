@@ -7,6 +7,7 @@
 //
 //   row b, queries c0 .. c0+15 (one item per KV head), positions p_c:
 //     keys 0 .. p_c of each, read once for the 16 queries and their group's query heads
+//     (with a window w: keys p_c - w + 1 .. p_c of each, read from the first's on)
 //
 // Contract (as pallas_kernels.reference.prefill_attention_ref), float32 throughout but the pool:
 //   q          [B, C, H, D]      a chunk of C queries per row
@@ -17,9 +18,13 @@
 //   positions  [B, C] int32       query (b, c) sees keys j <= positions[b, c]
 //   seq_lens   [B] int32          keys the row holds, chunk included
 //   out        [B, C, H, D]
+//   scale, and sliding_window and soft_cap where set (AttentionOptions, cpu_kernels.h)
 // A query at a position >= seq_lens[b] is padding (the reference gives garbage there that
-// callers ignore): its output is zeros, and so is every query of a row with seq_lens 0.
-// A row reads at most pages_per_seq * page tokens; page ids outside [0, P) read page 0.
+// callers ignore): its output is zeros, and so is every query of a row with seq_lens 0, and of
+// a query whose window lies past its row's table.
+// A row reads at most pages_per_seq * page tokens; page ids outside [0, P) read page 0. With a
+// window, an item reads no key before its first query's window: the pages wholly before it are
+// never touched (the engine may have freed them).
 //
 // The ragged form (JaxserveCpuPrefillAttentionRagged) packs the rows' chunks one after another
 // with no padding between them, as the engine's ragged prefill call does:
@@ -53,12 +58,12 @@ struct Problem {
   const int32_t* seq_lens;
   float* out;
   int64_t rows, heads, head_dim, pages, page_size, kv_heads, pages_per_seq;
-  float scale;
+  AttentionOptions options;
 };
 
 // Queries [c0, c0 + kQueries) of the `count` from token `first` on, which are `row`'s, the
-// query heads of KV head `kv`. Query vector i is query c0 + i / group, head kv * group +
-// i % group; scores[i * len + j] its score for key j.
+// query heads of KV head `kv`, against keys [lo, hi), those any of them sees. Query vector i is
+// query c0 + i / group, head kv * group + i % group; scores[i * len + j - lo] its score for key j.
 template <class T>
 void attend(const Problem<T>& p, int64_t row, int64_t first, int64_t count, int64_t kv, int64_t c0,
             std::vector<float>& scores) {
@@ -67,10 +72,11 @@ void attend(const Problem<T>& p, int64_t row, int64_t first, int64_t count, int6
   const int64_t held = std::min<int64_t>(std::max(p.seq_lens[row], 0),
                                          p.pages_per_seq * p.page_size);
   const int32_t* positions = p.positions + first;
-  auto keys_seen = [&](int64_t c) {  // keys query c sees; 0 for padding
+  auto keys_seen = [&](int64_t c) {  // the end of the keys query c sees; 0 for padding
     const int64_t pos = positions[c];
     return pos < 0 || pos >= p.seq_lens[row] ? int64_t{0} : std::min(pos + 1, held);
   };
+  auto first_seen = [&](int64_t c) { return p.options.first_key(positions[c]); };
   auto q_at = [&](int64_t i) {
     return p.q + (((first + c0 + i / group) * p.heads) + kv * group + i % group) * dim;
   };
@@ -78,48 +84,53 @@ void attend(const Problem<T>& p, int64_t row, int64_t first, int64_t count, int6
     return p.out + (((first + c0 + i / group) * p.heads) + kv * group + i % group) * dim;
   };
   const int64_t nq = (c1 - c0) * group;
-  int64_t len = 0;  // keys any query of the item sees
-  for (int64_t c = c0; c < c1; ++c) len = std::max(len, keys_seen(c));
+  int64_t lo = INT64_MAX, hi = 0;  // the keys any query of the item sees
+  for (int64_t c = c0; c < c1; ++c) {
+    if (first_seen(c) >= keys_seen(c)) continue;
+    lo = std::min(lo, first_seen(c));
+    hi = std::max(hi, keys_seen(c));
+  }
   for (int64_t i = 0; i < nq; ++i) std::fill(out_at(i), out_at(i) + dim, 0.f);
-  if (len == 0) return;
+  if (lo >= hi) return;
+  const int64_t len = hi - lo;
   const PagedSeq seq{p.page_table + row * p.pages_per_seq, p.pages, p.page_size,
                      p.kv_heads * dim};
 
   scores.resize(nq * len);
-  int64_t t = 0;
-  for (; t + 8 <= len; t += 8) {  // scores, 8 keys at a time, each read once for every query
+  int64_t t = lo;
+  for (; t + 8 <= hi; t += 8) {  // scores, 8 keys at a time, each read once for every query
     const T* keys[8];
     for (int j = 0; j < 8; ++j) keys[j] = seq.row(p.k, t + j, kv, dim);
-    for (int64_t i = 0; i < nq; ++i) dot8(q_at(i), keys, dim, scores.data() + i * len + t);
+    for (int64_t i = 0; i < nq; ++i) dot8(q_at(i), keys, dim, scores.data() + i * len + t - lo);
   }
-  for (; t < len; ++t) {
+  for (; t < hi; ++t) {
     const T* key = seq.row(p.k, t, kv, dim);
-    for (int64_t i = 0; i < nq; ++i) scores[i * len + t] = dot1(q_at(i), key, dim);
+    for (int64_t i = 0; i < nq; ++i) scores[i * len + t - lo] = dot1(q_at(i), key, dim);
   }
-  // weights, zero past the keys each query sees (those keys are written: finite)
+  // weights, zero outside the keys each query sees (those keys are written: finite)
   for (int64_t i = 0; i < nq; ++i) {
-    const int64_t n = keys_seen(c0 + i / group);
-    if (n == 0) {
+    const int64_t begin = first_seen(c0 + i / group), end = keys_seen(c0 + i / group);
+    if (begin >= end) {
       std::fill(scores.data() + i * len, scores.data() + (i + 1) * len, 0.f);
     } else {
-      softmax_prefix(scores.data() + i * len, n, len, p.scale);
+      attention_weights(scores.data() + i * len, begin - lo, end - lo, len, p.options);
     }
   }
-  t = 0;
-  for (; t + 4 <= len; t += 4) {  // values, 4 at a time: one load and store of each output
+  t = lo;
+  for (; t + 4 <= hi; t += 4) {  // values, 4 at a time: one load and store of each output
     const T* v0 = seq.row(p.v, t, kv, dim);
     const T* v1 = seq.row(p.v, t + 1, kv, dim);
     const T* v2 = seq.row(p.v, t + 2, kv, dim);
     const T* v3 = seq.row(p.v, t + 3, kv, dim);
     for (int64_t i = 0; i < nq; ++i) {
-      const float* w = scores.data() + i * len + t;
+      const float* w = scores.data() + i * len + t - lo;
       if (w[0] == 0.f && w[1] == 0.f && w[2] == 0.f && w[3] == 0.f) continue;  // unseen keys
       add_weighted4(out_at(i), w, v0, v1, v2, v3, dim);
     }
   }
-  for (; t < len; ++t) {
+  for (; t < hi; ++t) {
     const T* value = seq.row(p.v, t, kv, dim);
-    for (int64_t i = 0; i < nq; ++i) add_weighted(out_at(i), scores[i * len + t], value, dim);
+    for (int64_t i = 0; i < nq; ++i) add_weighted(out_at(i), scores[i * len + t - lo], value, dim);
   }
 }
 
@@ -146,14 +157,15 @@ bool consistent(const Problem<T>& p, const ffi::Span<const int64_t>& kd,
 template <class PoolBuffer>  // Pool, Pool16 or Pool8
 ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, PoolBuffer k, PoolBuffer v,
                             Table page_table, Positions positions, Lens seq_lens, Out out,
-                            float scale) {
+                            ffi::Dictionary attrs) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto pd = positions.dimensions();
-  const Problem<PoolElement<PoolBuffer>> p{
+  Problem<PoolElement<PoolBuffer>> p{
       q.typed_data(), pool_data(k), pool_data(v), page_table.typed_data(),
       positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
-      qd[0], qd[2], qd[3], kd[0], kd[1], kd[2], page_table.dimensions()[1], scale};
+      qd[0], qd[2], qd[3], kd[0], kd[1], kd[2], page_table.dimensions()[1], {}};
+  if (ffi::Error e = read_options(attrs, p.options); e.failure()) return e;
   const int64_t chunk = qd[1];
   if (!consistent(p, kd, v.dimensions(), page_table.dimensions(), seq_lens.dimensions()[0]) ||
       pd[0] != p.rows || pd[1] != chunk) {
@@ -174,14 +186,16 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, Queries q, PoolBuffer k, PoolB
 template <class PoolBuffer>  // Pool, Pool16 or Pool8
 ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, PoolBuffer k,
                                   PoolBuffer v, Table page_table, PackedPositions positions,
-                                  Lens query_starts, Lens seq_lens, PackedOut out, float scale) {
+                                  Lens query_starts, Lens seq_lens, PackedOut out,
+                                  ffi::Dictionary attrs) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
-  const Problem<PoolElement<PoolBuffer>> p{
+  Problem<PoolElement<PoolBuffer>> p{
       q.typed_data(), pool_data(k), pool_data(v), page_table.typed_data(),
       positions.typed_data(), seq_lens.typed_data(), out->typed_data(),
       seq_lens.dimensions()[0], qd[1], qd[2], kd[0], kd[1], kd[2],
-      page_table.dimensions()[1], scale};
+      page_table.dimensions()[1], {}};
+  if (ffi::Error e = read_options(attrs, p.options); e.failure()) return e;
   const int64_t tokens = qd[0];
   if (!consistent(p, kd, v.dimensions(), page_table.dimensions(), p.rows) ||
       positions.dimensions()[0] != tokens || query_starts.dimensions()[0] != p.rows + 1) {
@@ -223,8 +237,8 @@ ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, PoolBuf
                      decode_query(p.q + at, p.k, p.v,
                                   p.page_table + item.row * p.pages_per_seq,
                                   p.seq_lens[item.row], p.out + at, p.heads, p.head_dim,
-                                  p.pages, p.page_size, p.kv_heads, p.pages_per_seq, p.scale,
-                                  scores);
+                                  p.pages, p.page_size, p.kv_heads, p.pages_per_seq,
+                                  p.options, scores);
                      return;
                    }
                    attend(p, item.row, starts[item.row], starts[item.row + 1] - starts[item.row],
@@ -244,7 +258,7 @@ ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, PoolBuf
       .Arg<Positions>()                      \
       .Arg<Lens>()                           \
       .Ret<Queries>()                        \
-      .Attr<float>("scale")
+      .Attrs()
 
 #define JAXSERVE_RAGGED_BINDING(PoolBuffer) \
   ffi::Ffi::Bind()                          \
@@ -257,7 +271,7 @@ ffi::Error PrefillAttentionRagged(ffi::ThreadPool pool, PackedQueries q, PoolBuf
       .Arg<Lens>()                          \
       .Arg<Lens>()                          \
       .Ret<PackedQueries>()                 \
-      .Attr<float>("scale")
+      .Attrs()
 
 }  // namespace
 

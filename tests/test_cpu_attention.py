@@ -1,6 +1,7 @@
 """The C++ attention for the CPU (cpu_kernels/cpu_decode.cc and cpu_prefill.cc, through XLA's
 FFI) equals the gather-everything reference, and the engine picks it, or falls back, as it says."""
 
+import functools
 import logging
 
 import jax
@@ -122,6 +123,8 @@ def test_cpu_decode_takes_16_bit_queries_and_gives_their_dtype():
     ({"q": jnp.zeros((2, 8), jnp.float32)}, r"expected \[slots, num_heads, head_dim\]"),
     ({"k_pages": jnp.zeros((5, 4, 4, 16), jnp.bfloat16),
       "v_pages": jnp.zeros((5, 4, 4, 16), jnp.bfloat16)}, "as uint16 bits, got bfloat16/bfloat16"),
+    ({"sliding_window": 0}, "sliding_window is 0, expected a positive int or None"),
+    ({"soft_cap": -1.0}, "soft_cap is -1.0, expected a positive number or None"),
 ])
 def test_cpu_decode_rejects_bad_inputs(args, message):
     call = {"q": jnp.zeros((2, 8, 16), jnp.float32), "k_pages": jnp.zeros((5, 4, 4, 16)),
@@ -164,10 +167,12 @@ def test_cpu_prefill_equals_reference(chunk, kv_heads, group, head_dim, page_siz
 
 
 @pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (2, 64), (3, 64), (2, 32), (3, 12)])
-def test_decode_gives_the_bits_prefill_gives_the_same_query(group, head_dim):
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (11, 2.0)])
+def test_decode_gives_the_bits_prefill_gives_the_same_query(group, head_dim, window, soft_cap):
     # a generated token's attention as decode computes it and as prefill recomputes it (after
     # a preemption) are one computation: decode pairs the query heads of a KV head, prefill
-    # takes them one by one, and each query's sums are the same
+    # takes them one by one, and each query's sums are the same; with a window, prefill scores
+    # a block of queries from its first query's window on, decode from the token's own
     rng = np.random.default_rng(group * 100 + head_dim)
     kv_heads, page_size, pages_per_seq, rows, chunk = 2, 8, 6, 3, 9
     _, k, v, table = _case(rng, rows, kv_heads, group, head_dim, page_size, pages_per_seq,
@@ -176,10 +181,13 @@ def test_decode_gives_the_bits_prefill_gives_the_same_query(group, head_dim):
                      jnp.float32)
     starts = [0, 20, 37]
     positions, seq_lens = _chunks(rng, starts, [chunk] * rows, chunk)
-    prefill = np.asarray(prefill_attention_cpu(qs, k, v, table, positions, seq_lens, 0.3))
+    options = dict(sliding_window=window, soft_cap=soft_cap)
+    prefill = np.asarray(prefill_attention_cpu(qs, k, v, table, positions, seq_lens, 0.3,
+                                               **options))
     for i in range(chunk):  # query i of each row, decoded at its position
         decode = np.asarray(decode_attention_cpu(qs[:, i], k, v, table,
-                                                 jnp.asarray(positions)[:, i] + 1, 0.3))
+                                                 jnp.asarray(positions)[:, i] + 1, 0.3,
+                                                 **options))
         assert (decode == prefill[:, i]).all(), i
 
 
@@ -315,6 +323,142 @@ def test_a_bf16_pools_ragged_calls_give_its_padded_and_decode_calls_bits():
     for b in (1, 3):  # the one-token rows at their sequences' ends: the decode kernel's slots
         assert (got[np.asarray(qs)[b]] == decode[b]).all()
     assert (got[len(take):] == 0).all()
+
+
+# sliding_window and soft_cap: windows of one key, not a multiple of page_size (4), of two
+# pages, longer than any sequence; the cap alone and with a window
+OPTIONS = [(1, None), (5, None), (8, None), (500, None), (None, 2.0), (6, 2.5)]
+
+
+def _free_before(pools, table, first_keys, page_size, stale=jnp.nan):
+    """The pools and table as an engine leaves them once it has freed each row's pages that lie
+    wholly before first_keys[b]: those pages, and the null page 0, hold `stale` (NaN), and
+    every other such table entry points at page 0. A kernel that read any of them would
+    give NaN (a NaN key's weight, or a zero weight times a NaN value)."""
+    table = np.array(table)
+    freed = [(b, j) for b, first in enumerate(first_keys) for j in range(first // page_size)]
+    pages = np.array([0] + [table[b, j] for b, j in freed])
+    for b, j in freed[::2]:
+        table[b, j] = 0
+    return [x.at[pages].set(stale) for x in pools], jnp.asarray(table)
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), OPTIONS)
+def test_cpu_decode_with_a_window_or_a_cap_equals_reference(window, soft_cap):
+    rng = np.random.default_rng(7)
+    page_size, pages_per_seq, slots = 4, 16, 6
+    q, k, v, table = _case(rng, slots, 2, 3, 32, page_size, pages_per_seq,
+                           slots * pages_per_seq + 1)
+    lens = np.array([1, 7, 0, 64, 30, 13])
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    options = dict(sliding_window=window, soft_cap=soft_cap)
+    want = np.asarray(decode_attention_ref(q, k, v, table, seq_lens, 0.3, **options))
+    first_keys = np.maximum(lens - window, 0) if window else [0] * slots
+    pools, freed_table = _free_before((k, v), table, first_keys, page_size)
+    got = np.asarray(jax.jit(functools.partial(decode_attention_cpu, scale=0.3, **options))(
+        q, *pools, freed_table, seq_lens))
+    live = lens > 0
+    np.testing.assert_allclose(got[live], want[live], atol=2e-6, rtol=1e-5)
+    assert (got[~live] == 0).all()
+    if window is not None and window >= lens.max():  # a window past the start: none at all
+        assert (got == np.asarray(decode_attention_cpu(q, k, v, table, seq_lens, 0.3))).all()
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), OPTIONS)
+def test_cpu_prefill_with_a_window_or_a_cap_equals_reference(window, soft_cap):
+    # a first chunk, a later one (its items' windows starting at different pages), a short one
+    # (padding), an empty row, a one-token row at its sequence's end; packed, the same bits,
+    # and that row the decode kernel's. Pages of 2 keys: the freed pages end inside a 4-key
+    # group of values, so a read of them would reach a seen value's sum (groups of zero
+    # weights are skipped)
+    rng = np.random.default_rng(8)
+    kv_heads, group, head_dim, page_size, pages_per_seq, chunk = 2, 2, 16, 2, 32, 37
+    rows = 5
+    _, k, v, table = _case(rng, rows, kv_heads, group, head_dim, page_size, pages_per_seq,
+                           rows * pages_per_seq + 1)
+    q = jnp.asarray(rng.standard_normal((rows, chunk, kv_heads * group, head_dim)), jnp.float32)
+    query_lens, starts = [chunk, chunk, 12, 0, 1], [0, 23, 9, 0, 40]
+    positions, seq_lens = _chunks(rng, starts, query_lens, chunk)
+    options = dict(sliding_window=window, soft_cap=soft_cap)
+    want = np.asarray(prefill_attention_ref(q, k, v, table, positions, seq_lens, 0.3,
+                                            **options))
+    first_keys = np.maximum(np.array(starts) - window + 1, 0) if window else [0] * rows
+    pools, freed_table = _free_before((k, v), table, first_keys, page_size)
+    got = np.asarray(prefill_attention_cpu(q, *pools, freed_table, positions, seq_lens, 0.3,
+                                           **options))
+    for b, n in enumerate(query_lens):
+        np.testing.assert_allclose(got[b, :n], want[b, :n], atol=2e-6, rtol=1e-5)
+        assert (got[b, n:] == 0).all()
+    qp, pp, qs, take = _packed(q, np.asarray(positions), query_lens, 96)
+    ragged = np.asarray(prefill_attention_cpu_ragged(qp, *pools, freed_table, pp, qs, seq_lens,
+                                                     0.3, **options))
+    for t, (b, c) in enumerate(take):
+        assert (ragged[t] == got[b, c]).all(), (t, b, c)
+    assert (ragged[len(take):] == 0).all()
+    decode = np.asarray(decode_attention_cpu(q[4:, 0], *pools, freed_table[4:], seq_lens[4:],
+                                             0.3, **options))
+    assert (ragged[np.asarray(qs)[4]] == decode[0]).all()
+
+
+def test_a_window_keeps_the_attention_batch_invariant():
+    # a slot's (a row's) bits whatever shares its call: few slots split each slot's KV heads
+    # among the threads, many give each thread whole slots; a row's prefill chunk alone and
+    # among others, padded and packed
+    rng = np.random.default_rng(9)
+    kv_heads, group, head_dim, page_size, pages_per_seq, slots = 2, 3, 32, 4, 16, 9
+    q, k, v, table = _case(rng, slots, kv_heads, group, head_dim, page_size, pages_per_seq,
+                           slots * pages_per_seq + 1)
+    options = dict(sliding_window=11, soft_cap=2.0)
+    lens = jnp.asarray(rng.integers(1, page_size * pages_per_seq + 1, slots), jnp.int32)
+    together = np.asarray(decode_attention_cpu(q, k, v, table, lens, 0.3, **options))
+    for s in range(slots):
+        alone = decode_attention_cpu(q[s:s + 1], k, v, table[s:s + 1], lens[s:s + 1], 0.3,
+                                     **options)
+        assert (np.asarray(alone)[0] == together[s]).all(), s
+    chunk, rows = 20, 3
+    qs = jnp.asarray(rng.standard_normal((rows, chunk, kv_heads * group, head_dim)), jnp.float32)
+    positions, seq_lens = _chunks(rng, [0, 30, 14], [chunk, chunk, 7], chunk)
+    together = np.asarray(prefill_attention_cpu(qs, k, v, table[:rows], positions, seq_lens,
+                                                0.3, **options))
+    for b in range(rows):
+        alone = prefill_attention_cpu(qs[b:b + 1], k, v, table[b:b + 1], positions[b:b + 1],
+                                      seq_lens[b:b + 1], 0.3, **options)
+        assert (np.asarray(alone)[0] == together[b]).all(), b
+        qp, pp, starts, _ = _packed(qs[b:b + 1], np.asarray(positions[b:b + 1]),
+                                    [int(seq_lens[b] - positions[b, 0])], chunk + 3)
+        packed = prefill_attention_cpu_ragged(qp, k, v, table[b:b + 1], pp, starts,
+                                              seq_lens[b:b + 1], 0.3, **options)
+        n = int(starts[1])
+        assert (np.asarray(packed)[:n] == together[b, :n]).all(), b
+
+
+@pytest.mark.parametrize("path", ["", "_avx2", "_plain"])
+def test_a_window_and_a_cap_on_a_bf16_pool_give_the_bits_of_its_values(path, other_paths):
+    # on every instruction set path (the plain one's scalar softmax too): the attention over a
+    # bfloat16 pool is the attention over its values, and the reference's over them
+    rng = np.random.default_rng(10)
+    kv_heads, group, head_dim, page_size, pages_per_seq, rows, chunk = 2, 3, 24, 4, 12, 5, 19
+    q, k, v, table = _case(rng, rows, kv_heads, group, head_dim, page_size, pages_per_seq,
+                           rows * pages_per_seq + 2)
+    bf16, f32 = _bf16_pools(k, v)
+    options = dict(sliding_window=7, soft_cap=3.0)
+    lens = jnp.asarray([1, 7, 0, 48, 30], jnp.int32)
+    decode = [np.asarray(decode_attention_cpu(q, *pools, table, lens, 0.3, path, **options))
+              for pools in (bf16, f32)]
+    assert (decode[0] == decode[1]).all()
+    want = np.asarray(decode_attention_ref(q, *f32, table, lens, 0.3, **options))
+    np.testing.assert_allclose(decode[0][[0, 1, 3, 4]], want[[0, 1, 3, 4]], atol=2e-6,
+                               rtol=1e-5)
+    qs = jnp.asarray(rng.standard_normal((rows, chunk, kv_heads * group, head_dim)), jnp.float32)
+    query_lens = [chunk, chunk, 6, 0, chunk]
+    positions, seq_lens = _chunks(rng, [0, 5, 20, 0, 3], query_lens, chunk)
+    prefill = [np.asarray(prefill_attention_cpu(qs, *pools, table, positions, seq_lens, 0.3,
+                                                path, **options)) for pools in (bf16, f32)]
+    assert (prefill[0] == prefill[1]).all()
+    want = np.asarray(prefill_attention_ref(qs, *f32, table, positions, seq_lens, 0.3,
+                                            **options))
+    for b, n in enumerate(query_lens):
+        np.testing.assert_allclose(prefill[0][b, :n], want[b, :n], atol=2e-6, rtol=1e-5)
 
 
 def test_the_kernels_reject_pools_of_other_or_mixed_dtypes():

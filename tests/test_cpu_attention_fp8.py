@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from test_cpu_attention import _case, _chunks, _packed
+from test_cpu_attention import _case, _chunks, _free_before, _packed
 
 from cpu_kernels.attention import (
     FP8_BITS,
@@ -184,6 +184,40 @@ def test_an_fp8_pool_reads_no_stale_pages():
     stale = [x.at[11].set(0x7F).at[1, 3:].set(0xFF).at[5, 2:].set(0x7F) for x in (kb, vb)]
     got = np.asarray(decode_attention_cpu(q, *stale, table, lens, 0.25))
     assert (got == np.asarray(decode_attention_cpu(q, kb, vb, table, lens, 0.25))).all()
+
+
+@pytest.mark.parametrize("path", ["", "_avx2", "_plain"])
+def test_a_window_and_a_cap_on_an_fp8_pool_give_the_bits_of_its_values(path, other_paths):
+    # decode, padded and packed prefill with a window and a cap: the float32 pool's bits, on
+    # every instruction set path, and the pages wholly before each row's window never read
+    # (NaN bytes there, and in the null page their freed table entries point at, change nothing)
+    rng = np.random.default_rng(12)
+    kv_heads, group, head_dim, page_size, pages_per_seq, rows, chunk = 2, 3, 64, 4, 16, 4, 21
+    _, k, v, table = _case(rng, rows, kv_heads, group, head_dim, page_size, pages_per_seq,
+                           rows * pages_per_seq + 1)
+    fp8, f32 = _fp8_pools(_wide_range(rng, k), _wide_range(rng, v))
+    options = dict(sliding_window=6, soft_cap=5.0)
+    q = jnp.asarray(rng.standard_normal((rows, chunk, kv_heads * group, head_dim)), jnp.float32)
+    query_lens, starts = [chunk, 1, 13, chunk], [0, 40, 9, 30]
+    positions, seq_lens = _chunks(rng, starts, query_lens, chunk)
+    stale, freed_table = _free_before(fp8, table, np.maximum(np.array(starts) - 5, 0),
+                                      page_size, stale=0x7F)
+    decode = [np.asarray(decode_attention_cpu(q[:, 0], *pools, t, seq_lens, 0.3, path,
+                                              **options))
+              for pools, t in ((stale, freed_table), (fp8, table), (f32, table))]
+    assert (decode[0] == decode[2]).all() and (decode[1] == decode[2]).all()
+    prefill = [np.asarray(prefill_attention_cpu(q, *pools, t, positions, seq_lens, 0.3, path,
+                                                **options))
+               for pools, t in ((stale, freed_table), (fp8, table), (f32, table))]
+    assert (prefill[0] == prefill[2]).all() and (prefill[1] == prefill[2]).all()
+    # (the ragged kernel on this machine's path only: against that path's padded one)
+    padded = np.asarray(prefill_attention_cpu(q, *fp8, table, positions, seq_lens, 0.3,
+                                              **options))
+    qp, pp, qs, take = _packed(q, np.asarray(positions), query_lens, 64)
+    ragged = np.asarray(prefill_attention_cpu_ragged(qp, *stale, freed_table, pp, qs, seq_lens,
+                                                     0.3, **options))
+    for t, (b, c) in enumerate(take):
+        assert (ragged[t] == padded[b, c]).all(), (t, b, c)
 
 
 def test_the_kernels_reject_fp8_pools_mixed_with_other_dtypes():
