@@ -91,8 +91,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = None,
                  request_timeout_s: float | None = None, stall_timeout_s: float = 60.0):
         if max_waiting_requests is None:
-            scheduler = engine.scheduler
-            max_waiting_requests = max(scheduler.max_num_seqs, scheduler.kv.pool.num_usable)
+            max_waiting_requests = max(engine.max_num_seqs, engine.num_kv_pages)
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
         if request_timeout_s is not None and not request_timeout_s > 0:
@@ -171,11 +170,11 @@ class AsyncEngine:
         would wait for an engine step, and a static batch would form without the rest). All
         or none: on any error every one of them is aborted and the first error raised."""
         limit = self.max_waiting_requests
-        if limit is not None and len(requests) > limit + self.engine.scheduler.max_num_seqs:
+        if limit is not None and len(requests) > limit + self.engine.max_num_seqs:
             # all or none, and never all: a 429 would be retried for ever
             raise ValueError(f"n: {len(requests)} requests together (n x the number of prompts) "
                              "can never be admitted at once: the engine runs "
-                             f"{self.engine.scheduler.max_num_seqs} (max_num_seqs) and queues "
+                             f"{self.engine.max_num_seqs} (max_num_seqs) and queues "
                              f"{limit} (max_waiting_requests)")
         loop = asyncio.get_running_loop()
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -349,9 +348,7 @@ class AsyncEngine:
 
     def _num_waiting_for_a_slot(self) -> int:
         """Waiting requests the free slots will not take in the next iteration."""
-        scheduler = self.engine.scheduler
-        free = max(0, scheduler.max_num_seqs - len(scheduler.running))
-        return len(scheduler.waiting) - free
+        return self.engine.num_waiting_for_a_slot()
 
     def _expire(self, now: float) -> None:
         """Time out requests past their deadline: O(1) per iteration while none is due (the

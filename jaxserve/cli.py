@@ -93,23 +93,50 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from jaxserve.engine import DEMO, LLMEngine, freeze_gc
+    from jaxserve import distributed
+    from jaxserve.engine import DEMO, LLMEngine, freeze_gc, resolve_model
     from jaxserve.server import ServerConfig, bind, serve
 
     engine_options, server_options = _options(args)
     server_config = ServerConfig(**server_options)
     engine_config = EngineConfig.from_overrides(**engine_options)
     model = args.model or DEMO
+    group = _join_processes(args)
+    if group is not None and not group.processes.is_leader:
+        return distributed.run_follower(model, engine_config, group)
     sock = bind(server_config)  # a port in use fails now, not after the compile
     try:
+        if group is not None:
+            group.agree(distributed.setup_of(resolve_model(model), engine_config))
         print(f"jaxserve: loading {model} (weights, then a compile for every step shape)",
               flush=True)
         engine = LLMEngine(model, engine_config, progress=True)
-    except BaseException:
+    except BaseException as error:
         sock.close()
+        if group is not None:
+            group.fail(error)
         raise
     freeze_gc()  # this process serves one engine until it exits
-    return serve(engine, server_config, model_name=str(model), sock=sock)
+    code = serve(engine, server_config, model_name=str(model), sock=sock)
+    if group is not None:  # the followers stop with it
+        group.end(engine.runner, code)
+    return code
+
+
+def _join_processes(args):
+    """jax.distributed across processes when --num-processes (or its env var) is above 1;
+    the heartbeats start at once, so a process lost while the others compile stops them."""
+    from jaxserve import distributed
+
+    if args.num_processes in (None, 1):
+        return None
+    if args.coordinator_address is None or args.process_id is None:
+        raise ValueError("--num-processes above 1 needs --coordinator-address HOST:PORT and "
+                         "--process-id (or JAXSERVE_COORDINATOR_ADDRESS, JAXSERVE_PROCESS_ID)")
+    group = distributed.initialize(distributed.Processes(
+        args.coordinator_address, args.num_processes, args.process_id))
+    group.watch()
+    return group
 
 
 def _bench(args) -> int:
@@ -173,7 +200,7 @@ def _options(args) -> tuple[dict[str, Any], dict[str, Any]]:
             {k: v for k, v in options.items() if k in server})
 
 
-_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}  # vLLM's
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",)}  # vLLM's
 
 
 def _add_option_flags(parser: argparse.ArgumentParser, cls: type, title: str,
@@ -211,6 +238,16 @@ def _nullable(base: type):
     return parse
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"jaxserve: error: ${name} must be an integer, got {value!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxserve.server import ServerConfig
 
@@ -226,6 +263,17 @@ def main(argv: list[str] | None = None) -> int:
                            parents=[logs])
     serve.add_argument("model", nargs="?", help="a local model directory, or demo (default)")
     serve.add_argument("--config", type=Path, help="YAML file of engine and server options")
+    processes = serve.add_argument_group(
+        "several processes (jax.distributed): process 0 serves, the others follow")
+    processes.add_argument("--coordinator-address", default=os.environ.get(
+        "JAXSERVE_COORDINATOR_ADDRESS"), help="HOST:PORT of process 0's coordination service "
+        "(default $JAXSERVE_COORDINATOR_ADDRESS)")
+    processes.add_argument("--num-processes", type=int, default=_env_int(
+        "JAXSERVE_NUM_PROCESSES"), help="processes serving the model (default "
+        "$JAXSERVE_NUM_PROCESSES, else 1)")
+    processes.add_argument("--process-id", type=int, default=_env_int("JAXSERVE_PROCESS_ID"),
+                           help="this process's rank, 0 the server (default "
+                                "$JAXSERVE_PROCESS_ID)")
     _add_option_flags(serve, ServerConfig, "server options")
     _add_option_flags(serve, EngineConfig, "engine options")
     serve.set_defaults(func=_serve)

@@ -243,6 +243,10 @@ class EngineConfig:
     # tensor parallelism (vLLM's name, -tp): the model's heads, MLP columns, vocabulary and KV
     # pool split over this many devices of one mesh (jaxserve/sharding.py)
     tensor_parallel_size: int = 1
+    # data parallelism (vLLM's name, -dp): this many replicas of the model, each on its own
+    # tensor_parallel_size devices with its own scheduler and KV pool; each request goes to the
+    # least-loaded replica (LLMEngine)
+    data_parallel_size: int = 1
     # a mixture-of-experts model's experts split whole over the tensor-parallel devices
     # (vLLM's name), each device num_experts / tensor_parallel_size of them; else each expert
     # is split like a dense MLP
@@ -262,7 +266,8 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "min_batch_size",
-                     "decode_steps", "kv_cache_bytes_cpu", "tensor_parallel_size"):
+                     "decode_steps", "kv_cache_bytes_cpu", "tensor_parallel_size",
+                     "data_parallel_size"):
             if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, "
                                  f"got {show(getattr(self, name))}")

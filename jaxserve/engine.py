@@ -14,8 +14,10 @@ import logging
 import random
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from jaxserve import distributed
 from jaxserve.checks import is_int, show
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler, make_scheduler
@@ -98,10 +100,10 @@ class LLMEngine:
     """Requests in, RequestOutputs out, one `step()` at a time."""
 
     def __init__(self, model: str | Path | None, config: EngineConfig, progress: bool = False,
-                 runner: Runner | None = None):
-        """`runner`: what runs the steps (engine_core.Runner); None builds the model runner
-        for `model` (the tests pass a fake one: no model is compiled then, and `model` gives
-        only its config.json and tokenizer)."""
+                 runner: Runner | Sequence[Runner] | None = None):
+        """`runner`: what runs the steps (engine_core.Runner), or one per data-parallel
+        replica; None builds the model runners for `model` (the tests pass fake ones: no model
+        is compiled then, and `model` gives only its config.json and tokenizer)."""
         self.model_path = resolve_model(model)
         self.config = config
         self.model_config = config.served_model(ModelConfig.from_hf_dir(self.model_path))
@@ -115,21 +117,27 @@ class LLMEngine:
         log.info("model: %s (%s, %.3gM parameters, %s)", self.model_path, cfg.architecture,
                  cfg.num_params / 1e6, cfg.dtype)
         self.draft_path = self._draft_model()
-        if runner is None:
-            runner = self._model_runner()
-        missing = [name for name in RUNNER_MEMBERS if not hasattr(runner, name)]
-        if missing:
-            raise TypeError(f"runner {type(runner).__name__} lacks {', '.join(missing)} of the "
-                            "engine's runner interface (engine_core.Runner)")
-        self.runner = runner
-        self.max_model_len = runner.max_model_len
+        dp = config.data_parallel_size
+        runners = (self._model_runners() if runner is None
+                   else list(runner) if isinstance(runner, list | tuple) else [runner])
+        if len(runners) != dp:
+            raise ValueError(f"data_parallel_size {dp}: {len(runners)} runners given")
+        for r in runners:
+            missing = [name for name in RUNNER_MEMBERS if not hasattr(r, name)]
+            if missing:
+                raise TypeError(f"runner {type(r).__name__} lacks {', '.join(missing)} of the "
+                                "engine's runner interface (engine_core.Runner)")
+        self.runners = runners
+        self.max_model_len = runners[0].max_model_len
+        # one processor for every replica: a request's text and stops, wherever it runs
         self.processor = OutputProcessor(self.tokenizer)
-        model = getattr(runner, "model_config", None)
+        model = getattr(runners[0], "model_config", None)
         self.sliding_window = None if model is None else model.shared_window
-        self.core = EngineCore(make_scheduler(config, runner.num_pages, runner.chunk_buckets[-1],
-                                              sliding_window=self.sliding_window),
-                               runner, processor=self.processor)
-        self.warmup_seconds = runner.warmup(progress=progress)
+        # a replica: the engine loop over its own scheduler (KV pool, slots) and runner
+        self.cores = [EngineCore(make_scheduler(config, r.num_pages, r.chunk_buckets[-1],
+                                                sliding_window=self.sliding_window),
+                                 r, processor=self.processor) for r in runners]
+        self.warmup_seconds = sum(r.warmup(progress=progress) for r in runners)
         log.info("compiled every step shape in %.1f s", self.warmup_seconds)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
@@ -145,15 +153,27 @@ class LLMEngine:
         # counts; None when that call read no step
         self.last_step_tokens: int | None = None
 
-    def _model_runner(self) -> Runner:
+    def _model_runners(self) -> list[Runner]:
+        """A model runner per data-parallel replica, each on its own devices."""
         from jaxserve.runner import ModelRunner  # jax: only when a model runs here
+        from jaxserve.sharding import replica_devices
 
-        runner = ModelRunner(self.model_path, self.model_config, self.config, self.draft_path)
-        log.info("KV pool: %d pages of %d tokens = %d tokens in flight at most, %.1f MiB (%s)",
-                 runner.num_pages - 1, self.config.page_size,
-                 (runner.num_pages - 1) * self.config.page_size,
-                 runner.num_pages * runner.kv_bytes_per_page / 2**20, runner.kv_dtype_name)
-        return runner
+        config = self.config
+        group = distributed.group()
+        if group is not None:  # one model over several processes' devices: they follow
+            distributed.check_group(config)
+        grid = replica_devices(config.data_parallel_size, config.tensor_parallel_size)
+        runners = []
+        for i, devices in enumerate(grid):
+            runner = ModelRunner(self.model_path, self.model_config, config, self.draft_path,
+                                 devices)
+            log.info("%sKV pool: %d pages of %d tokens = %d tokens in flight at most, "
+                     "%.1f MiB (%s)", f"replica {i} on {devices}: " if len(grid) > 1 else "",
+                     runner.num_pages - 1, config.page_size,
+                     (runner.num_pages - 1) * config.page_size,
+                     runner.num_pages * runner.kv_bytes_per_page / 2**20, runner.kv_dtype_name)
+            runners.append(runner if group is None else distributed.LeaderRunner(runner, group))
+        return runners
 
     def _draft_model(self) -> Path | None:
         """The draft model's directory (speculative_config's draft_model), checked to share the
@@ -239,8 +259,20 @@ class LLMEngine:
             request.token_mask = TokenMask(
                 params, vocab, request.stop_ids, self.tokenizer,
                 self.grammars if params.structured_outputs is not None else None)
-        self.scheduler.add_request(request)
+            if distributed.group() is not None:  # the followers lack the grammars' state
+                raise ValueError("structured_outputs, bad_words, min_tokens and "
+                                 "allowed_token_ids are not supported yet when the model spans "
+                                 "several processes")
+        self._least_loaded().add_request(request)
         return request
+
+    def _least_loaded(self) -> Scheduler:
+        """The scheduler of the replica with the least work: waiting requests count 4, running
+        ones 1 (vLLM's data-parallel load score); the first of equals."""
+        if len(self.cores) == 1:
+            return self.cores[0].scheduler
+        return min((c.scheduler for c in self.cores),
+                   key=lambda s: 4 * len(s.waiting) + len(s.running))
 
     @property
     def grammars(self) -> "GrammarCompiler | None":
@@ -298,17 +330,31 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Abort in any state; pages are free at once. False if unknown or already finished."""
-        return self.scheduler.abort(request_id) is not None
+        return any(c.scheduler.abort(request_id) is not None for c in self.cores)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return any(c.has_unfinished_requests() for c in self.cores)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing forgotten) while requests hold pages."""
-        return self.scheduler.reset_prefix_cache()
+        return all([c.scheduler.reset_prefix_cache() for c in self.cores])
+
+    @property
+    def core(self) -> EngineCore:
+        """The engine loop of an engine with one replica (data_parallel_size 1)."""
+        if len(self.cores) > 1:
+            raise RuntimeError(f"this engine has {len(self.cores)} data-parallel replicas: "
+                               "see engine.cores")
+        return self.cores[0]
+
+    @property
+    def runner(self) -> Runner:
+        """The first replica's runner; every replica's is built alike."""
+        return self.runners[0]
 
     @property
     def scheduler(self) -> Scheduler:
+        """The scheduler of an engine with one replica (data_parallel_size 1)."""
         return self.core.scheduler
 
     @scheduler.setter
@@ -321,27 +367,48 @@ class LLMEngine:
         self.core.scheduler = scheduler
 
     @property
+    def max_num_seqs(self) -> int:
+        """Sequences running at once, every replica's slots together."""
+        return sum(c.scheduler.max_num_seqs for c in self.cores)
+
+    @property
+    def num_kv_pages(self) -> int:
+        """Usable KV pages, every replica's pool together."""
+        return sum(c.scheduler.kv.pool.num_usable for c in self.cores)
+
+    def num_waiting_for_a_slot(self) -> int:
+        """Waiting requests the free slots of their replicas will not take next iteration."""
+        return sum(len(c.scheduler.waiting)
+                   - max(0, c.scheduler.max_num_seqs - len(c.scheduler.running))
+                   for c in self.cores)
+
+    @property
     def num_steps(self) -> int:
-        """Iterations dispatched."""
-        return self.core.num_steps
+        """Iterations dispatched, every replica's."""
+        return sum(c.num_steps for c in self.cores)
 
     # -- one iteration -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Dispatch one iteration, then read the previous one; returns the requests it advanced."""
-        step = self.core.step()
-        if step.done is None:
+        if len(self.cores) == 1:
+            steps = [self.cores[0].step()]
+        else:  # each replica dispatches its next iteration, then reads its previous one:
+            # while one waits for its device, the others' devices run theirs
+            steps = [c.step() for c in self.cores if c.has_unfinished_requests()]
+        read = [step for step in steps if step.done is not None]
+        if not read:
             self.last_step_tokens = None
-            if not step.scheduled.chunks:
+            if not any(step.scheduled.chunks for step in steps):
                 self._wait_for_window()
             return []
-        self.last_step_tokens = step.num_tokens
-        return self._process(step)
+        self.last_step_tokens = sum(step.num_tokens for step in read)
+        return [out for step in read for out in self._process(step)]
 
     def _wait_for_window(self) -> None:
-        wake = self.scheduler.next_wakeup()
-        if wake is not None:
-            time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
+        wakes = [w for c in self.cores if (w := c.scheduler.next_wakeup()) is not None]
+        if wakes:
+            time.sleep(max(0.0, min(min(wakes) - time.monotonic(), 0.05)))
 
     def _process(self, step: Step) -> list[RequestOutput]:
         """The outputs of the requests a read iteration advanced (their stops were applied in
@@ -350,11 +417,33 @@ class LLMEngine:
         return [out for request in step.touched if (out := output(request)) is not None]
 
     def stats(self) -> dict[str, Any]:
-        return self.scheduler.stats() | {
+        """The schedulers' stats (every replica's together) and the engine's."""
+        per_replica = [c.scheduler.stats() for c in self.cores]
+        stats = per_replica[0] if len(per_replica) == 1 else merge_stats(per_replica)
+        return stats | {
             "num_steps": self.num_steps,
-            "num_compilations_after_warmup": self.runner.num_compilations_after_warmup,
+            "num_compilations_after_warmup": sum(r.num_compilations_after_warmup
+                                                 for r in self.runners),
             "warmup_seconds": self.warmup_seconds,
+            "data_parallel_size": len(self.cores),
+            # by replica: its requests running and waiting (what routing balances)
+            "num_requests_per_replica": [s["num_requests_running"] + s["num_requests_waiting"]
+                                         for s in per_replica],
         }
+
+
+def merge_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
+    """Data-parallel replicas' scheduler stats as one engine's: counts summed (lists element
+    by element), the KV cache's usage over every pool, fragmentation the pools' mean."""
+    merged: dict[str, Any] = {}
+    for key in per_replica[0]:
+        values = [s[key] for s in per_replica]
+        merged[key] = ([sum(v) for v in zip(*values, strict=True)] if isinstance(values[0], list)
+                       else sum(values))
+    total = merged["kv_pages_total"]
+    merged["kv_cache_usage"] = 1.0 - merged["kv_pages_free"] / total if total else 0.0
+    merged["kv_fragmentation"] = merged["kv_fragmentation"] / len(per_replica)
+    return merged
 
 
 class LLM:

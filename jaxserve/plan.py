@@ -173,6 +173,8 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
         "pages_per_max_len_sequence": pages_per_seq, "max_num_seqs": config.max_num_seqs,
         "sampler_state_bytes": sampler_state_bytes(cfg.vocab_size, config.max_num_seqs),
         "concurrency": rows, "problems": problems,
+        "data_parallel_size": config.data_parallel_size,
+        "devices": config.data_parallel_size * tp,
     }
 
 
@@ -206,6 +208,11 @@ def format_plan(p: dict) -> str:
         lines.append(f"tensor par {p['tensor_parallel_size']} devices, each holding "
                      f"{_size(p['weight_bytes_per_device'])} of the weights and "
                      f"{_size(p['kv_bytes_per_page_per_device'])} of each page")
+    if p["data_parallel_size"] > 1:
+        dp = p["data_parallel_size"]
+        lines.append(f"data par   {dp} replicas on {p['devices']} devices, each with the pool "
+                     f"below: {dp * p['kv_tokens']} tokens and {dp * p['max_num_seqs']} "
+                     "sequences at once in all")
     d = p["device"]
     memory = (f", {_size(d['bytes_limit'])} total, {_size(d['bytes_in_use'])} in use"
               if d["bytes_limit"] is not None else "")

@@ -38,6 +38,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -136,9 +137,27 @@ class ModelRunner:
     """Owns the weights, the KV pages and the jitted step functions."""
 
     def __init__(self, model_path: str | Path | None, model_config: ModelConfig,
-                 config: EngineConfig, draft_path: Path | None = None):
+                 config: EngineConfig, draft_path: Path | None = None,
+                 devices: Sequence[jax.Device] | None = None):
         """`draft_path`: the draft model of speculative_config's draft_model (checked by the
-        engine to share the model's vocabulary)."""
+        engine to share the model's vocabulary). `devices`: the tensor_parallel_size devices
+        this runner's arrays live on (a data-parallel replica's, see replica_devices); None:
+        the first ones."""
+        tp = config.tensor_parallel_size
+        self.devices = tuple(jax.devices()[:tp] if devices is None else devices)
+        if len(self.devices) != tp:
+            raise ValueError(f"tensor_parallel_size {tp}: the runner was given "
+                             f"{len(self.devices)} devices")
+        # whatever is made without a placement (the weights of one device, the backend's
+        # packed panels) is made on this runner's first device of this process (a mesh may
+        # span several processes: jaxserve/distributed.py)
+        self.local_device = next(d for d in self.devices
+                                 if d.process_index == jax.process_index())
+        with jax.default_device(self.local_device):
+            self._build(model_path, model_config, config, draft_path)
+
+    def _build(self, model_path: str | Path | None, model_config: ModelConfig,
+               config: EngineConfig, draft_path: Path | None) -> None:
         self.model_config = model_config
         self.config = config
         if config.max_top_logprobs > model_config.vocab_size:  # before loading: top_k fails
@@ -166,7 +185,7 @@ class ModelRunner:
         tp = self.tensor_parallel_size = config.tensor_parallel_size
         experts = config.enable_expert_parallel
         check_tensor_parallel(model_config, tp, self.attention_impl, len(jax.devices()), experts)
-        mesh = make_mesh(tp) if tp > 1 else None
+        mesh = make_mesh(self.devices) if tp > 1 else None
         self.graphdef, self.state = load_state(
             model_path, model_config, self.dtype, config.load_format, config.seed,
             ShardPlacement(mesh, model_config, tp, experts) if mesh else None)
@@ -217,14 +236,14 @@ class ModelRunner:
             self.kv = jax.jit(make_kv, out_shardings=jax.tree.map(
                 lambda p: NamedSharding(mesh, p), spec))()
         else:  # committed, like the caches the steps return (see _zeros below)
-            self.kv = jax.device_put(make_kv(), jax.devices()[0])
+            self.kv = jax.device_put(make_kv(), self.devices[0])
         if tp > 1:
             weights, pages = (sum(a.addressable_shards[0].data.nbytes for a in arrays)
                               for arrays in (jax.tree.leaves(self.state), self.kv.pools))
             log.info("tensor parallel over %d devices: %.1f MiB of weights and %.1f MiB of KV "
                      "pages on each", tp, weights / 2**20, pages / 2**20)
         # where the arrays every shard holds whole live
-        self.placement = self.shards.replicated if self.shards else jax.devices()[0]
+        self.placement = self.shards.replicated if self.shards else self.devices[0]
         # Decode rows come in buckets from 2 (powers of two unless config.row_buckets): with a
         # single row, XLA may turn the one-token K/V write into a dynamic-update-slice fused
         # into the attention's read, and copy the pool.
@@ -291,7 +310,8 @@ class ModelRunner:
     def _counting(self):
         _dispatching.runner = self
         try:
-            yield
+            with jax.default_device(self.local_device):  # a replica's arrays on its devices
+                yield
         finally:
             _dispatching.runner = None
 
@@ -313,7 +333,7 @@ class ModelRunner:
                                       self.kv_dtype)
 
     def _pages_that_fit(self) -> int:
-        stats = jax.devices()[0].memory_stats() if self.platform == "gpu" else None
+        stats = self.devices[0].memory_stats() if self.platform == "gpu" else None
         # a device's free memory holds its share of each page: tp of them, a whole page
         free = (stats["bytes_limit"] - stats["bytes_in_use"]) * self.tensor_parallel_size if (
             stats) else self.config.kv_cache_bytes_cpu

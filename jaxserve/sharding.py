@@ -86,9 +86,19 @@ class Shards:
         return NamedSharding(self.mesh, P())
 
 
-def make_mesh(tp: int) -> Mesh:
-    devices = np.array(jax.devices()[:tp]).reshape(1, tp)
-    return Mesh(devices, ("data", MODEL_AXIS))
+def make_mesh(devices) -> Mesh:
+    """One replica's mesh: its tensor_parallel_size devices along `model`."""
+    return Mesh(np.array(devices).reshape(1, len(devices)), ("data", MODEL_AXIS))
+
+
+def replica_devices(dp: int, tp: int) -> list[list[jax.Device]]:
+    """Data parallelism's device grid [dp, tp], a row per replica (the rows of a mesh with
+    axes data and model); a ValueError naming the sizes where the machine has too few."""
+    devices = jax.devices()
+    if dp * tp > len(devices):
+        raise ValueError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs "
+                         f"{dp * tp} devices; {len(devices)} found")
+    return [devices[i * tp:(i + 1) * tp] for i in range(dp)]
 
 
 def path_names(path) -> list[str]:

@@ -19,8 +19,8 @@ class FakeEngine:
                              kv_cache_dtype="auto", max_num_seqs=4, max_num_batched_tokens=64,
                              max_model_len=64)
     runner = SimpleNamespace(num_pages=17, kv_dtype_name="float32")
-    scheduler = SimpleNamespace(waiting=[], running=[], max_num_seqs=4,
-                                kv=SimpleNamespace(pool=SimpleNamespace(num_usable=16)))
+    max_num_seqs = 4  # every replica's slots
+    num_kv_pages = 16  # every replica's usable pages
 
     def __init__(self):
         self.pending: set[str] = set()
@@ -39,6 +39,9 @@ class FakeEngine:
 
     def has_unfinished_requests(self):
         return bool(self.pending)
+
+    def num_waiting_for_a_slot(self):
+        return 0
 
 
 class BrokenEngine(FakeEngine):

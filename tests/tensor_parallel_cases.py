@@ -4,7 +4,7 @@ starts): one JSON object on stdout, the tests assert on it.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tensor_parallel_cases.py
 
-For each model and tensor_parallel_size: the logits of a prompt (the model's own forward, run per
+For each model and tensor_parallel_size (and data_parallel_size: replicas of it): the logits of a prompt (the model's own forward, run per
 shard as the steps run it) against tp=1's, the engine's greedy ids (batched, and one prompt alone
 against the same prompt in a batch: batch invariance), sampler controls and structured
 output, each weight's and the KV pool's bytes on
@@ -35,6 +35,8 @@ MODELS = {name: ROOT / "tests" / "fixtures" / "hf" / name
 MODELS["stories260K"] = ROOT / "models" / "stories260K"
 ENGINE = dict(max_num_seqs=4, page_size=8, num_pages=80, prefill_chunk_sizes=(16,),
               max_num_batched_tokens=32, row_buckets=(4,), enable_prompt_logprobs=False)
+# data_parallel_size x tensor_parallel_size
+DATA_PARALLEL = {"llama": ((2, 2), (4, 1)), "qwen2": ((2, 2),), "mistral": ((2, 2),)}
 PROMPTS = [[1, 5, 9, 20, 33, 7, 2, 11, 3], [1, 40, 2, 3], [1, 17, 8, 30, 4, 4, 9]]
 
 
@@ -93,11 +95,33 @@ def run_model(path: Path, tps: tuple[int, ...], **options) -> dict:
     return results
 
 
-def stories_reference(tp: int) -> dict:
-    """stories260K's C-reference cases through a tp-way engine: the ids it gives."""
+def data_parallel(path: Path, dp: int, tp: int) -> dict:
+    """dp replicas of a tp-way model: the greedy ids and logprobs of the prompts (spread over
+    the replicas), one prompt alone, the last replica's logits, each replica's devices."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    llm = LLM(path, data_parallel_size=dp, tensor_parallel_size=tp, **ENGINE)
+    engine = llm.engine
+    batched = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    steps = [c.num_steps for c in engine.cores]
+    alone = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)[0]
+    return {
+        "ids": [o.outputs[0].token_ids for o in batched],
+        "alone_same": (alone.outputs[0].token_ids == batched[0].outputs[0].token_ids
+                       and logprobs(alone.outputs[0]) == logprobs(batched[0].outputs[0])),
+        "logits": prompt_logits(engine.runners[-1], PROMPTS[0]).tolist(),
+        "steps_per_replica": steps,
+        "devices": [sorted({d.id for a in jax.tree.leaves((r.state, r.kv)) for d in a.devices()})
+                    for r in engine.runners],
+        "compilations_after_warmup": llm.stats()["num_compilations_after_warmup"],
+    }
+
+
+def stories_reference(tp: int, dp: int = 1) -> dict:
+    """stories260K's C-reference cases through dp replicas of a tp-way engine: the ids."""
     path = MODELS["stories260K"]
     cases = json.loads((path / "reference_outputs.json").read_text())["cases"]
-    llm = LLM(path, tensor_parallel_size=tp, page_size=4, prefill_chunk_sizes=(8,), max_num_seqs=8,
+    llm = LLM(path, tensor_parallel_size=tp, data_parallel_size=dp, page_size=4,
+              prefill_chunk_sizes=(8,), max_num_seqs=8,
               max_num_batched_tokens=32, num_pages=512, enable_prompt_logprobs=False)
     outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases],
                         [SamplingParams(max_tokens=len(c["generated_ids"]), temperature=0.0,
@@ -137,6 +161,11 @@ def main() -> None:
     report["llama_int8"] = run_model(MODELS["llama"], (1, 2, 4), quantization="int8")
     report["qwen2_fp8"] = run_model(MODELS["qwen2"], (1, 2), quantization="fp8")
     report["stories260K_reference"] = stories_reference(4)
+    # data parallelism: replicas on their own devices, requests spread over them
+    report["data_parallel"] = {name: {f"{dp}x{tp}": data_parallel(MODELS[name], dp, tp)
+                                      for dp, tp in sizes}
+                               for name, sizes in DATA_PARALLEL.items()}
+    report["stories260K_reference_dp"] = stories_reference(2, dp=2)
     report["stories260K_controls"] = {tp: controlled_outputs(tp) for tp in (1, 2)}
     # random weights made on their shards: the same weights as on one device
     report["dummy_logits"] = {tp: prompt_logits(LLM(MODELS["llama"], load_format="dummy",

@@ -1,6 +1,7 @@
-"""Tensor parallelism (jaxserve/sharding.py) on 8 host CPU devices: each model's logits and greedy
-ids against one device, batch invariance within each configuration, each device's share of the
-weights and the KV pool, the decode step's collectives, stories260K's C-reference ids at tp=4.
+"""Tensor and data parallelism (jaxserve/sharding.py, LLMEngine's replicas) on 8 host CPU
+devices: each model's logits and greedy ids against one device, batch invariance within each
+configuration, each device's share of the weights and the KV pool, the decode step's
+collectives, stories260K's C-reference ids at tp=4 and over dp=2 x tp=2.
 The 8 devices need XLA_FLAGS before jax starts, so tensor_parallel_cases.py runs them in a
 process of its own and reports JSON; bad settings are checked here, on this process's devices."""
 
@@ -58,6 +59,27 @@ def test_random_weights_made_on_their_shards_are_one_devices(report):
 
 def test_stories260k_gives_the_c_references_ids_at_tp4(report):
     assert report["stories260K_reference"]["ids"] == report["stories260K_reference"]["expected"]
+
+
+@pytest.mark.parametrize("model", ("llama", "qwen2", "mistral"))
+def test_data_parallel_replicas_give_one_devices_logits_and_ids(report, model):
+    """dp=2 x tp=2 (and 4 x 1): the requests spread over the replicas, each replica on its own
+    devices, one device's greedy ids, its last replica's logits within 1e-5, batch
+    invariance within the configuration, no compile after warm-up."""
+    one = report[model]["1"]
+    for sizes, run in report["data_parallel"][model].items():
+        dp, tp = map(int, sizes.split("x"))
+        assert np.abs(np.array(run["logits"]) - np.array(one["logits"])).max() <= 1e-5, sizes
+        assert run["ids"] == one["ids"] and run["alone_same"], sizes
+        assert run["compilations_after_warmup"] == 0, sizes
+        assert all(n > 0 for n in run["steps_per_replica"][:len(one["ids"])]), sizes
+        assert [len(d) for d in run["devices"]] == [tp] * dp, sizes
+        assert sorted(d for ds in run["devices"] for d in ds) == list(range(dp * tp)), sizes
+
+
+def test_stories260k_gives_the_c_references_ids_over_two_replicas(report):
+    run = report["stories260K_reference_dp"]
+    assert run["ids"] == run["expected"]
 
 
 def test_sampler_controls_structured_output_and_prompt_logprobs_as_on_one_device(report):

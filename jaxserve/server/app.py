@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from jaxserve import distributed
 from jaxserve.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -423,6 +424,9 @@ def serve(engine: LLMEngine, config: ServerConfig, model_name: str,
     async_engine = AsyncEngine(engine, max_waiting_requests=config.max_waiting_requests,
                                request_timeout_s=config.request_timeout_s,
                                stall_timeout_s=config.stall_timeout_s)
+    group = distributed.group()
+    if group is not None:  # a lost process fails the requests, then ends this one
+        group.fail_requests = lambda error: async_engine.fail_live(EngineDeadError(str(error)))
     name = config.served_model_name or model_name
     app = build_app(async_engine, config, name)
     sock = bind(config) if sock is None else sock

@@ -1,0 +1,444 @@
+"""Several hosts: one model over every process's devices, through JAX's own multi-host runtime.
+
+    jaxserve serve MODEL -tp 4 --coordinator-address HOST:PORT --num-processes 2 --process-id 0
+    jaxserve serve MODEL -tp 4 --coordinator-address HOST:PORT --num-processes 2 --process-id 1
+
+`jax.distributed.initialize` joins the processes (on CPUs their collectives go through gloo);
+the tensor-parallel mesh then spans every process's devices. Process 0, the leader, runs the
+server, the scheduler and its model runner; each other process, a follower, runs only a model
+runner, built from the same model and options, and replays the leader's: JAX's multi-controller
+model needs every process to make the same jitted calls in the same order, and the runner's
+calls follow from what it is given (each iteration's scheduler output, then its finish).
+
+The leader's runner (`LeaderRunner`) publishes each call before making it, through the
+coordination service's key-value store (JAX's, not a channel of ours): the scheduler output as
+plain data (`encode`), each request's state sent once and then only what it appended. A
+follower decodes it onto stand-ins of the requests (`Replica`) and makes the same call. Every
+process writes a heartbeat to the store and watches the others': one that stops (killed, or
+failed with an error it wrote there) is lost within `LOST_AFTER_S`, and the others stop: the
+leader fails its requests with an error naming the lost process and exits non-zero, so nothing
+hangs in a collective that will never complete.
+
+Not yet: data parallelism across processes, a draft model, requests whose tokens the host masks
+(structured output, bad_words, min_tokens, allowed_token_ids): their masks are made by the
+leader's grammar state, which the followers lack.
+"""
+
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.request import Request, SamplingParams
+
+log = logging.getLogger("jaxserve")
+
+HEARTBEAT_S = 0.5  # each process writes its heartbeat this often
+LOST_AFTER_S = 5.0  # a process whose heartbeat stood still this long is lost
+_KEEP_OPS = 256  # the leader deletes a published call this many calls later
+_PREFIX = "jaxserve"
+
+
+@dataclass(frozen=True)
+class Processes:
+    """This process's place among the processes serving one model."""
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+
+    def __post_init__(self):
+        if not isinstance(self.num_processes, int) or self.num_processes < 1:
+            raise ValueError(f"num_processes must be a positive integer, got "
+                             f"{self.num_processes!r}")
+        if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, {self.num_processes}) "
+                             f"(num_processes {self.num_processes}), got {self.process_id!r}")
+        host, _, port = self.coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"coordinator_address must be HOST:PORT, got "
+                             f"{self.coordinator_address!r}")
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_id == 0
+
+
+_state: "Group | None" = None  # this process's group, once initialize() has run
+
+
+def group() -> "Group | None":
+    """The processes this one serves with; None when it serves alone."""
+    return _state
+
+
+def initialize(processes: Processes, timeout_s: int = 120) -> "Group":
+    """Join the other processes (jax.distributed), before anything else touches a device."""
+    global _state
+    import jax
+
+    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(processes.coordinator_address, processes.num_processes,
+                               processes.process_id, initialization_timeout=timeout_s)
+    from jax._src import distributed as jax_distributed
+
+    _state = Group(processes, jax_distributed.global_state.client)
+    log.info("process %d of %d: %d devices here, %d in all", processes.process_id,
+             processes.num_processes, len(jax.local_devices()), len(jax.devices()))
+    return _state
+
+
+class Group:
+    """The coordination service's key-value store, as the processes of one model use it."""
+
+    def __init__(self, processes: Processes, client):
+        self.processes = processes
+        self.client = client
+        self._stop = threading.Event()
+        # the leader's server sets it: what fails the requests when a process is lost
+        self.fail_requests: Callable[[BaseException], None] | None = None
+
+    @property
+    def others(self) -> list[int]:
+        me = self.processes.process_id
+        return [p for p in range(self.processes.num_processes) if p != me]
+
+    # -- the leader's calls, in order ---------------------------------------------------------
+
+    def publish(self, n: int, message: Any) -> None:
+        self.client.key_value_set_bytes(f"{_PREFIX}/op/{n}", pickle.dumps(message))
+        if n >= _KEEP_OPS:  # followers run at most an iteration or two behind (collectives)
+            try:
+                self.client.key_value_delete(f"{_PREFIX}/op/{n - _KEEP_OPS}")
+            except Exception:  # a lost process is the watchdog's to report
+                pass
+
+    def receive(self, n: int) -> Any:
+        """The leader's call n (waits for it; returns None when the leader is lost)."""
+        while not self._stop.is_set():
+            try:
+                data = self.client.blocking_key_value_get_bytes(f"{_PREFIX}/op/{n}", 1000)
+            except Exception as error:  # a timeout: still waiting; else the service is gone
+                if "DEADLINE_EXCEEDED" in str(error) or "timed out" in str(error).lower():
+                    continue
+                raise
+            return pickle.loads(data)
+        return None
+
+    # -- start-up: the same model and options everywhere --------------------------------------
+
+    def agree(self, what: dict[str, Any]) -> None:
+        """Every process publishes what it serves (model, options, process count); a
+        ValueError names the first difference from the leader's."""
+        me = self.processes.process_id
+        self.client.key_value_set_bytes(f"{_PREFIX}/setup/{me}", pickle.dumps(what))
+        if self.processes.is_leader:
+            return
+        leader = pickle.loads(self.client.blocking_key_value_get_bytes(f"{_PREFIX}/setup/0",
+                                                                      120_000))
+        leader, what = _flat(leader), _flat(what)
+        for key in sorted(set(leader) | set(what)):
+            if leader.get(key) != what.get(key):
+                raise ValueError(f"process {me} serves {key} {what.get(key)!r}, process 0 "
+                                 f"{leader.get(key)!r}: every process must be started with "
+                                 "the same model and options")
+
+    # -- liveness ------------------------------------------------------------------------------
+
+    def fail(self, error: BaseException) -> None:
+        """Tell the others this process failed (they stop at once instead of waiting out
+        LOST_AFTER_S)."""
+        me = self.processes.process_id
+        self._stop.set()  # this process's heartbeat would overwrite it
+        time.sleep(2 * HEARTBEAT_S)
+        try:
+            self.client.key_value_set(f"{_PREFIX}/alive/{me}", f"error: {error}"[:500],
+                                      allow_overwrite=True)
+        except Exception:
+            pass
+
+    def watch(self) -> None:
+        """Write this process's heartbeat and watch the others' in a daemon thread; when one
+        is lost, `exit_lost` (with `fail_requests`, which the leader's server sets)."""
+        threading.Thread(target=self._watch, name="jaxserve-heartbeat", daemon=True).start()
+
+    def _watch(self) -> None:
+        message = self._lost()
+        if message is not None:
+            exit_lost(message, self.fail_requests)
+
+    def _lost(self) -> str | None:
+        """Beat and watch until stopped (None) or another process is lost (what happened)."""
+        me = self.processes.process_id
+        start = time.monotonic()
+        seen: dict[int, tuple[str, float]] = {}  # process -> (its beat, when it changed)
+        beat = 0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            beat += 1
+            try:
+                self.client.key_value_set(f"{_PREFIX}/alive/{me}", str(beat),
+                                          allow_overwrite=True)
+                beats = {key.rpartition("/")[2]: value for key, value in
+                         self.client.key_value_dir_get(f"{_PREFIX}/alive/")}
+                values = {p: beats.get(str(p)) for p in self.others}
+            except Exception as error:  # the coordination service is gone, process 0 with it
+                if self._stop.is_set():
+                    return None
+                return f"process 0 is lost (the coordination service is unreachable: {error})"
+            for p, value in values.items():
+                if value is not None and value.startswith("error"):
+                    return f"process {p} failed: {value[len('error: '):]}"
+                last, since = seen.get(p, ("", start))
+                if value is not None and value != last:
+                    seen[p] = (value, now)
+                elif now - since > (LOST_AFTER_S if value is not None else 60.0):
+                    return (f"process {p} is lost: no heartbeat for {now - since:.0f} s"
+                            if value is not None else f"process {p} never started")
+            self._stop.wait(HEARTBEAT_S)
+        return None
+
+    def end(self, runner: "LeaderRunner", code: int) -> None:
+        """The leader's server returned `code`. 0, a clean stop: the followers stop, then
+        every process shuts jax.distributed down together. Else its engine died, most often
+        of a collective a lost process broke: the watcher names that process (and exits)
+        within LOST_AFTER_S; past it this process exits with `code` without waiting for
+        anyone."""
+        if code == 0:
+            runner.stop()
+            self.shutdown()
+            return
+        time.sleep(LOST_AFTER_S + 4 * HEARTBEAT_S)
+        self.fail(RuntimeError("process 0's engine died"))
+        log.error("the engine died; no process was lost: stopping this process")
+        os._exit(code)
+
+    def shutdown(self) -> None:
+        """A clean end (the leader's after its stop call, a follower's once it read it): the
+        heartbeats stop, then jax.distributed's shutdown, which waits for every process."""
+        import jax
+
+        self._stop.set()
+        time.sleep(2 * HEARTBEAT_S)  # the watcher's last beat done
+        jax.distributed.shutdown()
+
+
+def _flat(setup: dict[str, Any]) -> dict[str, Any]:
+    """The engine options' keys beside the others: a difference names its option."""
+    flat = {k: v for k, v in setup.items() if k != "engine options"}
+    return flat | setup.get("engine options", {})
+
+
+def exit_lost(message: str, before: Callable[[BaseException], None] | None = None) -> None:
+    """A process of the group is lost: fail what this one holds, say why, exit non-zero."""
+    error = RuntimeError(message)
+    log.error("%s: stopping this process", message)
+    if before is not None:
+        try:
+            before(error)
+        except Exception:
+            log.exception("failing the requests")
+    print(f"jaxserve: error: {message}", flush=True)
+    time.sleep(0.2)  # let the failed requests' responses leave
+    os._exit(1)
+
+
+# -- the scheduler output as plain data -----------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Replica:
+    """A follower's stand-in for a request: what the model runner reads of one."""
+
+    request_id: str
+    params: SamplingParams
+    seed: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    pages: list[int]
+    metrics: SimpleNamespace
+    token_mask: None = None
+    status: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(finished=False))
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        return (self.prompt_ids[start:end] if end <= n
+                else (self.prompt_ids + self.output_ids)[start:end])
+
+
+class Encoder:
+    """The leader's side: a scheduler output as plain data, each request's state sent whole
+    the first step it runs after a break and then only what it appended."""
+
+    def __init__(self):
+        # request id -> (the request, output ids sent, pages sent, preemptions): the
+        # requests of the previous message, as the followers hold them
+        self._sent: dict[str, tuple[Request, int, int, int]] = {}
+
+    def encode(self, out: SchedulerOutput) -> dict[str, Any]:
+        states, sent = [], {}
+        for chunk in out.chunks:
+            r = chunk.request
+            if r.request_id in sent:
+                continue
+            known = self._sent.get(r.request_id)
+            preemptions = r.metrics.num_preemptions
+            if (known is None or known[0] is not r or known[3] != preemptions
+                    or len(r.output_ids) < known[1] or len(r.pages) < known[2]):
+                states.append((r.request_id, r.params, r.seed, list(r.prompt_ids),
+                               list(r.output_ids), list(r.pages), preemptions))
+            else:
+                states.append((r.request_id, r.output_ids[known[1]:], r.pages[known[2]:]))
+            sent[r.request_id] = (r, len(r.output_ids), len(r.pages), preemptions)
+        self._sent = sent
+        return {"states": states,
+                "chunks": [(c.request.request_id, c.start, c.num_tokens, c.num_samples,
+                            None if c.draft is None else list(c.draft)) for c in out.chunks],
+                "decode_steps": out.decode_steps, "batch_rows": out.batch_rows,
+                "speculative": out.speculative}
+
+
+class Decoder:
+    """A follower's side: the leader's messages back into scheduler outputs over stand-ins."""
+
+    def __init__(self):
+        self._replicas: dict[str, Replica] = {}
+
+    def decode(self, message: dict[str, Any]) -> SchedulerOutput:
+        replicas = {}
+        for state in message["states"]:
+            if len(state) == 3:  # what a request it holds appended
+                rid, outputs, pages = state
+                replica = self._replicas[rid]
+                replica.output_ids += outputs
+                replica.pages += pages
+            else:
+                rid, params, seed, prompt, outputs, pages, preemptions = state
+                replica = Replica(rid, params, seed, prompt, outputs, pages,
+                                  SimpleNamespace(num_preemptions=preemptions))
+            replicas[rid] = replica
+        self._replicas = replicas
+        return SchedulerOutput(
+            chunks=[ScheduledChunk(replicas[rid], start, n, samples, draft)
+                    for rid, start, n, samples, draft in message["chunks"]],
+            decode_steps=message["decode_steps"], batch_rows=message["batch_rows"],
+            speculative=message["speculative"])
+
+
+class LeaderRunner:
+    """The leader's model runner: each call published to the followers, then made."""
+
+    def __init__(self, runner, group: Group):
+        self.runner = runner
+        self.group = group
+        self.encoder = Encoder()
+        self._n = 0  # calls published
+
+    def __getattr__(self, name: str):  # the runner's own attributes and reports
+        return getattr(self.runner, name)
+
+    def _publish(self, message: tuple) -> None:
+        self.group.publish(self._n, message)
+        self._n += 1
+
+    def warmup(self, progress: bool = False) -> float:
+        return self.runner.warmup(progress=progress)  # each follower warms up alike
+
+    def dispatch(self, out: SchedulerOutput):
+        n = self._n
+        self._publish(("dispatch", self.encoder.encode(out)))
+        return n, self.runner.dispatch(out)
+
+    def finish(self, handle) -> None:
+        n, flight = handle
+        self._publish(("finish", n))
+        self.runner.finish(flight)
+
+    def collect(self, handle):
+        return self.runner.collect(handle[1])
+
+    def stop(self) -> None:
+        self._publish(("stop", None))
+
+
+def follow(runner, group: Group) -> int:
+    """A follower's life after its runner warmed up: replay the leader's calls until it
+    stops (0) or is lost (the watchdog exits the process)."""
+    decoder = Decoder()
+    flights: dict[int, Any] = {}
+    n = 0
+    while True:
+        message = group.receive(n)
+        if message is None:
+            return 1
+        kind, body = message
+        if kind == "stop":
+            log.info("process 0 stopped: this process stops")
+            return 0
+        if kind == "dispatch":
+            flights[n] = runner.dispatch(decoder.decode(body))
+        elif kind == "finish":
+            runner.finish(flights.pop(body))
+        n += 1
+
+
+def check_group(config) -> None:
+    """What several processes serve today: one tensor-parallel model over all their devices."""
+    import jax
+
+    tp, devices = config.tensor_parallel_size, jax.device_count()
+    if tp != devices:
+        raise ValueError(f"tensor_parallel_size {tp}: processes serve one model over every "
+                         f"process's devices, {devices} in all here")
+    if config.data_parallel_size != 1:
+        raise ValueError("data_parallel_size > 1 across several processes is not supported "
+                         "yet")
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError("speculative_config's draft_model is not supported across several "
+                         "processes yet (ngram is)")
+
+
+def setup_of(model_path, config) -> dict[str, Any]:
+    """What must be the same in every process: the model's config.json, the engine options,
+    the number of processes."""
+    import dataclasses
+    import hashlib
+    from pathlib import Path
+
+    text = (Path(model_path) / "config.json").read_bytes()
+    return {"model config.json (sha256)": hashlib.sha256(text).hexdigest()[:16],
+            "engine options": dataclasses.asdict(config),
+            "num_processes": _state.processes.num_processes if _state else 1}
+
+
+def run_follower(model: str | None, config, group: Group) -> int:
+    """A follower process: the leader's model runner, replayed until the leader stops."""
+    import jax
+
+    from jaxserve.engine import resolve_model
+    from jaxserve.model_config import ModelConfig
+    from jaxserve.runner import ModelRunner
+
+    try:
+        path = resolve_model(model)
+        group.agree(setup_of(path, config))
+        check_group(config)
+        model_config = config.served_model(ModelConfig.from_hf_dir(path))
+        runner = ModelRunner(path, model_config, config, None,
+                             jax.devices()[:config.tensor_parallel_size])
+        log.info("process %d: compiled every step shape in %.1f s; following process 0",
+                 group.processes.process_id, runner.warmup())
+        code = follow(runner, group)
+    except BaseException as error:
+        group.fail(error)
+        raise
+    group.shutdown()
+    return code
