@@ -7,7 +7,8 @@ and what each device holds, for tensor_parallel_size 1, 2 and 4 on the host's CP
 Two backends: `cpu` (the C++ kernels; the shards' partial sums are gathered and added in one
 fixed order, which keeps a row's bits whatever the batch: all-gathers) and `reference` (XLA's
 dot; one all-reduce per sum). A layer sums twice (after o_proj and after down_proj), the
-embedding once; the LM head's logits are gathered once. Layers run under scan (the reference
+embedding once; the LM head's logits are gathered once, or, when every row of a call is greedy
+and wants no logprobs, only each shard's maximum and its id (model/sampler.py's sharded_greedy). Layers run under scan (the reference
 backend's default) compile one layer's body: its collectives count once.
 """
 

@@ -19,9 +19,10 @@ failed with an error it wrote there) is lost within `LOST_AFTER_S`, and the othe
 leader fails its requests with an error naming the lost process and exits non-zero, so nothing
 hangs in a collective that will never complete.
 
-Not yet: data parallelism across processes, a draft model, requests whose tokens the host masks
-(structured output, bad_words, min_tokens, allowed_token_ids): their masks are made by the
-leader's grammar state, which the followers lack.
+The token masks of structured output, bad_words, min_tokens and allowed_token_ids are made by
+the leader alone (its grammars' state) and sent with the call that applies them.
+
+Not yet: data parallelism across processes, a draft model.
 """
 
 import logging
@@ -255,7 +256,8 @@ def exit_lost(message: str, before: Callable[[BaseException], None] | None = Non
 
 @dataclass(eq=False)
 class Replica:
-    """A follower's stand-in for a request: what the model runner reads of one."""
+    """A follower's stand-in for a request: what the model runner reads of one (its token
+    masks come with the leader's finish call)."""
 
     request_id: str
     params: SamplingParams
@@ -358,8 +360,9 @@ class LeaderRunner:
 
     def finish(self, handle) -> None:
         n, flight = handle
-        self._publish(("finish", n))
-        self.runner.finish(flight)
+        # the token bitmasks it used (structured output, bad words...: made from this
+        # process's grammar state) go with it: sent once the calls are dispatched
+        self._publish(("finish", (n, self.runner.finish(flight))))
 
     def collect(self, handle):
         return self.runner.collect(handle[1])
@@ -385,7 +388,8 @@ def follow(runner, group: Group) -> int:
         if kind == "dispatch":
             flights[n] = runner.dispatch(decoder.decode(body))
         elif kind == "finish":
-            runner.finish(flights.pop(body))
+            flight, bitmasks = body
+            runner.finish(flights.pop(flight), bitmasks)
         n += 1
 
 

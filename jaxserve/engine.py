@@ -259,10 +259,6 @@ class LLMEngine:
             request.token_mask = TokenMask(
                 params, vocab, request.stop_ids, self.tokenizer,
                 self.grammars if params.structured_outputs is not None else None)
-            if distributed.group() is not None:  # the followers lack the grammars' state
-                raise ValueError("structured_outputs, bad_words, min_tokens and "
-                                 "allowed_token_ids are not supported yet when the model spans "
-                                 "several processes")
         self._least_loaded().add_request(request)
         return request
 

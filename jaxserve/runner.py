@@ -410,23 +410,31 @@ class ModelRunner:
                 array.copy_to_host_async()
         return flight
 
-    def finish(self, flight: Inflight) -> None:
+    def finish(self, flight: Inflight,
+               bitmasks: list[np.ndarray] | None = None) -> list[np.ndarray]:
         """Sample the controlled calls of a dispatched iteration: called once the host holds
         every token sampled before it (the engine loop calls it after reading the previous
-        iteration), so each row's mask is current. The device ran their model meanwhile."""
+        iteration), so each row's mask is current. The device ran their model meanwhile.
+        Returns each call's token bitmask; `bitmasks`: use these (what process 0's runner
+        used, jaxserve/distributed.py) instead of the requests' own masks."""
         if not flight.heads:
-            return
+            return []
         carries = list(self._carries)
+        used = []
         with self._counting():
-            for head in flight.heads:
+            for i, head in enumerate(flight.heads):
+                bitmask = self.controls.bitmask(head) if bitmasks is None else bitmasks[i]
+                used.append(bitmask)
                 packed, carries[head.carry] = self.controls.sample(
-                    self.fns, self.weights, head, carries[head.carry], self.input_batch)
+                    self.fns, self.weights, head, carries[head.carry], self.input_batch,
+                    bitmask)
                 if head.call is None:  # [B, W]: one step (collect reads it as [1, B, W])
                     flight.decode_packed = packed
                 else:
                     head.call.packed = packed
         flight.heads = []
         self._carries = tuple(carries)
+        return used
 
     def collect(self, flight: Inflight) -> dict[str, Samples]:
         """Wait for an iteration's results: the tokens each request sampled."""

@@ -82,23 +82,23 @@ class SamplerControls:
                                     np.zeros((vocab,), bool), np.zeros((MAX_LOGIT_BIAS,), np.int32),
                                     np.zeros((MAX_LOGIT_BIAS,), np.float32))
 
-    def sample(self, fns, weights, head: Head, carry: jax.Array,
-               batch: InputBatch) -> tuple[jax.Array, jax.Array]:
-        """Dispatch a head: (packed [rows, W], the carry with its rows' tokens)."""
+    def sample(self, fns, weights, head: Head, carry: jax.Array, batch: InputBatch,
+               bitmask: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """Dispatch a head with its rows' token bitmask: (packed [rows, W], the carry with
+        its rows' tokens)."""
         packed, carry, self.state = fns.head(weights, head.last, head.sm,
-                                             self._controls(head, batch), self.state, carry,
-                                             head.carry_index, rows=len(head.slots))
+                                             self._controls(head, batch, bitmask), self.state,
+                                             carry, head.carry_index, rows=len(head.slots))
         packed.copy_to_host_async()
         return packed, carry
 
-    def _controls(self, head: Head, batch: InputBatch) -> Controls:
-        slots = head.slots
-        bitmask = np.full((len(slots), bitmask_width(self.vocab_size)), -1, np.int32)
-        counted = np.zeros((len(slots),), bool)
+    def bitmask(self, head: Head) -> np.ndarray:
+        """[rows, vocab / 32] int32: the tokens each row of the head may sample (its grammar's
+        and its own limits'; -1 words: every token) from its requests' current masks."""
+        bitmask = np.full((len(head.slots), bitmask_width(self.vocab_size)), -1, np.int32)
         masks = []
         for i, chunk in enumerate(head.chunks):
             request = chunk.request
-            counted[i] = chunk.num_samples > 0 and request.params.controlled
             mask = request.token_mask
             if mask is not None and chunk.num_samples and not request.status.finished:
                 masks.append((i, mask))
@@ -109,6 +109,13 @@ class SamplerControls:
             fill_rows(grammars, bitmask)
         for i, mask in masks:
             mask.restrict(bitmask[i])
+        return bitmask
+
+    def _controls(self, head: Head, batch: InputBatch, bitmask: np.ndarray) -> Controls:
+        slots = head.slots
+        counted = np.zeros((len(slots),), bool)
+        for i, chunk in enumerate(head.chunks):
+            counted[i] = chunk.num_samples > 0 and chunk.request.params.controlled
         return Controls(slots=slots, presence=batch.presence[slots],
                         frequency=batch.frequency[slots], repetition=batch.repetition[slots],
                         min_p=batch.min_p[slots], counted=counted,

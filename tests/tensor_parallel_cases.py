@@ -147,6 +147,25 @@ def controlled_outputs(tp: int) -> list:
             for o in outs] + [llm.stats()["num_compilations_after_warmup"]]
 
 
+def sharded_greedy_cases() -> dict:
+    """sharded_greedy over 4 shards against first_argmax over the whole vocabulary: random
+    rows, a maximum tied across two shards, one within a shard, a row holding NaN."""
+    from jax.sharding import Mesh
+
+    from jaxserve.model.sampler import first_argmax, sharded_greedy
+
+    logits = np.random.default_rng(0).normal(size=(6, 64)).astype(np.float32)
+    logits[1, [5, 40]] = 9.0  # shards 0 and 2
+    logits[2, [50, 52]] = 9.0  # shard 3 twice
+    logits[3, 17] = np.nan
+    logits[4, :] = 1.0  # all tied
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ("data", "model"))
+    split = jax.jit(jax.shard_map(lambda x: sharded_greedy(x, "model", 2), mesh=mesh,
+                                  in_specs=P(None, "model"), out_specs=P(), check_vma=False))
+    return {"split": np.asarray(split(logits))[:, 0].tolist(),
+            "whole": np.asarray(first_argmax(logits)).tolist()}
+
+
 def main() -> None:
     if len(jax.devices()) < 8:
         sys.exit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -175,6 +194,7 @@ def main() -> None:
     # XLA's dot and attention: the shards' sums as all-reduces
     report["llama_reference_backend"] = run_model(MODELS["llama"], (1, 2),
                                                   **bench.BACKENDS["reference"])
+    report["sharded_greedy"] = sharded_greedy_cases()
     json.dump(report, sys.stdout)
 
 

@@ -1,8 +1,9 @@
 """Several processes serving one model (jaxserve/distributed.py): two `jaxserve serve` processes
 on 127.0.0.1, each with 2 host devices, tp=4 across them, CPU collectives through gloo. Process
-0 serves stories260K's C-reference prompts with the reference ids; a follower killed makes it
-fail its requests and exit non-zero naming the lost process; a clean stop ends both; start-up
-mismatches are clear errors. The encoding of the leader's calls is checked on its own too."""
+0 serves stories260K's C-reference prompts with the reference ids, and a structured request; a
+follower killed makes it fail its requests and exit non-zero naming the lost process; a clean
+stop ends both; start-up mismatches are clear errors. The encoding of the leader's calls is
+checked on its own too."""
 
 import contextlib
 import json
@@ -85,6 +86,12 @@ def test_two_processes_serve_the_reference_then_a_lost_follower_stops_the_server
                 "max_tokens": len(case["generated_ids"]), "ignore_eos": True})
             assert r.status_code == 200, r.text
             assert case["prompt"] + r.json()["choices"][0]["text"] == case["text"]
+        # a structured request: its token masks are process 0's, sent with its steps
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": str(STORIES), "prompt": "Once upon a time there was a girl named",
+            "max_tokens": 8, "structured_outputs": {"choice": ["Lily", "Tom", "Sue"]},
+            "bad_words": ["Lily"]})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("Tom", "Sue"), r.text
         # a long request runs when process 1 is killed: it fails, and process 0 exits
         answers = []
 

@@ -77,6 +77,11 @@ def test_data_parallel_replicas_give_one_devices_logits_and_ids(report, model):
         assert sorted(d for ds in run["devices"] for d in ds) == list(range(dp * tp)), sizes
 
 
+def test_greedy_rows_take_the_argmax_of_the_whole_vocabulary_from_the_shards(report):
+    """Ties across shards and within one, a row with NaN, all tied: first_argmax's ids."""
+    assert report["sharded_greedy"]["split"] == report["sharded_greedy"]["whole"]
+
+
 def test_stories260k_gives_the_c_references_ids_over_two_replicas(report):
     run = report["stories260K_reference_dp"]
     assert run["ids"] == run["expected"]
@@ -136,12 +141,15 @@ def test_quantised_kernels_and_their_scales_split_with_their_layers(report, mode
 
 @pytest.mark.parametrize("model", MODELS + QUANTISED + MOE)
 def test_no_step_gathers_a_weight_and_none_compiles_after_warm_up(report, model):
-    """The decode step gathers only activations: the logits [rows, vocab] and, on the CPU
-    backend, the shards' partial sums [shards, rows, 1, hidden]."""
+    """The decode step gathers only activations: the logits [rows, vocab] (a call with a row
+    that samples or wants logprobs), the shards' maxima and their ids [shards, rows] (a call
+    of greedy rows) and, on the CPU backend, the shards' partial sums [shards, rows, 1,
+    hidden]."""
     for tp, run in report[model].items():
         assert run["compilations_after_warmup"] == 0, tp
         rows, hidden, vocab = run["rows"], run["hidden_size"], run["vocab_size"]
-        allowed = {f"f32[{rows},{vocab}]", f"f32[{tp},{rows},1,{hidden}]"}
+        allowed = {f"f32[{rows},{vocab}]", f"f32[{tp},{rows},1,{hidden}]", f"f32[{tp},{rows}]",
+                   f"s32[{tp},{rows}]"}
         for shape in run["collectives"]["all_gathers"]:
             assert shape in allowed, (tp, shape, allowed)
 
@@ -151,7 +159,8 @@ def test_the_decode_step_sums_twice_a_layer(report):
     gathered once. XLA's dot (reference backend, layers scanned: one layer's body): all-reduces;
     the CPU kernels (layers unrolled): the parts gathered and added in shard order (the
     all-reduce's order changes with the rows). A mixture of experts sums its experts' shares
-    once, as a dense MLP its columns'."""
+    once, as a dense MLP its columns'. The head: the logits gathered, or (greedy rows) the
+    shards' maxima and their ids."""
     for model in MODELS + MOE:
         for tp, run in report[model].items():
             collectives = run["collectives"]
@@ -160,11 +169,11 @@ def test_the_decode_step_sums_twice_a_layer(report):
             else:
                 assert not run["scan_layers"]
                 assert collectives["all_reduces"] == 0
-                assert len(collectives["all_gathers"]) == 2 * run["num_layers"] + 2, (model, tp)
+                assert len(collectives["all_gathers"]) == 2 * run["num_layers"] + 4, (model, tp)
     reference = report["llama_reference_backend"]["2"]
     assert reference["scan_layers"]
     assert reference["collectives"]["all_reduces"] == 2 + 1
-    assert len(reference["collectives"]["all_gathers"]) == 1  # the logits
+    assert len(reference["collectives"]["all_gathers"]) == 3  # the logits, or maxima and ids
     assert reference["ids"] == report["llama_reference_backend"]["1"]["ids"]
 
 

@@ -272,6 +272,10 @@ class LlamaForCausalLM(nnx.Module):
     def logits(self, hidden: jax.Array, backend) -> jax.Array:  # [..., vocab]
         """float32 logits; a tied head multiplies by the embedding table [vocab, hidden]. Split
         by vocabulary over shards, each computes its part and the parts are gathered."""
+        return backend.gather_vocab(self.local_logits(hidden, backend))
+
+    def local_logits(self, hidden: jax.Array, backend) -> jax.Array:  # [..., vocab / shards]
+        """This shard's part of the logits (the whole of them on one device)."""
         if self.lm_head is not None:
             logits = backend.ops.linear(self.lm_head, hidden).astype(jnp.float32)
         else:
@@ -279,7 +283,7 @@ class LlamaForCausalLM(nnx.Module):
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2: c * tanh(x / c), each logit alone
             logits = cap * jnp.tanh(logits / cap)
-        return backend.gather_vocab(logits)
+        return logits
 
 
 def local_rope_config(cfg: ModelConfig) -> ModelConfig:

@@ -166,6 +166,23 @@ def first_argmax(logits: jax.Array) -> jax.Array:  # [B, V] -> [B] int32
     return jnp.minimum(jnp.min(jnp.where(logits == best, ids, vocab), axis=-1), vocab - 1)
 
 
+def sharded_greedy(local: jax.Array, axis: str, num_top: int) -> jax.Array:
+    """Greedy rows' packed samples from logits split by vocabulary over the mesh axis `axis`
+    (local [B, V / shards], this shard's part), with no logits gathered: each shard's maximum
+    and its first id are ([shards, B]), and the first shard holding the largest maximum gives
+    the token, as first_argmax over the whole vocabulary would (a row with NaN: the last id).
+    The logprob fields are zeros, as `sample`'s for rows that did not ask for them."""
+    width = local.shape[-1]
+    ids = first_argmax(local) + jax.lax.axis_index(axis) * width
+    maxima = jax.lax.all_gather(jnp.max(local, axis=-1), axis)  # [shards, B]
+    ids = jax.lax.all_gather(ids, axis)  # [shards, B]
+    shard = first_argmax(maxima.T)
+    tokens = jnp.take_along_axis(ids.T, shard[:, None], axis=1)[:, 0]
+    tokens = jnp.where(jnp.isnan(maxima).any(axis=0), width * maxima.shape[0] - 1, tokens)
+    zeros = jnp.zeros((tokens.shape[0], packed_width(num_top) - 1), jnp.int32)
+    return jnp.concatenate([tokens[:, None], zeros], axis=1)
+
+
 def sample(logits: jax.Array, sm: SamplingMetadata, num_top: int, ops,
            controls: Controls | None = None, state: SamplerState | None = None):
     """logits [B, V] float32 -> packed [B, 3 + 2 * num_top] int32 (see module docstring); `ops`

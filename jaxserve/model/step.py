@@ -41,6 +41,7 @@ from jaxserve.model.sampler import (
     SamplerState,
     draft_sample,
     sample,
+    sharded_greedy,
     token_logprobs,
     verify,
 )
@@ -99,6 +100,17 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
         leaves, rope = weights
         return nnx.merge(graphdef, jax.tree.unflatten(state_treedef, leaves)), rope
 
+    def sample_plain(model, h, sm):
+        """A plain call's sampling. On a mesh, a call whose rows are all greedy and want no
+        logprobs takes each row's token from the shards' maxima: no logits gathered."""
+        if backend.model_axis is None:
+            return sample(model.logits(h, backend), sm, num_top, backend.ops)
+        local = model.local_logits(h, backend)
+        return jax.lax.cond(
+            jnp.all(sm.temperature == 0) & ~jnp.any(sm.logprobs),
+            lambda: sharded_greedy(local, backend.model_axis, num_top),
+            lambda: sample(backend.gather_vocab(local), sm, num_top, backend.ops))
+
     def chunk_hidden(weights, kv: KVCache, tokens, md: AttentionMetadata):
         model, rope = merge(weights)
         hidden, kv = model(tokens, kv, md, backend, rope)
@@ -108,7 +120,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
 
     def prefill(weights, kv, tokens, md, sm, carry, carry_index):
         model, _, h, kv = chunk_hidden(weights, kv, tokens, md)
-        packed = sample(model.logits(h, backend), sm, num_top, backend.ops)
+        packed = sample_plain(model, h, sm)
         return packed, carry.at[carry_index].set(packed[:, 0], mode="drop"), kv
 
     def prefill_hidden(weights, kv, tokens, md):
@@ -154,7 +166,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
         def one_step(carry, _):
             tokens, kv, md, sm = carry
             hidden, kv = model(tokens[:, None], kv, md, backend, rope)
-            packed = sample(model.logits(hidden[:, 0], backend), sm, num_top, backend.ops)
+            packed = sample_plain(model, hidden[:, 0], sm)
             md = replace(md, positions=md.positions + 1, seq_lens=md.seq_lens + md.query_lens)
             sm = replace(sm, positions=sm.positions + 1)
             return (packed[:, 0], kv, md, sm), packed
@@ -172,7 +184,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
 
     def ragged_head(weights, last, sm, carry, carry_index, rows):
         model, _ = merge(weights)
-        packed = sample(model.logits(last[:rows], backend), sm, num_top, backend.ops)
+        packed = sample_plain(model, last[:rows], sm)
         return packed, carry.at[carry_index].set(packed[:, 0], mode="drop")
 
     def verify_step(weights, kv, first, drafts, num_drafts, md, sm, draft_probs):
