@@ -108,7 +108,7 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     tp = config.tensor_parallel_size
     problems = []
     try:  # the devices are the serving machine's, not necessarily this one's
-        check_tensor_parallel(cfg, tp, attention, tp, config.enable_expert_parallel)
+        check_tensor_parallel(cfg, tp, tp, config.enable_expert_parallel)
     except ValueError as error:
         problems.append(str(error))
         tp = 1

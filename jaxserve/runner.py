@@ -184,7 +184,7 @@ class ModelRunner:
         start = time.perf_counter()
         tp = self.tensor_parallel_size = config.tensor_parallel_size
         experts = config.enable_expert_parallel
-        check_tensor_parallel(model_config, tp, self.attention_impl, len(jax.devices()), experts)
+        check_tensor_parallel(model_config, tp, len(jax.devices()), experts)
         mesh = make_mesh(self.devices) if tp > 1 else None
         self.graphdef, self.state = load_state(
             model_path, model_config, self.dtype, config.load_format, config.seed,

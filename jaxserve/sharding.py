@@ -34,8 +34,8 @@ _COLUMNS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # [in, out]: 
 _ROWS = ("o_proj", "down_proj")  # [in, out]: in split
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int, attention_name: str,
-                          num_devices: int, expert_parallel: bool = False) -> None:
+def check_tensor_parallel(cfg: ModelConfig, tp: int, num_devices: int,
+                          expert_parallel: bool = False) -> None:
     """A ValueError naming tensor_parallel_size where the model or the machine cannot take tp."""
     if tp > num_devices:
         raise ValueError(f"tensor_parallel_size {tp} needs {tp} devices; "
@@ -62,10 +62,6 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, attention_name: str,
                          "heads: one must divide the other")
     if cfg.o_bias:
         raise ValueError("tensor_parallel_size > 1 with an o_proj bias is not supported")
-    if attention_name == "tpu":
-        raise ValueError("tensor_parallel_size > 1 with the tpu attention is not supported "
-                         "yet (its K/V pool is one combined array); use attention_impl="
-                         "'reference'")
 
 
 def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:

@@ -15,6 +15,7 @@ after warm-up.
 import importlib.util
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -166,6 +167,26 @@ def sharded_greedy_cases() -> dict:
             "whole": np.asarray(first_argmax(logits)).tolist()}
 
 
+def tpu_attention_ids(tmp: Path) -> dict:
+    """JAX's Pallas TPU attention (the interpreter on the CPU) per shard of tp=4, its combined
+    K/V pool split by heads (2 KV heads, each repeated on two shards): greedy ids against the
+    reference attention on one device, padded decode, ragged chunks and mixed iterations."""
+    config = json.loads((MODELS["llama"] / "config.json").read_text())
+    config |= dict(hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=128, vocab_size=300, num_hidden_layers=2)
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(4)
+    prompts = [{"prompt_token_ids": rng.integers(3, 300, int(n)).tolist()} for n in (7, 40, 21)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    base = dict(load_format="dummy", max_num_seqs=4, max_num_batched_tokens=32,
+                prefill_chunk_sizes=(16, 32), num_pages=48, page_size=8, row_buckets=(4,),
+                enable_prompt_logprobs=False, matmul_impl="xla")
+    return {name: [o.outputs[0].token_ids for o in LLM(
+                tmp, attention_impl=impl, tensor_parallel_size=tp, **base).generate(prompts, params)]
+            for name, impl, tp in (("reference", "reference", 1), ("tpu", "tpu", 4))}
+
+
 def main() -> None:
     if len(jax.devices()) < 8:
         sys.exit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -195,6 +216,8 @@ def main() -> None:
     report["llama_reference_backend"] = run_model(MODELS["llama"], (1, 2),
                                                   **bench.BACKENDS["reference"])
     report["sharded_greedy"] = sharded_greedy_cases()
+    with tempfile.TemporaryDirectory() as tmp:
+        report["tpu_attention"] = tpu_attention_ids(Path(tmp))
     json.dump(report, sys.stdout)
 
 

@@ -77,6 +77,11 @@ def test_data_parallel_replicas_give_one_devices_logits_and_ids(report, model):
         assert sorted(d for ds in run["devices"] for d in ds) == list(range(dp * tp)), sizes
 
 
+def test_the_tpu_attention_runs_per_shard_of_a_mesh(report):
+    run = report["tpu_attention"]
+    assert run["tpu"] == run["reference"] and len({t for ids in run["tpu"] for t in ids}) > 3
+
+
 def test_greedy_rows_take_the_argmax_of_the_whole_vocabulary_from_the_shards(report):
     """Ties across shards and within one, a row with NaN, all tied: first_argmax's ids."""
     assert report["sharded_greedy"]["split"] == report["sharded_greedy"]["whole"]
@@ -203,30 +208,28 @@ def _config(**changes) -> ModelConfig:
 def test_bad_tensor_parallel_settings_are_clear_errors_at_start_up(tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 4 "
                                          "attention heads"):
-        check_tensor_parallel(_config(), 3, "cpu", 8)
+        check_tensor_parallel(_config(), 3, 8)
     with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's "
                                          "102 MLP intermediate size"):
-        check_tensor_parallel(_config(intermediate_size=102), 4, "cpu", 8)
+        check_tensor_parallel(_config(intermediate_size=102), 4, 8)
     with pytest.raises(ValueError, match="does not divide the model's 129 vocabulary"):
-        check_tensor_parallel(_config(vocab_size=129), 2, "cpu", 8)
+        check_tensor_parallel(_config(vocab_size=129), 2, 8)
     with pytest.raises(ValueError, match="tensor_parallel_size 4 and the model's 3 KV heads"):
-        check_tensor_parallel(_config(num_heads=12, num_kv_heads=3), 4, "cpu", 8)
+        check_tensor_parallel(_config(num_heads=12, num_kv_heads=3), 4, 8)
     with pytest.raises(ValueError, match="tensor_parallel_size 8 needs 8 devices; 2 found"):
-        check_tensor_parallel(_config(), 8, "cpu", 2)
-    with pytest.raises(ValueError, match="tpu attention"):
-        check_tensor_parallel(_config(), 2, "tpu", 8)
+        check_tensor_parallel(_config(), 8, 2)
     # a mixture of experts: its experts' columns, or with expert parallelism the experts
     moe = dict(num_experts=6, moe_intermediate_size=32)
     with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's 6 "
                                          r"experts \(enable_expert_parallel\)"):
-        check_tensor_parallel(_config(**moe), 4, "cpu", 8, expert_parallel=True)
-    check_tensor_parallel(_config(**moe), 4, "cpu", 8)  # 32 columns split 4 ways
+        check_tensor_parallel(_config(**moe), 4, 8, expert_parallel=True)
+    check_tensor_parallel(_config(**moe), 4, 8)  # 32 columns split 4 ways
     with pytest.raises(ValueError, match="does not divide the model's 20 shared expert's"):
         check_tensor_parallel(_config(**moe, shared_expert_intermediate_size=20, num_heads=8,
-                                      num_kv_heads=8, vocab_size=128), 8, "cpu", 8)
+                                      num_kv_heads=8, vocab_size=128), 8, 8)
     with pytest.raises(ValueError, match="enable_expert_parallel: the LlamaForCausalLM model "
                                          "has no experts"):
-        check_tensor_parallel(_config(), 2, "cpu", 8, expert_parallel=True)
+        check_tensor_parallel(_config(), 2, 8, expert_parallel=True)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(HERE / "fixtures" / "hf" / "llama", tensor_parallel_size=0)
     devices = len(jax.devices())

@@ -8,6 +8,9 @@ for all layers like the others:
 
     pools = (kv,)   kv: [num_layers * num_pages, page_size, 2 * num_kv_heads, head_dim]
 
+Each head's K and V sit side by side, so tensor parallelism splits the pool over its head axis
+as it splits the others' (sharding.kv_spec): each shard holds its heads' K and V.
+
 The kernel is ragged by nature: the runner packs prompt chunks (and a mixed iteration's decode
 rows) into one call (`ragged_calls`), as on the CPU backend.
 """
