@@ -25,6 +25,7 @@ the leader alone (its grammars' state) and sent with the call that applies them.
 Not yet: data parallelism across processes, a draft model.
 """
 
+import contextlib
 import logging
 import os
 import pickle
@@ -116,10 +117,8 @@ class Group:
     def publish(self, n: int, message: Any) -> None:
         self.client.key_value_set_bytes(f"{_PREFIX}/op/{n}", pickle.dumps(message))
         if n >= _KEEP_OPS:  # followers run at most an iteration or two behind (collectives)
-            try:
+            with contextlib.suppress(Exception):  # a lost process is the watcher's to report
                 self.client.key_value_delete(f"{_PREFIX}/op/{n - _KEEP_OPS}")
-            except Exception:  # a lost process is the watchdog's to report
-                pass
 
     def receive(self, n: int) -> Any:
         """The leader's call n (waits for it; returns None when the leader is lost)."""
@@ -159,11 +158,9 @@ class Group:
         me = self.processes.process_id
         self._stop.set()  # this process's heartbeat would overwrite it
         time.sleep(2 * HEARTBEAT_S)
-        try:
+        with contextlib.suppress(Exception):  # the service gone: the others see that too
             self.client.key_value_set(f"{_PREFIX}/alive/{me}", f"error: {error}"[:500],
                                       allow_overwrite=True)
-        except Exception:
-            pass
 
     def watch(self) -> None:
         """Write this process's heartbeat and watch the others' in a daemon thread; when one

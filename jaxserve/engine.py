@@ -13,8 +13,8 @@ import json
 import logging
 import random
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jaxserve import distributed

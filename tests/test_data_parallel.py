@@ -164,4 +164,4 @@ def test_bad_data_parallel_settings_are_clear_errors(model_dir):
         LLM(model_dir, data_parallel_size=devices + 1, load_format="dummy")
     # the one-replica surfaces say where to look
     with pytest.raises(RuntimeError, match="2 data-parallel replicas"):
-        make_engine(model_dir).scheduler
+        _ = make_engine(model_dir).scheduler
