@@ -13,7 +13,7 @@ calls follow from what it is given (each iteration's scheduler output, then its 
 The leader's runner (`LeaderRunner`) publishes each call before making it, through the
 coordination service's key-value store (JAX's, not a channel of ours): the scheduler output as
 plain data (`encode`), each request's state sent once and then only what it appended. A
-follower decodes it onto stand-ins of the requests (`Replica`) and makes the same call. Every
+follower decodes it onto stand-ins of the requests (`StandIn`) and makes the same call. Every
 process writes a heartbeat to the store and watches the others': one that stops (killed, or
 failed with an error it wrote there) is lost within `LOST_AFTER_S`, and the others stop: the
 leader fails its requests with an error naming the lost process and exits non-zero, so nothing
@@ -32,7 +32,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -85,8 +85,8 @@ def initialize(processes: Processes, timeout_s: int = 120) -> "Group":
     global _state
     import jax
 
-    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # the CPU devices' collectives across processes (GPUs' and TPUs' have their own)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(processes.coordinator_address, processes.num_processes,
                                processes.process_id, initialization_timeout=timeout_s)
     from jax._src import distributed as jax_distributed
@@ -126,7 +126,7 @@ class Group:
             try:
                 data = self.client.blocking_key_value_get_bytes(f"{_PREFIX}/op/{n}", 1000)
             except Exception as error:  # a timeout: still waiting; else the service is gone
-                if "DEADLINE_EXCEEDED" in str(error) or "timed out" in str(error).lower():
+                if "DEADLINE_EXCEEDED" in str(error):
                     continue
                 raise
             return pickle.loads(data)
@@ -252,7 +252,7 @@ def exit_lost(message: str, before: Callable[[BaseException], None] | None = Non
 
 
 @dataclass(eq=False)
-class Replica:
+class StandIn:
     """A follower's stand-in for a request: what the model runner reads of one (its token
     masks come with the leader's finish call)."""
 
@@ -263,8 +263,6 @@ class Replica:
     output_ids: list[int]
     pages: list[int]
     metrics: SimpleNamespace
-    token_mask: None = None
-    status: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(finished=False))
 
     def token_ids(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)
@@ -308,24 +306,24 @@ class Decoder:
     """A follower's side: the leader's messages back into scheduler outputs over stand-ins."""
 
     def __init__(self):
-        self._replicas: dict[str, Replica] = {}
+        self._requests: dict[str, StandIn] = {}
 
     def decode(self, message: dict[str, Any]) -> SchedulerOutput:
-        replicas = {}
+        requests = {}
         for state in message["states"]:
             if len(state) == 3:  # what a request it holds appended
                 rid, outputs, pages = state
-                replica = self._replicas[rid]
-                replica.output_ids += outputs
-                replica.pages += pages
+                request = self._requests[rid]
+                request.output_ids += outputs
+                request.pages += pages
             else:
                 rid, params, seed, prompt, outputs, pages, preemptions = state
-                replica = Replica(rid, params, seed, prompt, outputs, pages,
+                request = StandIn(rid, params, seed, prompt, outputs, pages,
                                   SimpleNamespace(num_preemptions=preemptions))
-            replicas[rid] = replica
-        self._replicas = replicas
+            requests[rid] = request
+        self._requests = requests
         return SchedulerOutput(
-            chunks=[ScheduledChunk(replicas[rid], start, n, samples, draft)
+            chunks=[ScheduledChunk(requests[rid], start, n, samples, draft)
                     for rid, start, n, samples, draft in message["chunks"]],
             decode_steps=message["decode_steps"], batch_rows=message["batch_rows"],
             speculative=message["speculative"])

@@ -161,15 +161,15 @@ def test_the_leaders_calls_decode_to_what_the_runner_reads():
         return message, decoder.decode(message)
 
     message, out = step(ScheduledChunk(a, 0, 3, 1))
-    replica = out.chunks[0].request
+    stand_in = out.chunks[0].request
     assert len(message["states"][0]) == 7  # whole
-    assert (replica.prompt_ids, replica.pages, replica.seed) == ([5, 6, 7], [3], 11)
+    assert (stand_in.prompt_ids, stand_in.pages, stand_in.seed) == ([5, 6, 7], [3], 11)
     a.output_ids += [8]
     a.pages += [4]
     message, out = step(ScheduledChunk(a, 3, 1, 1))
     assert message["states"] == [("a", [8], [4])]  # appended only
-    assert out.chunks[0].request is replica and replica.token_ids(2, 4) == [7, 8]
-    assert replica.pages == [3, 4]
+    assert out.chunks[0].request is stand_in and stand_in.token_ids(2, 4) == [7, 8]
+    assert stand_in.pages == [3, 4]
     step()  # a step without it
     a.output_ids += [9]
     message, out = step(ScheduledChunk(a, 4, 1, 1))
