@@ -251,8 +251,8 @@ class EngineConfig:
     # (vLLM's name), each device num_experts / tensor_parallel_size of them; else each expert
     # is split like a dense MLP
     enable_expert_parallel: bool = False
-    # the decoder's linear layers quantised as they load (vLLM's option and flag): int8 or fp8
-    # (e4m3) weights with a float32 scale per output column, dequantised inside the matmul;
+    # the decoder's linear layers quantised as they load (vLLM's option and flag): int8, fp8
+    # (e4m3) or int4 weights with a float32 scale per output column, dequantised inside the matmul;
     # the embedding table and the LM head keep the model's dtype (jaxserve/model/quant.py)
     quantization: str | None = None
     # speculative decoding (vLLM's option; the CLI takes its JSON): None off, else a mapping of

@@ -25,7 +25,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 PHI3_ROPE_TYPES = ("default", "longrope")  # Phi-3's own, as transformers' Phi3Config
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "fp8")  # the quantization option's values (vLLM's names)
+QUANTIZATIONS = ("int8", "fp8", "int4")  # the quantization option's values
 
 
 # transformers 5's defaults for keys a config.json leaves out, where the architectures differ
@@ -421,40 +421,52 @@ def _read_moe(arch: str, hf: dict[str, Any], defaults: dict[str, Any]) -> dict[s
     return moe
 
 
+# compressed-tensors' (format, weights' type, bits) -> the quantization they carry
+_COMPRESSED_WEIGHTS = {("float-quantized", "float", 8): "fp8", ("int-quantized", "int", 8): "int8",
+                       ("pack-quantized", "int", 8): "int8", ("pack-quantized", "int", 4): "int4"}
+
+
 def _read_quantization(quant: Any) -> str | None:
     """config.json's quantization_config -> the quantization its weights carry (None: float
     weights). Read as vLLM reads it: compressed-tensors checkpoints whose linear layers hold
-    8-bit weights with a scale per output channel or per tensor ("float-quantized": fp8 e4m3;
-    "int-quantized": int8), the LM head left in float. Their activation settings are not
-    applied: the weights are dequantised inside the matmul (weight-only). Anything else is a
-    clear error naming what it holds."""
+    weights with a scale per output channel or per tensor ("float-quantized": fp8 e4m3;
+    "int-quantized": int8; "pack-quantized": int4 or int8 packed into int32 words, as W4A16
+    checkpoints hold them), symmetric, the LM head left in float. Their activation settings
+    are not applied: the weights are dequantised inside the matmul (weight-only). Anything else
+    is a clear error naming what it holds."""
     if not quant:
         return None
-    supported = ("supported: compressed-tensors checkpoints with 8-bit float or int weights "
-                 "per channel or per tensor, or float weights with the quantization option")
+    supported = ("supported: compressed-tensors checkpoints with fp8, int8 or int4 weights "
+                 "per channel or per tensor, symmetric, or float weights with the quantization "
+                 "option")
     if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise ValueError(f"quantization_config quant_method {method!r} is not read; {supported}")
     fmt = quant.get("format")
-    method = {"float-quantized": "fp8", "int-quantized": "int8"}.get(fmt)
-    if method is None:
+    if fmt not in ("float-quantized", "int-quantized", "pack-quantized"):
         raise ValueError(f"quantization_config format {fmt!r} is not read; {supported}")
+    method = None
     groups = quant.get("config_groups") or {}
     if not isinstance(groups, dict):
         raise ValueError(f"quantization_config config_groups must be a mapping, got {groups!r}")
     for name, group in groups.items():
         group = group if isinstance(group, dict) else {}
         weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
-        kind = "float" if method == "fp8" else "int"
         if group.get("format", fmt) != fmt:
             raise ValueError(f"quantization_config config_groups.{name}.format "
                              f"{group.get('format')!r} differs from the checkpoint's {fmt!r}; "
                              f"{supported}")
-        if (weights.get("num_bits") != 8 or weights.get("type") != kind
+        found = _COMPRESSED_WEIGHTS.get((fmt, weights.get("type"), weights.get("num_bits")))
+        if weights.get("strategy") == "group":
+            raise ValueError(f"quantization_config config_groups.{name}.weights: group-wise "
+                             f"scales (group_size {weights.get('group_size')}) are not read yet; "
+                             f"{supported}")
+        if (found is None or found != (method or found)
                 or weights.get("strategy") not in ("channel", "tensor")
                 or weights.get("symmetric") is False or weights.get("dynamic")):
             raise ValueError(f"quantization_config config_groups.{name}.weights {weights} is "
                              f"not read; {supported}")
+        method = found
     if not groups:
         raise ValueError(f"quantization_config has no config_groups; {supported}")
     ignore = quant.get("ignore") or []

@@ -55,6 +55,7 @@ def weight_bytes_per_device(cfg: ModelConfig, dtype: str, tp: int) -> int:
     import jax
 
     from jaxserve.model.loader import abstract_model
+    from jaxserve.model.quant import array_bytes
     from jaxserve.runner import DTYPES
     from jaxserve.sharding import path_names, weight_spec
 
@@ -62,7 +63,7 @@ def weight_bytes_per_device(cfg: ModelConfig, dtype: str, tp: int) -> int:
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_model(cfg, DTYPES[dtype])[1]):
         names = path_names(path)
-        size = leaf.size * leaf.dtype.itemsize
+        size = array_bytes(leaf.shape, leaf.dtype)
         if any(n in ("k_proj", "v_proj") for n in names):
             size *= repeats
         split = any(weight_spec(names, leaf.ndim))

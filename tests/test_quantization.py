@@ -1,4 +1,4 @@
-"""Weight-only quantisation (quantization="int8" | "fp8") and the fp8 KV pool
+"""Weight-only quantisation (quantization="int8" | "fp8" | "int4") and the fp8 KV pool
 (kv_cache_dtype="fp8"): the scales' error bound, the dequantised twin, the bytes, batch
 invariance on the CPU kernels, and quality against the independent references (stories260K's C
 implementation, transformers on compressed-tensors checkpoints, the demo's held-out text)."""
@@ -25,16 +25,19 @@ from jaxserve.model.quant import QuantizedLinear, dequantize, quantize_weight
 from jaxserve.model_config import ModelConfig
 from jaxserve.plan import plan
 
-METHODS = ("int8", "fp8")
-# what a column's absmax maps to (qwix: int8's whole range, -128..127, hence 127.5)
-QMAX = {"int8": 127.5, "fp8": 448.0}
+METHODS = ("int8", "fp8", "int4")
+EIGHT_BITS = ("int8", "fp8")  # the quality goals' (int4 is measured by bench/quantization.py)
+# what a column's absmax maps to (qwix: int8's whole range, -128..127, hence 127.5; int4's
+# -8..7, 7.5)
+QMAX = {"int8": 127.5, "fp8": 448.0, "int4": 7.5}
+BITS = {"int8": 8, "fp8": 8, "int4": 4}
 
 
 def _element_bound(w: np.ndarray, scale: np.ndarray, method: str) -> np.ndarray:
     """How far a weight may move when quantised, from its column's scale: half a step of
-    int8; for e4m3 (3 mantissa bits) 2^-4 of its magnitude, or half its smallest subnormal
+    int8 or int4; for e4m3 (3 mantissa bits) 2^-4 of its magnitude, or half its smallest subnormal
     step (2^-9 of the scale)."""
-    if method == "int8":
+    if method in ("int8", "int4"):
         return np.broadcast_to(scale / 2, w.shape)
     return np.maximum(np.abs(w) * 2.0**-4, scale * 2.0**-10)
 
@@ -129,10 +132,11 @@ def llama_engines():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_quantised_weights_take_a_byte_an_element(dtype):
+def test_quantised_weights_take_a_byte_an_element_int4_half(dtype):
     """Read from the arrays: each linear layer's weights one byte an element (a quarter of
-    float32's, half of bfloat16's) plus a float32 scale per column; the embedding and the LM
-    head as they were. `jaxserve plan` reports the same bytes."""
+    float32's, half of bfloat16's; int4 half a byte, as an accelerator holds it) plus a
+    float32 scale per column; the embedding and the LM head as they were. `jaxserve plan`
+    reports the same bytes."""
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / "llama")
     full = state_bytes(load_state(HF_FIXTURES / "llama", cfg, dtype, "dummy")[1])
     linear = cfg.num_layers * (cfg.hidden_size * cfg.head_dim * (
@@ -143,7 +147,8 @@ def test_quantised_weights_take_a_byte_an_element(dtype):
     for method in METHODS:
         qcfg = dataclasses.replace(cfg, quantization=method)
         _, state = load_state(HF_FIXTURES / "llama", qcfg, dtype, "dummy")
-        assert state_bytes(state) == full - width * linear + linear + 4 * columns
+        narrow_bytes = linear * BITS[method] // 8
+        assert state_bytes(state) == full - width * linear + narrow_bytes + 4 * columns
         narrow = [x for x in jax.tree.leaves(state) if x.dtype.itemsize == 1]
         assert sum(x.size for x in narrow) == linear
         report = plan(HF_FIXTURES / "llama", EngineConfig.from_overrides(quantization=method))
@@ -196,7 +201,7 @@ def _teacher_forced_agreement(llm: LLM, cases: list[dict]) -> float:
     return agree / total
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", EIGHT_BITS)
 def test_stories260k_quantised_follows_the_c_reference(stories_dir, method):
     """The real pretrained model (hidden size 64: a hard case for a column's one scale): under
     teacher forcing the quantised model's top token is the C reference's greedy token at least
@@ -251,20 +256,22 @@ def test_the_demos_bits_per_byte_stay_within_2_percent():
     cfg = ModelConfig.from_hf_dir(demo)
     windows = evenly_spaced_windows(load_corpus().val, 12, cfg.max_position_embeddings)
     bpb = {}
-    for method in (None, *METHODS):
+    for method in (None, *EIGHT_BITS):
         graphdef, state = load_state(demo, dataclasses.replace(cfg, quantization=method),
                                      jnp.float32)
         bpb[method] = validation_bpb(graphdef, state, windows, batch_size=4)
     assert math.isfinite(bpb[None]) and bpb[None] < 2.5
-    for method in METHODS:
+    for method in EIGHT_BITS:
         assert bpb[method] <= bpb[None] * 1.02, bpb
 
 
 @pytest.mark.parametrize(("name", "method"), [
-    ("llama_fp8", "fp8"), ("llama_fp8_tensor", "fp8"), ("llama_int8", "int8")])
+    ("llama_fp8", "fp8"), ("llama_fp8_tensor", "fp8"), ("llama_int8", "int8"),
+    ("llama_w4a16", "int4")])
 def test_compressed_tensors_checkpoints_give_transformers_dequantised_logits(name, method):
     """Checkpoints written by compressed-tensors (make_quantized_fixtures.py: fp8 or int8
-    weights, a scale per channel or per tensor, dynamic or static activation settings) read as
+    weights, or int4 packed eight to an int32 word (W4A16's pack-quantized), a scale per
+    channel or per tensor, dynamic or static activation settings) read as
     vLLM reads them; the logits are transformers' on the same checkpoint, weights dequantised.
     The CPU engine's greedy ids are transformers' too."""
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / name)
@@ -283,18 +290,28 @@ def test_compressed_tensors_checkpoints_give_transformers_dequantised_logits(nam
     assert [o.outputs[0].token_ids for o in outs] == reference["greedy"]
 
 
-def test_a_compressed_tensors_checkpoint_holds_our_own_quantisation_of_its_weights():
-    """llama_fp8 was quantised from the float llama fixture by compressed-tensors: the same
-    fp8 weights as quantization="fp8" makes of that fixture, and scales within a rounding."""
-    fp8 = load_state(HF_FIXTURES / "llama_fp8", ModelConfig.from_hf_dir(
-        HF_FIXTURES / "llama_fp8"), jnp.float32)[1]
+@pytest.mark.parametrize(("name", "method"), [("llama_fp8", "fp8"), ("llama_w4a16", "int4")])
+def test_a_compressed_tensors_checkpoint_holds_our_own_quantisation_of_its_weights(name, method):
+    """llama_fp8 and llama_w4a16 were quantised from the float llama fixture by
+    compressed-tensors: the same narrow weights as quantization="fp8" or "int4" makes of that
+    fixture (int4 unpacked from its int32 words), and scales within a rounding. A negative
+    absmax lands on -7.5 steps in int4, a tie that each library's rounding (and its scale's
+    last bit) breaks its own way: -8 or -7, both half a step away; only there may they differ,
+    once a column at most."""
+    checkpoint = load_state(HF_FIXTURES / name, ModelConfig.from_hf_dir(HF_FIXTURES / name),
+                            jnp.float32)[1]
     ours = load_state(HF_FIXTURES / "llama", dataclasses.replace(
-        ModelConfig.from_hf_dir(HF_FIXTURES / "llama"), quantization="fp8"), jnp.float32)[1]
-    theirs, mine = jax.tree.leaves(fp8), jax.tree.leaves(ours)
+        ModelConfig.from_hf_dir(HF_FIXTURES / "llama"), quantization=method), jnp.float32)[1]
+    theirs, mine = jax.tree.leaves(checkpoint), jax.tree.leaves(ours)
     assert len(theirs) == len(mine)
     for a, b in zip(theirs, mine, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
-        if a.dtype == jnp.float8_e4m3fn:
+        if a.dtype == jnp.int4:
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            ties = a != b  # [in, out]
+            assert np.all(np.abs(a - b)[ties] == 1) and np.all(np.minimum(a, b)[ties] == -8)
+            assert ties.sum(axis=0).max() <= 1
+        elif a.dtype == jnp.float8_e4m3fn:
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
         else:
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-7)
@@ -327,7 +344,14 @@ def test_bad_quantization_settings_are_clear_errors(tmp_path):
         LLM(_edited_checkpoint(tmp_path / "no_scale", drop=missing), num_pages=80, page_size=4)
     bad_configs = [
         ({"quant_method": "gptq"}, "'gptq'"),
-        ({"format": "pack-quantized"}, "'pack-quantized'"),
+        ({"format": "pack-quantized"}, "differs from the checkpoint"),  # its groups fp8
+        ({"format": "nvfp4-pack-quantized"}, "'nvfp4-pack-quantized'"),
+        ({"format": "pack-quantized", "config_groups": {"g": {"weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
+         "group-wise scales"),
+        ({"format": "pack-quantized", "config_groups": {"g": {"weights": {
+            "num_bits": 4, "type": "int", "strategy": "channel", "symmetric": False}}}},
+         "is not read"),
         ({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "unquantised"),
         ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}, "num_bits"),
         ({"config_groups": {"g": {"format": "pack-quantized"}}}, "differs"),
@@ -343,8 +367,8 @@ def test_bad_quantization_settings_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig.from_overrides(kv_cache_dtype="fp4")
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig.from_overrides(quantization="int4")
+        EngineConfig.from_overrides(quantization="int2")
     with pytest.raises(ValueError, match="quantization"):
         dataclasses.replace(ModelConfig.from_hf_dir(HF_FIXTURES / "llama"), quantization="awq")
     with pytest.raises(ValueError, match="quantization"):
-        quantize_weight(jnp.ones((4, 4)), "int4")
+        quantize_weight(jnp.ones((4, 4)), "nf4")

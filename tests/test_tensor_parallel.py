@@ -25,7 +25,8 @@ HERE = Path(__file__).resolve().parent
 MODELS = ("llama", "qwen2", "mistral", "phi3", "stories260K")
 # mixtures of experts: each expert split over tp=2, and whole experts over 4 devices (_ep)
 MOE = ("mixtral", "qwen3_moe", "mixtral_ep", "qwen3_moe_ep")
-QUANTISED = ("llama_int8", "qwen2_fp8")  # quantization="int8" / "fp8" on those checkpoints
+# quantization="int8" / "fp8" on those checkpoints; an int4 checkpoint
+QUANTISED = ("llama_int8", "qwen2_fp8", "llama_w4a16")
 
 
 @pytest.fixture(scope="module")

@@ -106,6 +106,8 @@ class CpuOps(Ops):
         w = layer.kernel[...]
         if isinstance(layer, QuantizedLinear):  # the narrow weights widened in registers
             scale = layer.scale[...]
+            if w.dtype == jnp.int4:  # unpacked (split over a mesh): the kernel reads int8
+                w = w.astype(jnp.int8)
             y = (matmul_cpu_quant_panels(x, w, scale, layer.out_features) if w.ndim == 3
                  else matmul_cpu_quant(x, w, scale))
         elif w.ndim == 4:  # pack_amx's bf16 parts
@@ -160,6 +162,8 @@ class CpuOps(Ops):
             if (isinstance(module, nnx.Linear | QuantizedLinear)
                     and module.kernel.get_value().ndim == 2):
                 w = module.kernel.get_value()
+                if w.dtype == jnp.int4:  # the kernel reads int8: a byte a weight on the CPU
+                    w = w.astype(jnp.int8)
                 amx = self.amx and amx_packable(w) and not isinstance(module, QuantizedLinear)
                 packed = pack_amx(w) if amx else pack_panels(w)
                 module.kernel.set_value(packed)

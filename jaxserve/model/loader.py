@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.model.llama import LlamaForCausalLM
-from jaxserve.model.quant import quantize_weight
+from jaxserve.model.quant import array_bytes, quantize_weight
 from jaxserve.model_config import ModelConfig
 
 ORBAX_DIR = "params"
@@ -25,7 +25,7 @@ ORBAX_DIR = "params"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # what a pre-quantised checkpoint holds for its activations and zero points (symmetric):
 # unused, the weights are dequantised inside the matmul
-_WEIGHT_ONLY_SUFFIXES = ("input_scale", "input_zero_point", "weight_zero_point")
+_WEIGHT_ONLY_SUFFIXES = ("input_scale", "input_zero_point", "weight_zero_point", "weight_shape")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json", "byte_tokenizer.json", "chat_template.jinja")
 
@@ -117,6 +117,8 @@ def _hf_path(name: str, expected: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[tu
     stem, leaf = parts[:-1], parts[-1]
     if leaf == "weight_scale":  # a pre-quantised layer's scales (compressed-tensors)
         return ((*stem, "scale"), False) if (*stem, "scale") in expected else None
+    if leaf == "weight_packed":  # its weights packed into int32 words (pack-quantized)
+        return ((*stem, "kernel"), True) if (*stem, "scale") in expected else None
     if leaf == "weight":
         for candidate, transpose in (("kernel", True), ("embedding", False), ("weight", False)):
             if (*stem, candidate) in expected:
@@ -134,7 +136,7 @@ def _fused_parts(name: str, cfg: ModelConfig) -> list[tuple[str, int | None]]:
     tensor is its own one part (rows None)."""
     stem, _, leaf = name.rpartition(".")
     parent, _, proj = stem.rpartition(".")
-    if leaf not in ("weight", "weight_scale") or proj not in _FUSED:
+    if leaf not in ("weight", "weight_scale", "weight_packed") or proj not in _FUSED:
         return [(name, None)]
     q, kv, i = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
                 cfg.intermediate_size)
@@ -151,6 +153,8 @@ def _split_rows(name: str, tensor, parts: list[tuple[str, int | None]], hidden: 
         if tensor.size == 1:
             return [tensor] * len(parts)
         hidden = 1
+    if name.endswith("weight_packed"):  # [rows, words]: packed along the input
+        hidden = tensor.shape[-1]
     want = (sum(rows for _, rows in parts), hidden)
     if tuple(tensor.shape) != want:
         layout = " + ".join(f"{rows} {part.split('.')[-2]} rows" for part, rows in parts)
@@ -253,6 +257,9 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                     if key[-1] == "scale":  # [out, 1] per channel, [1] or [] per tensor
                         values[key] = _scales(part, tensor, expected[key].shape[0], place, key)
                         continue
+                    if part.endswith("weight_packed"):  # -> [out, in] of the narrow type
+                        tensor = unpack_int32(part, tensor, expected[key].dtype,
+                                              expected[key].shape[0])
                     # shapes compared in the checkpoint's layout ([out, in] for a linear layer)
                     want = (tuple(expected[key].shape)[::-1] if transpose
                             else tuple(expected[key].shape))
@@ -354,6 +361,22 @@ def _scales(name: str, tensor, columns: int, place, key: tuple) -> jax.Array:
     return jnp.asarray(column) if place is None else place(key, np.ascontiguousarray(column))
 
 
+def unpack_int32(name: str, packed, dtype, columns: int) -> np.ndarray:
+    """compressed-tensors' pack-quantized weights [rows, words] int32 -> [rows, columns] of
+    `dtype` (int4 or int8): a row's values follow one another in its words' bits from the
+    lowest, `bits` each, offset by 2^(bits - 1) to be unsigned."""
+    bits = 4 if jnp.dtype(dtype) == jnp.int4 else 8
+    packed = np.asarray(packed)
+    per_word = 32 // bits
+    if packed.dtype != np.int32 or packed.ndim != 2 or packed.shape[1] * per_word < columns:
+        raise ValueError(f"tensor {name!r} is {packed.dtype} {tuple(packed.shape)} in the "
+                         f"checkpoint: expected int32 words of {per_word} {bits}-bit values "
+                         f"holding {columns} columns")
+    words = packed.view(np.uint32)[:, :, None] >> (bits * np.arange(per_word, dtype=np.uint32))
+    values = (words & ((1 << bits) - 1)).reshape(packed.shape[0], -1)[:, :columns]
+    return (values.astype(np.int16) - (1 << (bits - 1))).astype(dtype)
+
+
 def _narrow(name: str, tensor, dtype, place, key: tuple) -> jax.Array:
     """A pre-quantised layer's weights [in, out] as the checkpoint holds them."""
     if tensor.dtype != dtype:
@@ -434,4 +457,4 @@ def load_state(path: str | Path, cfg: ModelConfig, dtype, load_format: str = "au
 
 
 def state_bytes(state: nnx.State) -> int:
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    return sum(array_bytes(x.shape, x.dtype) for x in jax.tree.leaves(state))

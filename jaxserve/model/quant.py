@@ -1,7 +1,8 @@
-"""Weight-only quantisation of the decoder's linear layers: int8 and fp8 (float8_e4m3fn).
+"""Weight-only quantisation of the decoder's linear layers: int8, fp8 (float8_e4m3fn), int4.
 
 Each weight [in, out] is stored in the narrow type with one float32 scale per output column
-(symmetric, absmax: w ~ q * scale), quantised by Google's JAX quantisation library qwix
+(symmetric, absmax: w ~ q * scale; int8's absmax maps to 127.5, int4's to 7.5, as qwix and
+compressed-tensors both do), quantised by Google's JAX quantisation library qwix
 (`qwix.quantize`, channelwise over the output axis) as the checkpoint's tensors load, so the
 full-precision model is never held whole. The embedding table and the LM head keep the model's
 dtype, as vLLM keeps them.
@@ -18,11 +19,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxserve.model_config import QUANTIZATIONS
 
-_QTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+_QTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn),
+           "int4": jnp.dtype(jnp.int4)}
+
+
+def array_bytes(shape, dtype) -> int:
+    """An array's bytes as an accelerator holds it: int4 two to a byte."""
+    size = int(np.prod(shape))
+    return (size + 1) // 2 if jnp.dtype(dtype) == jnp.int4 else size * jnp.dtype(dtype).itemsize
 
 
 def qtype(method: str) -> jnp.dtype:
