@@ -133,9 +133,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's own dtype
-    # the linear layers' weights stored int8 or fp8 with a scale per output column
-    # (jaxserve/model/quant.py); set from the engine's quantization option
+    # the linear layers' weights stored int8, fp8 or int4 with a scale per output column
+    # (jaxserve/model/quant.py); set from the engine's quantization option or the checkpoint's
     quantization: str | None = None
+    # a checkpoint's group-wise scales: one per output column and group of this many input rows
+    quantization_group_size: int | None = None
     # mixture of experts (0: a dense MLP): each token's MLP is the weighted sum of its top
     # num_experts_per_tok of num_experts experts (each a SwiGLU MLP of moe_intermediate_size),
     # the weights the router's softmax over all experts at the chosen ones, renormalised to sum
@@ -258,7 +260,7 @@ class ModelConfig:
                              f"{', '.join(ACTIVATIONS)}")
         if hf.get("mlp_bias", False):
             raise ValueError("mlp_bias=true is not supported; supported: mlp_bias=false")
-        quantization = _read_quantization(hf.get("quantization_config"))
+        quantization, group_size = _read_quantization(hf.get("quantization_config"))
         # each integer is checked here under its config.json name, before any arithmetic on it
         sizes = {key: _check_positive_int(key, hf[key]) for key in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -311,6 +313,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             dtype=_TORCH_DTYPES[dtype],
             quantization=quantization,
+            quantization_group_size=group_size,
             **moe,
             **gemma,
         )
@@ -426,26 +429,27 @@ _COMPRESSED_WEIGHTS = {("float-quantized", "float", 8): "fp8", ("int-quantized",
                        ("pack-quantized", "int", 8): "int8", ("pack-quantized", "int", 4): "int4"}
 
 
-def _read_quantization(quant: Any) -> str | None:
-    """config.json's quantization_config -> the quantization its weights carry (None: float
-    weights). Read as vLLM reads it: compressed-tensors checkpoints whose linear layers hold
-    weights with a scale per output channel or per tensor ("float-quantized": fp8 e4m3;
-    "int-quantized": int8; "pack-quantized": int4 or int8 packed into int32 words, as W4A16
-    checkpoints hold them), symmetric, the LM head left in float. Their activation settings
-    are not applied: the weights are dequantised inside the matmul (weight-only). Anything else
-    is a clear error naming what it holds."""
+def _read_quantization(quant: Any) -> tuple[str | None, int | None]:
+    """config.json's quantization_config -> (the quantization its weights carry, None: float
+    weights; its group size, None: a scale per column). Read as vLLM reads it:
+    compressed-tensors checkpoints whose linear layers hold weights with a scale per output
+    channel or per tensor ("float-quantized": fp8 e4m3; "int-quantized": int8;
+    "pack-quantized": int4 or int8 packed into int32 words, as W4A16 checkpoints hold them,
+    whose scales may also be group-wise), symmetric, the LM head left in float. Their
+    activation settings are not applied: the weights are dequantised inside the matmul
+    (weight-only). Anything else is a clear error naming what it holds."""
     if not quant:
-        return None
+        return None, None
     supported = ("supported: compressed-tensors checkpoints with fp8, int8 or int4 weights "
-                 "per channel or per tensor, symmetric, or float weights with the quantization "
-                 "option")
+                 "per channel or per tensor (int4 also per group), symmetric, or float "
+                 "weights with the quantization option")
     if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise ValueError(f"quantization_config quant_method {method!r} is not read; {supported}")
     fmt = quant.get("format")
     if fmt not in ("float-quantized", "int-quantized", "pack-quantized"):
         raise ValueError(f"quantization_config format {fmt!r} is not read; {supported}")
-    method = None
+    method, group_size = None, None
     groups = quant.get("config_groups") or {}
     if not isinstance(groups, dict):
         raise ValueError(f"quantization_config config_groups must be a mapping, got {groups!r}")
@@ -457,16 +461,19 @@ def _read_quantization(quant: Any) -> str | None:
                              f"{group.get('format')!r} differs from the checkpoint's {fmt!r}; "
                              f"{supported}")
         found = _COMPRESSED_WEIGHTS.get((fmt, weights.get("type"), weights.get("num_bits")))
-        if weights.get("strategy") == "group":
+        grouped = weights.get("strategy") == "group"
+        size = weights.get("group_size") if grouped else None
+        if grouped and (fmt != "pack-quantized" or not isinstance(size, int) or size <= 0
+                        or weights.get("actorder")):
             raise ValueError(f"quantization_config config_groups.{name}.weights: group-wise "
-                             f"scales (group_size {weights.get('group_size')}) are not read yet; "
-                             f"{supported}")
-        if (found is None or found != (method or found)
-                or weights.get("strategy") not in ("channel", "tensor")
+                             f"scales are read for pack-quantized weights with a positive "
+                             f"group_size and no actorder, got {weights}; {supported}")
+        if (found is None or found != (method or found) or (method and size != group_size)
+                or weights.get("strategy") not in ("channel", "tensor", "group")
                 or weights.get("symmetric") is False or weights.get("dynamic")):
             raise ValueError(f"quantization_config config_groups.{name}.weights {weights} is "
                              f"not read; {supported}")
-        method = found
+        method, group_size = found, size
     if not groups:
         raise ValueError(f"quantization_config has no config_groups; {supported}")
     ignore = quant.get("ignore") or []
@@ -475,7 +482,7 @@ def _read_quantization(quant: Any) -> str | None:
     if ignored:
         raise ValueError(f"quantization_config ignore leaves {ignored} unquantised: only lm_head "
                          f"may be; {supported}")
-    return method
+    return method, group_size
 
 
 def _safetensors_dtype(path: Path) -> str | None:

@@ -62,6 +62,12 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, num_devices: int,
                          "heads: one must divide the other")
     if cfg.o_bias:
         raise ValueError("tensor_parallel_size > 1 with an o_proj bias is not supported")
+    group = cfg.quantization_group_size
+    rows = (("o_proj", cfg.num_heads * cfg.head_dim), ("down_proj", cfg.intermediate_size))
+    for name, features in rows if group else ():  # its groups of input rows split whole
+        if (features // group) % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide {name}'s "
+                             f"{features // group} groups of {group} quantised input rows")
 
 
 def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
@@ -106,12 +112,14 @@ def weight_spec(names: list[str], ndim: int, expert_parallel: bool = False) -> P
     """The split of the weight at `names` (its path in the state) with `ndim` dims; experts'
     kernels [num_experts, in, out] by expert with `expert_parallel`, else like a dense MLP's."""
     tail: tuple = ()
+    # a kernel [in, out], and group-wise scales [in / group, out], split alike
+    matrix = "kernel" in names or "group_scale" in names
     if expert_parallel and "experts" in names:
         tail = (MODEL_AXIS, None, None)
     elif any(n in _COLUMNS for n in names):
-        tail = (None, MODEL_AXIS) if "kernel" in names else (MODEL_AXIS,)
+        tail = (None, MODEL_AXIS) if matrix else (MODEL_AXIS,)
     elif any(n in _ROWS for n in names):
-        tail = (MODEL_AXIS, None) if "kernel" in names else (None,)
+        tail = (MODEL_AXIS, None) if matrix else (None,)
     elif "embed_tokens" in names:  # [vocab, hidden]
         tail = (MODEL_AXIS, None)
     elif "lm_head" in names:  # kernel [hidden, vocab]

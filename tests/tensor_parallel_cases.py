@@ -200,8 +200,9 @@ def main() -> None:
     # quantised weights: the narrow kernels and their column scales split with the model
     report["llama_int8"] = run_model(MODELS["llama"], (1, 2, 4), quantization="int8")
     report["qwen2_fp8"] = run_model(MODELS["qwen2"], (1, 2), quantization="fp8")
-    # an int4 checkpoint (compressed-tensors' pack-quantized), unpacked onto its shards
-    report["llama_w4a16"] = run_model(ROOT / "tests" / "fixtures" / "hf" / "llama_w4a16", (1, 2))
+    # int4 checkpoints (compressed-tensors' pack-quantized), unpacked onto their shards
+    for name in ("llama_w4a16", "llama_w4a16_g32"):  # per column, per group of 32 rows
+        report[name] = run_model(ROOT / "tests" / "fixtures" / "hf" / name, (1, 2))
     report["stories260K_reference"] = stories_reference(4)
     # data parallelism: replicas on their own devices, requests spread over them
     report["data_parallel"] = {name: {f"{dp}x{tp}": data_parallel(MODELS[name], dp, tp)

@@ -267,11 +267,12 @@ def test_the_demos_bits_per_byte_stay_within_2_percent():
 
 @pytest.mark.parametrize(("name", "method"), [
     ("llama_fp8", "fp8"), ("llama_fp8_tensor", "fp8"), ("llama_int8", "int8"),
-    ("llama_w4a16", "int4")])
+    ("llama_w4a16", "int4"), ("llama_w4a16_g32", "int4")])
 def test_compressed_tensors_checkpoints_give_transformers_dequantised_logits(name, method):
     """Checkpoints written by compressed-tensors (make_quantized_fixtures.py: fp8 or int8
     weights, or int4 packed eight to an int32 word (W4A16's pack-quantized), a scale per
-    channel or per tensor, dynamic or static activation settings) read as
+    channel, per tensor or per group of 32 input columns, dynamic or static activation
+    settings) read as
     vLLM reads them; the logits are transformers' on the same checkpoint, weights dequantised.
     The CPU engine's greedy ids are transformers' too."""
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / name)
@@ -347,8 +348,10 @@ def test_bad_quantization_settings_are_clear_errors(tmp_path):
         ({"format": "pack-quantized"}, "differs from the checkpoint"),  # its groups fp8
         ({"format": "nvfp4-pack-quantized"}, "'nvfp4-pack-quantized'"),
         ({"format": "pack-quantized", "config_groups": {"g": {"weights": {
-            "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
-         "group-wise scales"),
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+            "actorder": "group"}}}}, "no actorder"),
+        ({"format": "pack-quantized", "config_groups": {"g": {"weights": {
+            "num_bits": 4, "type": "int", "strategy": "group"}}}}, "positive group_size"),
         ({"format": "pack-quantized", "config_groups": {"g": {"weights": {
             "num_bits": 4, "type": "int", "strategy": "channel", "symmetric": False}}}},
          "is not read"),

@@ -25,8 +25,9 @@ HERE = Path(__file__).resolve().parent
 MODELS = ("llama", "qwen2", "mistral", "phi3", "stories260K")
 # mixtures of experts: each expert split over tp=2, and whole experts over 4 devices (_ep)
 MOE = ("mixtral", "qwen3_moe", "mixtral_ep", "qwen3_moe_ep")
-# quantization="int8" / "fp8" on those checkpoints; an int4 checkpoint
-QUANTISED = ("llama_int8", "qwen2_fp8", "llama_w4a16")
+# quantization="int8" / "fp8" on those checkpoints; int4 checkpoints, scales per column and
+# per group of input rows
+QUANTISED = ("llama_int8", "qwen2_fp8", "llama_w4a16", "llama_w4a16_g32")
 
 
 @pytest.fixture(scope="module")
@@ -134,12 +135,14 @@ def test_each_device_holds_its_share_of_every_split_weight_and_the_kv_pool(repor
 @pytest.mark.parametrize("model", QUANTISED)
 def test_quantised_kernels_and_their_scales_split_with_their_layers(report, model):
     """A narrow kernel splits as its float one does; its scales (one per output column) split
-    with the columns of q/k/v and gate/up and stay whole beside o_proj's and down_proj's."""
+    with the columns of q/k/v and gate/up and stay whole beside o_proj's and down_proj's;
+    group-wise scales [groups, out] split as their kernel does, by rows or by columns."""
     for tp, run in report[model].items():
         tp = int(tp)
         for name, (local, whole) in run["bytes"]["weights"].items():
             rows = any(f"'{proj}'" in name for proj in ("o_proj", "down_proj"))
-            whole_here = "norm" in name or (rows and "scale" in name)
+            # column scales stay whole beside a row split; group-wise ones split with it
+            whole_here = "norm" in name or (rows and "'scale'" in name)
             assert local * (1 if whole_here else tp) == whole, (tp, name, local, whole)
         scales = [k for k in run["bytes"]["weights"] if "scale" in k]
         assert len(scales) == 7 * run["num_layers"]
@@ -202,6 +205,7 @@ def test_plan_gives_each_devices_bytes_as_the_runner_holds_them(report):
 def _config(**changes) -> ModelConfig:
     base = dict(architecture="LlamaForCausalLM", num_heads=4, num_kv_heads=2,
                 intermediate_size=128, vocab_size=128, o_bias=False, num_experts=0,
+                head_dim=16, quantization_group_size=None,
                 moe_intermediate_size=0, shared_expert_intermediate_size=0)
     return type("Cfg", (), dict(base, **changes))()
 

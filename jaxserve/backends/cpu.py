@@ -104,7 +104,11 @@ class CpuOps(Ops):
 
     def linear(self, layer: nnx.Linear | QuantizedLinear, x: jax.Array) -> jax.Array:
         w = layer.kernel[...]
-        if isinstance(layer, QuantizedLinear):  # the narrow weights widened in registers
+        if isinstance(layer, QuantizedLinear) and layer.group_scale is not None:
+            # group-wise scales: the kernel's one scale a column does not fit them; the
+            # weights dequantised (elementwise, so rows stay independent), then multiplied
+            y = matmul_cpu(x, layer.dequantized())
+        elif isinstance(layer, QuantizedLinear):  # the narrow weights widened in registers
             scale = layer.scale[...]
             if w.dtype == jnp.int4:  # unpacked (split over a mesh): the kernel reads int8
                 w = w.astype(jnp.int8)
@@ -160,7 +164,8 @@ class CpuOps(Ops):
                 module.kernel.set_value(pack_expert_panels(module.kernel.get_value()))
                 continue
             if (isinstance(module, nnx.Linear | QuantizedLinear)
-                    and module.kernel.get_value().ndim == 2):
+                    and module.kernel.get_value().ndim == 2
+                    and getattr(module, "group_scale", None) is None):
                 w = module.kernel.get_value()
                 if w.dtype == jnp.int4:  # the kernel reads int8: a byte a weight on the CPU
                     w = w.astype(jnp.int8)

@@ -101,20 +101,21 @@ class RMSNorm(nnx.Module):
 
 
 def _linear(cfg_in: int, cfg_out: int, bias: bool, dtype, rngs: nnx.Rngs,
-            quantization: str | None = None) -> nnx.Linear | QuantizedLinear:
-    if quantization is not None:  # its weights come from the loader (model/quant.py)
-        return QuantizedLinear(cfg_in, cfg_out, bias, dtype, quantization)
+            cfg: ModelConfig | None = None) -> nnx.Linear | QuantizedLinear:
+    if cfg is not None and cfg.quantization is not None:  # weights from the loader (quant.py)
+        return QuantizedLinear(cfg_in, cfg_out, bias, dtype, cfg.quantization,
+                               cfg.quantization_group_size)
     return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
                       kernel_init=nnx.initializers.normal(0.02))
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layer: int = 0):
-        e, d, quant = cfg.hidden_size, cfg.head_dim, cfg.quantization
-        self.q_proj = _linear(e, cfg.num_heads * d, cfg.qkv_bias, dtype, rngs, quant)
-        self.k_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, quant)
-        self.v_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, quant)
-        self.o_proj = _linear(cfg.num_heads * d, e, cfg.o_bias, dtype, rngs, quant)
+        e, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(e, cfg.num_heads * d, cfg.qkv_bias, dtype, rngs, cfg)
+        self.k_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, cfg)
+        self.v_proj = _linear(e, cfg.num_kv_heads * d, cfg.qkv_bias, dtype, rngs, cfg)
+        self.o_proj = _linear(cfg.num_heads * d, e, cfg.o_bias, dtype, rngs, cfg)
         # Qwen3: each head's q and k RMS-normed over head_dim (one weight for all heads)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, cfg.gemma_norms) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, cfg.gemma_norms) if cfg.qk_norm else None
@@ -147,11 +148,11 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs,
                  intermediate_size: int | None = None):
-        e, quant = cfg.hidden_size, cfg.quantization
+        e = cfg.hidden_size
         i = cfg.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_proj = _linear(e, i, False, dtype, rngs, quant)
-        self.up_proj = _linear(e, i, False, dtype, rngs, quant)
-        self.down_proj = _linear(i, e, False, dtype, rngs, quant)
+        self.gate_proj = _linear(e, i, False, dtype, rngs, cfg)
+        self.up_proj = _linear(e, i, False, dtype, rngs, cfg)
+        self.down_proj = _linear(i, e, False, dtype, rngs, cfg)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
 
     def __call__(self, x, backend):

@@ -104,7 +104,7 @@ def _quantized(key: tuple, expected: dict[tuple, jax.ShapeDtypeStruct],
                cfg: ModelConfig) -> bool:
     """Whether the state's `key` is a quantised layer's kernel, which the loader quantises."""
     return (cfg.quantization is not None and key[-1] == "kernel"
-            and _scale(key) in expected)
+            and (_scale(key) in expected or (*key[:-1], "group_scale") in expected))
 
 
 def _scale(kernel: tuple) -> tuple:  # a quantised kernel's path -> its scales'
@@ -116,9 +116,11 @@ def _hf_path(name: str, expected: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[tu
     parts = tuple(int(p) if p.isdigit() else p for p in name.split("."))
     stem, leaf = parts[:-1], parts[-1]
     if leaf == "weight_scale":  # a pre-quantised layer's scales (compressed-tensors)
-        return ((*stem, "scale"), False) if (*stem, "scale") in expected else None
+        scales = [(*stem, name) for name in ("scale", "group_scale") if (*stem, name) in expected]
+        return (scales[0], False) if scales else None
     if leaf == "weight_packed":  # its weights packed into int32 words (pack-quantized)
-        return ((*stem, "kernel"), True) if (*stem, "scale") in expected else None
+        quantised = any((*stem, scale) in expected for scale in ("scale", "group_scale"))
+        return ((*stem, "kernel"), True) if quantised else None
     if leaf == "weight":
         for candidate, transpose in (("kernel", True), ("embedding", False), ("weight", False)):
             if (*stem, candidate) in expected:
@@ -152,7 +154,7 @@ def _split_rows(name: str, tensor, parts: list[tuple[str, int | None]], hidden: 
     if name.endswith("weight_scale"):
         if tensor.size == 1:
             return [tensor] * len(parts)
-        hidden = 1
+        hidden = tensor.shape[-1] if tensor.ndim == 2 else 1  # [rows, 1] or [rows, groups]
     if name.endswith("weight_packed"):  # [rows, words]: packed along the input
         hidden = tensor.shape[-1]
     want = (sum(rows for _, rows in parts), hidden)
@@ -254,8 +256,8 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                 pieces = _split_rows(name, _get_tensor(f, file, name), parts, cfg.hidden_size)
                 for (part, _), (key, transpose), tensor in zip(parts, targets, pieces,
                                                                strict=True):
-                    if key[-1] == "scale":  # [out, 1] per channel, [1] or [] per tensor
-                        values[key] = _scales(part, tensor, expected[key].shape[0], place, key)
+                    if key[-1] in ("scale", "group_scale"):  # (_scales)
+                        values[key] = _scales(part, tensor, expected[key].shape, place, key)
                         continue
                     if part.endswith("weight_packed"):  # -> [out, in] of the narrow type
                         tensor = unpack_int32(part, tensor, expected[key].dtype,
@@ -351,14 +353,23 @@ def _load_experts(f, file: Path, name: str, cfg: ModelConfig, expected: dict, ex
     return False
 
 
-def _scales(name: str, tensor, columns: int, place, key: tuple) -> jax.Array:
-    """A pre-quantised layer's checkpoint scales -> float32 [columns]: per output channel
-    ([columns, 1] or [columns]) or one for the whole tensor (broadcast)."""
-    if tensor.size not in (1, columns) or (tensor.ndim == 2 and tensor.shape[1] != 1):
-        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}: expected one scale "
-                         f"per output channel [{columns}, 1] or one per tensor")
-    column = np.broadcast_to(np.asarray(tensor, np.float32).reshape(-1), (columns,))
-    return jnp.asarray(column) if place is None else place(key, np.ascontiguousarray(column))
+def _scales(name: str, tensor, shape: tuple, place, key: tuple) -> jax.Array:
+    """A pre-quantised layer's checkpoint scales -> float32 of the model's `shape`: [columns]
+    per output channel ([columns, 1] or [columns] in the checkpoint) or one for the whole
+    tensor (broadcast); [groups, columns] group-wise ([columns, groups] in the checkpoint)."""
+    if len(shape) == 2:
+        groups, columns = shape
+        if tuple(tensor.shape) != (columns, groups):
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}: expected "
+                             f"[{columns}, {groups}], a scale per output channel and group")
+        scales = np.asarray(tensor, np.float32).T
+    else:
+        (columns,) = shape
+        if tensor.size not in (1, columns) or (tensor.ndim == 2 and tensor.shape[1] != 1):
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}: expected one "
+                             f"scale per output channel [{columns}, 1] or one per tensor")
+        scales = np.broadcast_to(np.asarray(tensor, np.float32).reshape(-1), (columns,))
+    return jnp.asarray(scales) if place is None else place(key, np.ascontiguousarray(scales))
 
 
 def unpack_int32(name: str, packed, dtype, columns: int) -> np.ndarray:
@@ -386,7 +397,7 @@ def _narrow(name: str, tensor, dtype, place, key: tuple) -> jax.Array:
 
 
 def _hf_name(path: tuple) -> str:
-    if path[-1] == "scale":
+    if path[-1] in ("scale", "group_scale"):
         return ".".join(str(p) for p in (*path[:-1], "weight_scale"))
     leaf = "weight" if path[-1] in ("kernel", "embedding") else path[-1]
     return ".".join(str(p) for p in (*path[:-1], leaf))

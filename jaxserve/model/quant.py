@@ -62,19 +62,39 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
 
 class QuantizedLinear(nnx.Module):
     """nnx.Linear's surface (kernel [in, out], bias, in/out_features) over a narrow kernel and
-    its column scales. Called directly, the plain XLA product (qwix's dot)."""
+    its scales: one per output column (`scale` [out]) or, with `group_size`, one per column
+    and group of group_size input rows (`group_scale` [in / group_size, out], a checkpoint's
+    group-wise int4: the kernel's rows g * group_size .. are scaled by group_scale[g]; its own
+    name, so the tensor-parallel split can tell it from a stack of column scales). Called
+    directly, the plain XLA product (qwix's dot, which takes either)."""
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool, dtype,
-                 method: str):
+                 method: str, group_size: int | None = None):
         self.in_features, self.out_features = in_features, out_features
         self.kernel = nnx.Param(jnp.zeros((in_features, out_features), qtype(method)))
-        self.scale = nnx.Param(jnp.ones((out_features,), jnp.float32))
+        if group_size is not None and in_features % group_size:
+            raise ValueError(f"quantization group_size {group_size} does not divide a linear "
+                             f"layer's {in_features} input features")
+        self.scale = (nnx.Param(jnp.ones((out_features,), jnp.float32)) if group_size is None
+                      else None)
+        self.group_scale = None if group_size is None else nnx.Param(
+            jnp.ones((in_features // group_size, out_features), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+    def scales(self) -> jax.Array:
+        """[groups, out]: one group (the column scales) or the group-wise ones."""
+        return self.scale[...][None] if self.group_scale is None else self.group_scale[...]
+
+    def dequantized(self, dtype=jnp.float32) -> jax.Array:  # [in, out]
+        scales = self.scales()
+        kernel = self.kernel[...].astype(jnp.float32)
+        groups = kernel.reshape(scales.shape[0], -1, kernel.shape[-1]) * scales[:, None]
+        return groups.reshape(kernel.shape).astype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out] in x's dtype
         import qwix
 
         kernel = self.kernel[...]
-        weight = qwix.QArray(kernel, self.scale[...][None].astype(x.dtype), qtype=kernel.dtype)
+        weight = qwix.QArray(kernel, self.scales().astype(x.dtype), qtype=kernel.dtype)
         y = qwix.dot_general(x, weight, (((x.ndim - 1,), (0,)), ((), ())))
         return y if self.bias is None else y + self.bias[...]
