@@ -8,7 +8,7 @@
 #            included (not by default: measured 2026-12-04, bench/RESULTS.md)
 #   steps    bench/profile_step.py: the 8B shape's decode step alone, 2 and 32 rows unrolled
 #            (the GPU's default; scanned: measured 2026-12-04, bench/RESULTS.md); not by default
-#   quant    the same step with fp8 weights at 2 rows, fp8 against bf16 at 64 rows, and
+#   quant    the same step with fp8 and int4 weights at 2 rows, fp8 against bf16 at 64 rows, and
 #            fp8 weights with an fp8 KV pool (needs qwix: not in the device image, carry its wheel)
 #   spec     bench/profile_step.py --verify 4: the 8B shape's verification call (5 tokens a row)
 #            against its decode step, 2 and 32 rows (not by default: about a minute)
@@ -69,7 +69,7 @@ if [[ $parts == *steps* ]]; then
 fi
 if [[ $parts == *quant* ]]; then
   echo "== decode step with quantised weights: Llama-3-8B shape, bf16 activations"
-  for run in "2 fp8 auto" "64 fp8 auto" "64 none auto" "64 fp8 fp8"; do
+  for run in "2 fp8 auto" "2 int4 auto" "64 fp8 auto" "64 none auto" "64 fp8 fp8"; do
     set -- $run
     echo "-- $1 rows, weights $2, KV $3"
     quant=(); [[ $2 != none ]] && quant=(--quantization "$2")

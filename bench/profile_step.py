@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--matmul-impl", default="auto", help="as the engine's option")
     parser.add_argument("--kv-cache-dtype", default="auto", help="as the engine's option")
     parser.add_argument("--dtype", default="auto", help="as the engine's option")
-    parser.add_argument("--quantization", default=None, choices=("int8", "fp8"),
+    parser.add_argument("--quantization", default=None, choices=("int8", "fp8", "int4"),
                         help="as the engine's option")
     parser.add_argument("--scan-layers", choices=("auto", "true", "false"), default="auto",
                         help="as the engine's option (auto: the backend's choice)")

@@ -1,10 +1,11 @@
-"""Quantised weights (quantization="int8" | "fp8") against float32 and bfloat16, one run:
+"""Quantised weights (quantization="int8" | "fp8" | "int4") against float32 and bfloat16, one run:
 
     python bench/quantization.py [--skip-speed] [--skip-quality]
 
 Speed: decode tokens/s at 1 and 32 rows on bench/models/llama-300m (random weights; its
 linear layers' 720 MB of float32 exceed the last-level cache, so a decode step reads them from
-memory), the CPU backend (the C++ matmul kernel: int8 and fp8 weights widened in registers),
+memory), the CPU backend (the C++ matmul kernel: int8 and fp8 weights widened in registers;
+int4 weights held as int8 there, so their speed is int8's),
 with each configuration's weight bytes.
 Quality, against the independent references: stories260K's greedy ids against its C
 reference (tokens before the first difference, and the share of the reference's tokens that
@@ -28,7 +29,7 @@ MODEL = ROOT / "bench" / "models" / "llama-300m"
 STORIES = ROOT.parent / "shared" / "models" / "stories260K"
 # (label, dtype, quantization)
 CONFIGS = [("float32", "float32", None), ("bfloat16", "bfloat16", None),
-           ("int8", "float32", "int8"), ("fp8", "float32", "fp8")]
+           ("int8", "float32", "int8"), ("fp8", "float32", "fp8"), ("int4", "float32", "int4")]
 
 
 def speed(rows: tuple[int, ...], context: int) -> None:
@@ -57,7 +58,8 @@ def stories_quality() -> None:
     print(f"\nstories260K against its C reference ({len(cases)} prompts, {total} tokens)")
     print(f"{'weights':<10}{'tokens before the first difference':>36}{'share':>8}"
           f"{'teacher-forced top-1':>22}")
-    for label, quantization in (("float32", None), ("int8", "int8"), ("fp8", "fp8")):
+    for label, quantization in (("float32", None), ("int8", "int8"), ("fp8", "fp8"),
+                                ("int4", "int4")):
         llm = LLM(STORIES, quantization=quantization, page_size=4, prefill_chunk_sizes=(64,),
                   max_num_seqs=8, max_num_batched_tokens=256, num_pages=512)
         outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases],
@@ -94,7 +96,8 @@ def demo_bpb(windows: int) -> None:
     print(f"\nthe demo model's bits per byte on {windows} held-out windows of "
           f"{cfg.max_position_embeddings} bytes")
     base = None
-    for label, quantization in (("float32", None), ("int8", "int8"), ("fp8", "fp8")):
+    for label, quantization in (("float32", None), ("int8", "int8"), ("fp8", "fp8"),
+                                ("int4", "int4")):
         graphdef, state = load_state(demo, dataclasses.replace(cfg, quantization=quantization),
                                      jnp.float32)
         bpb = validation_bpb(graphdef, state, val, batch_size=8)
