@@ -138,6 +138,9 @@ class ModelConfig:
     quantization: str | None = None
     # a checkpoint's group-wise scales: one per output column and group of this many input rows
     quantization_group_size: int | None = None
+    # how a pre-quantised checkpoint lays its weights out: "compressed-tensors", "gptq" (zero
+    # points stored minus one, as AutoGPTQ wrote them) or "gptq_v2"; None: quantised at load
+    quantization_format: str | None = None
     # mixture of experts (0: a dense MLP): each token's MLP is the weighted sum of its top
     # num_experts_per_tok of num_experts experts (each a SwiGLU MLP of moe_intermediate_size),
     # the weights the router's softmax over all experts at the chosen ones, renormalised to sum
@@ -231,6 +234,11 @@ class ModelConfig:
                     i for i in _id_list(extra) if i not in _id_list(hf.get("eos_token_id"))]}
         if not (hf.get("dtype") or hf.get("torch_dtype")):  # as transformers: the weights' own
             hf = hf | {"dtype": _safetensors_dtype(path) or "float32"}
+        gptq = path / "quantize_config.json"  # older GPTQ checkpoints' own file
+        if "quantization_config" not in hf and gptq.is_file():
+            with contextlib.suppress(json.JSONDecodeError):
+                hf = hf | {"quantization_config": {"quant_method": "gptq"}
+                           | json.loads(gptq.read_text())}
         try:
             return cls.from_hf_dict(hf)
         except KeyError as error:
@@ -260,7 +268,8 @@ class ModelConfig:
                              f"{', '.join(ACTIVATIONS)}")
         if hf.get("mlp_bias", False):
             raise ValueError("mlp_bias=true is not supported; supported: mlp_bias=false")
-        quantization, group_size = _read_quantization(hf.get("quantization_config"))
+        quantization, group_size, quantization_format = _read_quantization(
+            hf.get("quantization_config"))
         # each integer is checked here under its config.json name, before any arithmetic on it
         sizes = {key: _check_positive_int(key, hf[key]) for key in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -314,6 +323,7 @@ class ModelConfig:
             dtype=_TORCH_DTYPES[dtype],
             quantization=quantization,
             quantization_group_size=group_size,
+            quantization_format=quantization_format,
             **moe,
             **gemma,
         )
@@ -429,9 +439,34 @@ _COMPRESSED_WEIGHTS = {("float-quantized", "float", 8): "fp8", ("int-quantized",
                        ("pack-quantized", "int", 8): "int8", ("pack-quantized", "int", 4): "int4"}
 
 
-def _read_quantization(quant: Any) -> tuple[str | None, int | None]:
+def _read_gptq(quant: dict) -> tuple[str, int | None, str]:
+    """A GPTQ checkpoint's quantization_config (AutoGPTQ's and GPTQModel's): 4- or 8-bit
+    symmetric weights in groups of input rows (group_size, -1: a scale per column), without
+    act-order; (quantization, group size, format)."""
+    bits, group, fmt = quant.get("bits"), quant.get("group_size", -1), (
+        quant.get("checkpoint_format") or "gptq")
+    problem = None
+    if bits not in (4, 8):
+        problem = f"bits {bits!r} (4 or 8 are read)"
+    elif not isinstance(group, int) or not (group == -1 or group > 0):
+        problem = f"group_size {group!r}"
+    elif quant.get("desc_act"):
+        problem = "desc_act true (act-order: each group's rows scattered)"
+    elif quant.get("sym") is False:
+        problem = "sym false (asymmetric zero points)"
+    elif fmt not in ("gptq", "gptq_v2"):
+        problem = f"checkpoint_format {fmt!r}"
+    if problem:
+        raise ValueError(f"quantization_config (gptq): {problem} is not read; supported: GPTQ "
+                         "checkpoints with 4- or 8-bit symmetric weights, without act-order "
+                         "(desc_act false), format gptq or gptq_v2")
+    return ("int4" if bits == 4 else "int8"), (None if group == -1 else group), fmt
+
+
+def _read_quantization(quant: Any) -> tuple[str | None, int | None, str | None]:
     """config.json's quantization_config -> (the quantization its weights carry, None: float
-    weights; its group size, None: a scale per column). Read as vLLM reads it:
+    weights; its group size, None: a scale per column; its layout, quantization_format's
+    values). GPTQ checkpoints: `_read_gptq`. Else read as vLLM reads them:
     compressed-tensors checkpoints whose linear layers hold weights with a scale per output
     channel or per tensor ("float-quantized": fp8 e4m3; "int-quantized": int8;
     "pack-quantized": int4 or int8 packed into int32 words, as W4A16 checkpoints hold them,
@@ -439,10 +474,13 @@ def _read_quantization(quant: Any) -> tuple[str | None, int | None]:
     activation settings are not applied: the weights are dequantised inside the matmul
     (weight-only). Anything else is a clear error naming what it holds."""
     if not quant:
-        return None, None
+        return None, None, None
+    if isinstance(quant, dict) and quant.get("quant_method") == "gptq":
+        return _read_gptq(quant)
     supported = ("supported: compressed-tensors checkpoints with fp8, int8 or int4 weights "
-                 "per channel or per tensor (int4 also per group), symmetric, or float "
-                 "weights with the quantization option")
+                 "per channel or per tensor (int4 also per group), symmetric; GPTQ checkpoints "
+                 "(4 or 8 bits, symmetric, no act-order); or float weights with the "
+                 "quantization option")
     if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise ValueError(f"quantization_config quant_method {method!r} is not read; {supported}")
@@ -482,7 +520,7 @@ def _read_quantization(quant: Any) -> tuple[str | None, int | None]:
     if ignored:
         raise ValueError(f"quantization_config ignore leaves {ignored} unquantised: only lm_head "
                          f"may be; {supported}")
-    return method, group_size
+    return method, group_size, "compressed-tensors"
 
 
 def _safetensors_dtype(path: Path) -> str | None:

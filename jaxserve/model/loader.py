@@ -242,6 +242,9 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                 if cfg.num_experts and _load_experts(f, file, name, cfg, expected, experts,
                                                      values, place):
                     continue
+                if cfg.quantization_format in ("gptq", "gptq_v2") and _load_gptq(
+                        f, file, name, cfg, expected, values, place):
+                    continue
                 parts = _fused_parts(name, cfg)
                 targets = [_hf_path(part, expected) for part, _ in parts]
                 if None in targets:
@@ -290,6 +293,57 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing)}")
     nnx.replace_by_pure_dict(abstract, _nest(values))
     return graphdef, abstract
+
+
+def _load_gptq(f, file: Path, name: str, cfg: ModelConfig, expected: dict, values: dict,
+               place) -> bool:
+    """A GPTQ layer's tensors (AutoGPTQ's layout), each on its own; False for any other:
+    qweight [in / per_word, out] int32, `bits`-bit values packed along the input rows from the
+    lowest bits, unsigned: the kernel [in, out] is each value minus 2^(bits - 1), the
+    symmetric zero point; scales [groups, out] (float16): the group-wise scales (one group: a
+    scale per column); qzeros [groups, out / per_word] the zero points packed along the
+    columns, checked to be the symmetric one (stored minus one in the "gptq" format, as
+    AutoGPTQ wrote them; as it is in "gptq_v2"); g_idx [in] each row's group, checked to be
+    contiguous groups (no act-order); a bias where the model has none must be zeros."""
+    stem, _, leaf = name.rpartition(".")
+    key = tuple(int(p) if p.isdigit() else p for p in stem.split("."))
+    kernel = (*key, "kernel")
+    if leaf not in ("qweight", "scales", "qzeros", "g_idx", "bias") or kernel not in expected:
+        return False
+    if leaf == "bias" and (*key, "bias") in expected:
+        return False  # the layer's own bias: loaded as any other
+    tensor = np.asarray(_get_tensor(f, file, name))
+    bits = 4 if expected[kernel].dtype == jnp.int4 else 8
+    zero = 1 << (bits - 1)
+    rows, columns = expected[kernel].shape
+    group = cfg.quantization_group_size or rows
+    if leaf == "qweight":
+        q = unpack_int32(name, tensor.T, jnp.uint8 if bits == 8 else jnp.uint4, rows, 0).T
+        values[kernel] = _narrow(name, (q.astype(np.int16) - zero).astype(
+            expected[kernel].dtype), expected[kernel].dtype, place, kernel)
+    elif leaf == "scales":
+        scales = (*key, "group_scale") if (*key, "group_scale") in expected else (*key, "scale")
+        if tuple(tensor.shape) != (rows // group, columns):
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the "
+                             f"checkpoint but the model expects {(rows // group, columns)} "
+                             f"(groups of {group} rows x columns)")
+        values[scales] = _scales(name, tensor.T.astype(np.float32), expected[scales].shape,
+                                 place, scales)
+    elif leaf == "qzeros":
+        stored = unpack_int32(name, tensor, jnp.uint8 if bits == 8 else jnp.uint4, columns, 0)
+        want = zero - 1 if cfg.quantization_format == "gptq" else zero
+        if np.any(stored.astype(np.int16) != want):
+            raise ValueError(f"tensor {name!r} holds zero points other than the symmetric "
+                             f"{zero} ({cfg.quantization_format} stores {want}): asymmetric "
+                             "GPTQ weights are not read")
+    elif leaf == "g_idx":
+        if not np.array_equal(tensor, np.arange(rows) // group):
+            raise ValueError(f"tensor {name!r}: the rows' groups are not contiguous groups of "
+                             f"{group} (act-order), which is not read")
+    elif np.any(tensor):  # a bias the model does not have
+        raise ValueError(f"tensor {name!r}: a non-zero bias the {cfg.architecture} model has "
+                         "no place for")
+    return True
 
 
 # Mixtral's names for the MoE block and its experts' projections -> the model's (transformers')
@@ -372,11 +426,13 @@ def _scales(name: str, tensor, shape: tuple, place, key: tuple) -> jax.Array:
     return jnp.asarray(scales) if place is None else place(key, np.ascontiguousarray(scales))
 
 
-def unpack_int32(name: str, packed, dtype, columns: int) -> np.ndarray:
-    """compressed-tensors' pack-quantized weights [rows, words] int32 -> [rows, columns] of
-    `dtype` (int4 or int8): a row's values follow one another in its words' bits from the
-    lowest, `bits` each, offset by 2^(bits - 1) to be unsigned."""
-    bits = 4 if jnp.dtype(dtype) == jnp.int4 else 8
+def unpack_int32(name: str, packed, dtype, columns: int, offset: int | None = None) -> np.ndarray:
+    """Weights packed into int32 words [rows, words] -> [rows, columns] of `dtype` (int4 or
+    int8; uint4 or uint8 for the unsigned values): a row's values follow one another in its
+    words' bits from the lowest, `bits` each, stored plus `offset` (None: 2^(bits - 1), as
+    compressed-tensors' pack-quantized stores them unsigned)."""
+    bits = 4 if jnp.dtype(dtype) in (jnp.int4, jnp.uint4) else 8
+    offset = 1 << (bits - 1) if offset is None else offset
     packed = np.asarray(packed)
     per_word = 32 // bits
     if packed.dtype != np.int32 or packed.ndim != 2 or packed.shape[1] * per_word < columns:
@@ -385,7 +441,7 @@ def unpack_int32(name: str, packed, dtype, columns: int) -> np.ndarray:
                          f"holding {columns} columns")
     words = packed.view(np.uint32)[:, :, None] >> (bits * np.arange(per_word, dtype=np.uint32))
     values = (words & ((1 << bits) - 1)).reshape(packed.shape[0], -1)[:, :columns]
-    return (values.astype(np.int16) - (1 << (bits - 1))).astype(dtype)
+    return (values.astype(np.int16) - offset).astype(dtype)
 
 
 def _narrow(name: str, tensor, dtype, place, key: tuple) -> jax.Array:
