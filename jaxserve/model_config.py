@@ -457,7 +457,7 @@ def _read_gptq(quant: dict) -> tuple[str, int | None, str]:
     elif fmt not in ("gptq", "gptq_v2"):
         problem = f"checkpoint_format {fmt!r}"
     if problem:
-        raise ValueError(f"quantization_config (gptq): {problem} is not read; supported: GPTQ "
+        raise ValueError(f"quantization_config (gptq): {problem}: not read; supported: GPTQ "
                          "checkpoints with 4- or 8-bit symmetric weights, without act-order "
                          "(desc_act false), format gptq or gptq_v2")
     return ("int4" if bits == 4 else "int8"), (None if group == -1 else group), fmt
