@@ -139,8 +139,13 @@ class ModelConfig:
     # a checkpoint's group-wise scales: one per output column and group of this many input rows
     quantization_group_size: int | None = None
     # how a pre-quantised checkpoint lays its weights out: "compressed-tensors", "gptq" (zero
-    # points stored minus one, as AutoGPTQ wrote them) or "gptq_v2"; None: quantised at load
+    # points stored minus one, as AutoGPTQ wrote them), "gptq_v2" or "awq"; None: quantised
+    # at load
     quantization_format: str | None = None
+    # GPTQ's and AWQ's packed values' width, and whether they carry zero points (asymmetric:
+    # value - zero spans twice the width, so a 4-bit one is held as int8)
+    quantization_bits: int | None = None
+    quantization_zero_points: bool = False
     # mixture of experts (0: a dense MLP): each token's MLP is the weighted sum of its top
     # num_experts_per_tok of num_experts experts (each a SwiGLU MLP of moe_intermediate_size),
     # the weights the router's softmax over all experts at the chosen ones, renormalised to sum
@@ -268,7 +273,7 @@ class ModelConfig:
                              f"{', '.join(ACTIVATIONS)}")
         if hf.get("mlp_bias", False):
             raise ValueError("mlp_bias=true is not supported; supported: mlp_bias=false")
-        quantization, group_size, quantization_format = _read_quantization(
+        quantization, group_size, quantization_format, bits, zero_points = _read_quantization(
             hf.get("quantization_config"))
         # each integer is checked here under its config.json name, before any arithmetic on it
         sizes = {key: _check_positive_int(key, hf[key]) for key in (
@@ -324,6 +329,8 @@ class ModelConfig:
             quantization=quantization,
             quantization_group_size=group_size,
             quantization_format=quantization_format,
+            quantization_bits=bits,
+            quantization_zero_points=zero_points,
             **moe,
             **gemma,
         )
@@ -439,12 +446,19 @@ _COMPRESSED_WEIGHTS = {("float-quantized", "float", 8): "fp8", ("int-quantized",
                        ("pack-quantized", "int", 8): "int8", ("pack-quantized", "int", 4): "int4"}
 
 
-def _read_gptq(quant: dict) -> tuple[str, int | None, str]:
-    """A GPTQ checkpoint's quantization_config (AutoGPTQ's and GPTQModel's): 4- or 8-bit
-    symmetric weights in groups of input rows (group_size, -1: a scale per column), without
-    act-order; (quantization, group size, format)."""
-    bits, group, fmt = quant.get("bits"), quant.get("group_size", -1), (
-        quant.get("checkpoint_format") or "gptq")
+def _read_packed(quant: dict) -> tuple[str, int | None, str, int, bool]:
+    """A GPTQ (AutoGPTQ's, GPTQModel's) or AWQ (AutoAWQ's GEMM) checkpoint's
+    quantization_config: 4- or 8-bit weights in groups of input rows (group_size; -1: a scale
+    per column), GPTQ's symmetric or with zero points (sym false, 4 bits), AWQ's with zero
+    points, no act-order -> (quantization, group size, format, bits, zero points). Weights
+    with zero points are held as int8 (value - zero spans -15..15)."""
+    method = quant["quant_method"]
+    bits, group = quant.get("bits", quant.get("w_bit")), quant.get(
+        "group_size", quant.get("q_group_size", -1))
+    if method == "gptq":
+        fmt, zero_points = quant.get("checkpoint_format") or "gptq", quant.get("sym") is False
+    else:
+        fmt, zero_points = "awq", bool(quant.get("zero_point", True))
     problem = None
     if bits not in (4, 8):
         problem = f"bits {bits!r} (4 or 8 are read)"
@@ -452,21 +466,29 @@ def _read_gptq(quant: dict) -> tuple[str, int | None, str]:
         problem = f"group_size {group!r}"
     elif quant.get("desc_act"):
         problem = "desc_act true (act-order: each group's rows scattered)"
-    elif quant.get("sym") is False:
-        problem = "sym false (asymmetric zero points)"
-    elif fmt not in ("gptq", "gptq_v2"):
+    elif fmt not in ("gptq", "gptq_v2", "awq"):
         problem = f"checkpoint_format {fmt!r}"
+    elif method == "awq" and (quant.get("version") or "gemm").lower() != "gemm":
+        problem = f"version {quant.get('version')!r} (gemm is read)"
+    elif method == "awq" and not zero_points:
+        problem = "zero_point false"
+    elif zero_points and bits != 4:
+        problem = f"{bits}-bit weights with zero points"
     if problem:
-        raise ValueError(f"quantization_config (gptq): {problem}: not read; supported: GPTQ "
-                         "checkpoints with 4- or 8-bit symmetric weights, without act-order "
-                         "(desc_act false), format gptq or gptq_v2")
-    return ("int4" if bits == 4 else "int8"), (None if group == -1 else group), fmt
+        raise ValueError(f"quantization_config ({method}): {problem}: not read; supported: GPTQ "
+                         "checkpoints with 4- or 8-bit weights (4-bit with zero points too), "
+                         "without act-order, format gptq or gptq_v2; AWQ GEMM checkpoints with "
+                         "4-bit weights and zero points")
+    held = "int4" if bits == 4 and not zero_points else "int8"
+    return held, (None if group == -1 else group), fmt, bits, zero_points
 
 
-def _read_quantization(quant: Any) -> tuple[str | None, int | None, str | None]:
+def _read_quantization(quant: Any) -> tuple[str | None, int | None, str | None, int | None,
+                                            bool]:
     """config.json's quantization_config -> (the quantization its weights carry, None: float
     weights; its group size, None: a scale per column; its layout, quantization_format's
-    values). GPTQ checkpoints: `_read_gptq`. Else read as vLLM reads them:
+    values; GPTQ's and AWQ's bits and zero points). GPTQ and AWQ checkpoints: `_read_packed`.
+    Else read as vLLM reads them:
     compressed-tensors checkpoints whose linear layers hold weights with a scale per output
     channel or per tensor ("float-quantized": fp8 e4m3; "int-quantized": int8;
     "pack-quantized": int4 or int8 packed into int32 words, as W4A16 checkpoints hold them,
@@ -474,13 +496,13 @@ def _read_quantization(quant: Any) -> tuple[str | None, int | None, str | None]:
     activation settings are not applied: the weights are dequantised inside the matmul
     (weight-only). Anything else is a clear error naming what it holds."""
     if not quant:
-        return None, None, None
-    if isinstance(quant, dict) and quant.get("quant_method") == "gptq":
-        return _read_gptq(quant)
+        return None, None, None, None, False
+    if isinstance(quant, dict) and quant.get("quant_method") in ("gptq", "awq"):
+        return _read_packed(quant)
     supported = ("supported: compressed-tensors checkpoints with fp8, int8 or int4 weights "
-                 "per channel or per tensor (int4 also per group), symmetric; GPTQ checkpoints "
-                 "(4 or 8 bits, symmetric, no act-order); or float weights with the "
-                 "quantization option")
+                 "per channel or per tensor (int4 also per group), symmetric; GPTQ and AWQ "
+                 "checkpoints (see their errors); or float weights with the quantization "
+                 "option")
     if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise ValueError(f"quantization_config quant_method {method!r} is not read; {supported}")
@@ -520,7 +542,7 @@ def _read_quantization(quant: Any) -> tuple[str | None, int | None, str | None]:
     if ignored:
         raise ValueError(f"quantization_config ignore leaves {ignored} unquantised: only lm_head "
                          f"may be; {supported}")
-    return method, group_size, "compressed-tensors"
+    return method, group_size, "compressed-tensors", None, False
 
 
 def _safetensors_dtype(path: Path) -> str | None:

@@ -344,7 +344,8 @@ def test_bad_quantization_settings_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=missing):
         LLM(_edited_checkpoint(tmp_path / "no_scale", drop=missing), num_pages=80, page_size=4)
     bad_configs = [
-        ({"quant_method": "awq"}, "'awq'"),
+        ({"quant_method": "bitsandbytes"}, "'bitsandbytes'"),
+        ({"quant_method": "awq"}, r"\(awq\): bits None"),
         ({"quant_method": "gptq"}, r"\(gptq\): bits None"),
         ({"format": "pack-quantized"}, "differs from the checkpoint"),  # its groups fp8
         ({"format": "nvfp4-pack-quantized"}, "'nvfp4-pack-quantized'"),

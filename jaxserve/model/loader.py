@@ -116,7 +116,7 @@ def _hf_path(name: str, expected: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[tu
     parts = tuple(int(p) if p.isdigit() else p for p in name.split("."))
     stem, leaf = parts[:-1], parts[-1]
     if leaf == "weight_scale":  # a pre-quantised layer's scales (compressed-tensors)
-        scales = [(*stem, name) for name in ("scale", "group_scale") if (*stem, name) in expected]
+        scales = [(*stem, kind) for kind in ("scale", "group_scale") if (*stem, kind) in expected]
         return (scales[0], False) if scales else None
     if leaf == "weight_packed":  # its weights packed into int32 words (pack-quantized)
         quantised = any((*stem, scale) in expected for scale in ("scale", "group_scale"))
@@ -235,6 +235,7 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
     expected = _flat(abstract)
     values: dict[tuple, jax.Array] = {}
     experts: dict[tuple, tuple[np.ndarray, set[int]]] = {}  # a stack being filled, expert by expert
+    pending: dict[tuple, dict] = {}  # GPTQ's and AWQ's values waiting for their zero points
     for file in _safetensor_files(path):
         # placed: read into host memory, each device then sent its part
         with _open_safetensors(safe_open, file, "flax" if place is None else "numpy") as f:
@@ -242,8 +243,8 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                 if cfg.num_experts and _load_experts(f, file, name, cfg, expected, experts,
                                                      values, place):
                     continue
-                if cfg.quantization_format in ("gptq", "gptq_v2") and _load_gptq(
-                        f, file, name, cfg, expected, values, place):
+                if cfg.quantization_format in ("gptq", "gptq_v2", "awq") and _load_packed(
+                        f, file, name, cfg, expected, values, pending, place):
                     continue
                 parts = _fused_parts(name, cfg)
                 targets = [_hf_path(part, expected) for part, _ in parts]
@@ -284,6 +285,9 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                         continue
                     values[key] = (jnp.asarray(tensor, dtype=expected[key].dtype) if place is None
                                    else place(key, tensor).astype(expected[key].dtype))
+    for key, parts in pending.items():
+        lacking = "qzeros" if "q" in parts else "qweight"
+        raise ValueError(f"checkpoint {path} is missing {'.'.join(map(str, key))}.{lacking}")
     for key, (_, filled) in experts.items():
         lacking = sorted(set(range(cfg.num_experts)) - filled)
         raise ValueError(f"checkpoint {path} is missing experts {lacking} of "
@@ -295,16 +299,38 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
     return graphdef, abstract
 
 
-def _load_gptq(f, file: Path, name: str, cfg: ModelConfig, expected: dict, values: dict,
-               place) -> bool:
-    """A GPTQ layer's tensors (AutoGPTQ's layout), each on its own; False for any other:
-    qweight [in / per_word, out] int32, `bits`-bit values packed along the input rows from the
-    lowest bits, unsigned: the kernel [in, out] is each value minus 2^(bits - 1), the
-    symmetric zero point; scales [groups, out] (float16): the group-wise scales (one group: a
-    scale per column); qzeros [groups, out / per_word] the zero points packed along the
-    columns, checked to be the symmetric one (stored minus one in the "gptq" format, as
-    AutoGPTQ wrote them; as it is in "gptq_v2"); g_idx [in] each row's group, checked to be
-    contiguous groups (no act-order); a bias where the model has none must be zeros."""
+# AutoAWQ packs eight 4-bit values a word in this column order: word bits 4k hold column
+# _AWQ_ORDER[k] of the word's eight
+_AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
+
+
+def _unpack_columns(name: str, packed, bits: int, columns: int, awq: bool) -> np.ndarray:
+    """[rows, words] int32 -> [rows, columns] int16 of the unsigned values, packed along the
+    columns (AWQ: in its column order)."""
+    values = unpack_int32(name, packed, jnp.uint8 if bits == 8 else jnp.uint4, columns, 0)
+    values = values.astype(np.int16)
+    if awq:
+        words = values.reshape(values.shape[0], -1, 8)
+        values = np.empty_like(words)
+        values[:, :, _AWQ_ORDER] = words.reshape(values.shape)
+        values = values.reshape(values.shape[0], -1)
+    return values
+
+
+def _load_packed(f, file: Path, name: str, cfg: ModelConfig, expected: dict, values: dict,
+                 pending: dict, place) -> bool:
+    """A GPTQ or AWQ layer's tensors; False for any other. The kernel [in, out] is each
+    stored value minus its zero point, scaled by its group's scale:
+    qweight int32: GPTQ [in / per_word, out], `bits`-bit unsigned values packed along the input
+      rows from the lowest bits; AWQ [in, out / 8], packed along the columns in _AWQ_ORDER;
+    qzeros int32 [groups, out / per_word], the zero points packed along the columns (AWQ in its
+      order; GPTQ's "gptq" format stores them minus one, as AutoGPTQ wrote them);
+    scales [groups, out] (float16): the group-wise scales (one group: a scale per column);
+    g_idx [in] (GPTQ) each row's group, checked to be contiguous groups (no act-order);
+    a bias where the model has none must be zeros.
+    Symmetric weights (no zero points) become the kernel as their qweight arrives, the zeros
+    only checked to be 2^(bits - 1); with zero points a layer's qweight and qzeros wait in
+    `pending` for each other."""
     stem, _, leaf = name.rpartition(".")
     key = tuple(int(p) if p.isdigit() else p for p in stem.split("."))
     kernel = (*key, "kernel")
@@ -313,14 +339,28 @@ def _load_gptq(f, file: Path, name: str, cfg: ModelConfig, expected: dict, value
     if leaf == "bias" and (*key, "bias") in expected:
         return False  # the layer's own bias: loaded as any other
     tensor = np.asarray(_get_tensor(f, file, name))
-    bits = 4 if expected[kernel].dtype == jnp.int4 else 8
-    zero = 1 << (bits - 1)
+    bits, awq = cfg.quantization_bits, cfg.quantization_format == "awq"
     rows, columns = expected[kernel].shape
     group = cfg.quantization_group_size or rows
     if leaf == "qweight":
-        q = unpack_int32(name, tensor.T, jnp.uint8 if bits == 8 else jnp.uint4, rows, 0).T
-        values[kernel] = _narrow(name, (q.astype(np.int16) - zero).astype(
-            expected[kernel].dtype), expected[kernel].dtype, place, kernel)
+        q = (_unpack_columns(name, tensor, bits, columns, awq) if awq else
+             _unpack_columns(name, tensor.T, bits, rows, False).T)
+        if q.shape != (rows, columns):
+            raise ValueError(f"tensor {name!r} holds {q.shape} values; the model expects "
+                             f"{(rows, columns)}")
+        pending.setdefault(key, {})["q"] = q
+    elif leaf == "qzeros":
+        zeros = _unpack_columns(name, tensor, bits, columns, awq)
+        if zeros.shape != (rows // group, columns):
+            raise ValueError(f"tensor {name!r} holds {zeros.shape} zero points; the model "
+                             f"expects {(rows // group, columns)}")
+        zeros = zeros + (cfg.quantization_format == "gptq")  # stored minus one
+        symmetric = 1 << (bits - 1)
+        if cfg.quantization_zero_points:
+            pending.setdefault(key, {})["z"] = zeros
+        elif np.any(zeros != symmetric):
+            raise ValueError(f"tensor {name!r} holds zero points other than the symmetric "
+                             f"{symmetric}, but the checkpoint says sym true")
     elif leaf == "scales":
         scales = (*key, "group_scale") if (*key, "group_scale") in expected else (*key, "scale")
         if tuple(tensor.shape) != (rows // group, columns):
@@ -329,13 +369,6 @@ def _load_gptq(f, file: Path, name: str, cfg: ModelConfig, expected: dict, value
                              f"(groups of {group} rows x columns)")
         values[scales] = _scales(name, tensor.T.astype(np.float32), expected[scales].shape,
                                  place, scales)
-    elif leaf == "qzeros":
-        stored = unpack_int32(name, tensor, jnp.uint8 if bits == 8 else jnp.uint4, columns, 0)
-        want = zero - 1 if cfg.quantization_format == "gptq" else zero
-        if np.any(stored.astype(np.int16) != want):
-            raise ValueError(f"tensor {name!r} holds zero points other than the symmetric "
-                             f"{zero} ({cfg.quantization_format} stores {want}): asymmetric "
-                             "GPTQ weights are not read")
     elif leaf == "g_idx":
         if not np.array_equal(tensor, np.arange(rows) // group):
             raise ValueError(f"tensor {name!r}: the rows' groups are not contiguous groups of "
@@ -343,6 +376,13 @@ def _load_gptq(f, file: Path, name: str, cfg: ModelConfig, expected: dict, value
     elif np.any(tensor):  # a bias the model does not have
         raise ValueError(f"tensor {name!r}: a non-zero bias the {cfg.architecture} model has "
                          "no place for")
+    parts = pending.get(key, {})
+    if "q" in parts and ("z" in parts or not cfg.quantization_zero_points):
+        zeros = parts.get("z", np.full((1, columns), 1 << (bits - 1), np.int16))
+        q = parts["q"] - np.repeat(zeros, rows // zeros.shape[0], axis=0)
+        dtype = expected[kernel].dtype
+        values[kernel] = _narrow(name, q.astype(dtype), dtype, place, kernel)
+        del pending[key]
     return True
 
 
