@@ -55,8 +55,8 @@ def test_reads_both_config_styles():
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     ({"dtype": "int8"}, "config dtype 'int8' is not supported"),
-    ({"quantization_config": {"quant_method": "awq"}},
-     "quant_method 'awq' is not read; supported: compressed-tensors"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}},
+     "quant_method 'bitsandbytes' is not read; supported: compressed-tensors"),
 ])
 def test_unsupported_config_is_a_clear_error(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
