@@ -71,10 +71,10 @@ def processes(tmp_path: Path, follower_flags: tuple[str, ...] = (), wait: bool =
                 p.wait()
 
 
-def exit_within(proc: subprocess.Popen, seconds: float) -> tuple[int, float]:
-    start = time.monotonic()
-    code = proc.wait(timeout=seconds)
-    return code, time.monotonic() - start
+def exit_within(proc: subprocess.Popen, seconds: float) -> int:
+    """The process's exit code; a process still running after `seconds` (hung) fails the
+    test with TimeoutExpired."""
+    return proc.wait(timeout=seconds)
 
 
 def test_two_processes_serve_the_reference_then_a_lost_follower_stops_the_server(tmp_path):
@@ -104,10 +104,10 @@ def test_two_processes_serve_the_reference_then_a_lost_follower_stops_the_server
         thread.start()
         time.sleep(0.5)
         follower.send_signal(signal.SIGKILL)
-        code, seconds = exit_within(leader, 30)
+        code = exit_within(leader, 30)  # the issue's bound: nothing hangs
         thread.join(30)
         output = logs[0].read_text()
-        assert code != 0 and seconds < 30
+        assert code != 0
         assert "process 1 is lost" in output, output[-3000:]
         assert answers and answers[0].status_code == 503, answers
 
@@ -118,8 +118,8 @@ def test_a_clean_stop_of_the_server_stops_every_process(tmp_path):
             "model": str(STORIES), "prompt": "Once", "max_tokens": 8})
         assert r.status_code == 200
         leader.send_signal(signal.SIGTERM)
-        assert exit_within(leader, 60)[0] == 0, logs[0].read_text()[-3000:]
-        assert exit_within(follower, 60)[0] == 0, logs[1].read_text()[-3000:]
+        assert exit_within(leader, 60) == 0, logs[0].read_text()[-3000:]
+        assert exit_within(follower, 60) == 0, logs[1].read_text()[-3000:]
         assert "process 0 stopped" in logs[1].read_text()
 
 
@@ -128,11 +128,11 @@ def test_a_clean_stop_of_the_server_stops_every_process(tmp_path):
     (("--num-processes", "3"), "num_processes 3, process 0 2")])
 def test_processes_started_differently_stop_with_a_clear_error(tmp_path, flags, difference):
     with processes(tmp_path, flags, wait=False) as (_, leader, follower, logs):
-        assert exit_within(leader, 60)[0] != 0
+        assert exit_within(leader, 60) != 0
         said = logs[0].read_text()
         assert f"process 1 failed: process 1 serves {difference}: every process must be " \
             "started with the same model and options" in said, said[-3000:]
-        assert exit_within(follower, 60)[0] != 0
+        assert exit_within(follower, 60) != 0
 
 
 def test_bad_process_flags_are_clear_errors(capsys):
