@@ -8,6 +8,7 @@ import json
 
 import pytest
 from fake_runner import FakeRunner, expected_output
+from test_engine_fake import CONFIG  # the fake model's config.json
 
 from jaxserve import LLM
 from jaxserve.async_engine import AsyncEngine
@@ -15,13 +16,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, merge_stats
 from jaxserve.request import RequestOutputKind, SamplingParams
 from jaxserve.tokenizer import ByteTokenizer
-
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": ByteTokenizer.VOCAB_SIZE,
-          "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-          "rms_norm_eps": 1e-5, "max_position_embeddings": 64, "tie_word_embeddings": False,
-          "bos_token_id": ByteTokenizer.BOS_ID, "eos_token_id": ByteTokenizer.EOS_ID,
-          "dtype": "float32"}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,108 @@
+"""config.json's quantization_config: which pre-quantised layout a checkpoint's linear layers
+hold (compressed-tensors, GPTQ, AWQ) and whether jaxserve reads it, as vLLM reads them; what
+`ModelConfig` records of it. Host only: no jax here."""
+
+from typing import Any
+
+# compressed-tensors' (format, weights' type, bits) -> the quantization they carry
+_COMPRESSED_WEIGHTS = {("float-quantized", "float", 8): "fp8", ("int-quantized", "int", 8): "int8",
+                       ("pack-quantized", "int", 8): "int8", ("pack-quantized", "int", 4): "int4"}
+
+
+def _read_packed(quant: dict) -> tuple[str, int | None, str, int, bool]:
+    """A GPTQ (AutoGPTQ's, GPTQModel's) or AWQ (AutoAWQ's GEMM) checkpoint's
+    quantization_config: 4- or 8-bit weights in groups of input rows (group_size; -1: a scale
+    per column), GPTQ's symmetric or with zero points (sym false, 4 bits), AWQ's with zero
+    points, no act-order -> (quantization, group size, format, bits, zero points). Weights
+    with zero points are held as int8 (value - zero spans -15..15)."""
+    method = quant["quant_method"]
+    bits, group = quant.get("bits", quant.get("w_bit")), quant.get(
+        "group_size", quant.get("q_group_size", -1))
+    if method == "gptq":
+        fmt, zero_points = quant.get("checkpoint_format") or "gptq", quant.get("sym") is False
+    else:
+        fmt, zero_points = "awq", bool(quant.get("zero_point", True))
+    problem = None
+    if bits not in (4, 8):
+        problem = f"bits {bits!r} (4 or 8 are read)"
+    elif not isinstance(group, int) or not (group == -1 or group > 0):
+        problem = f"group_size {group!r}"
+    elif quant.get("desc_act"):
+        problem = "desc_act true (act-order: each group's rows scattered)"
+    elif fmt not in ("gptq", "gptq_v2", "awq"):
+        problem = f"checkpoint_format {fmt!r}"
+    elif method == "awq" and (quant.get("version") or "gemm").lower() != "gemm":
+        problem = f"version {quant.get('version')!r} (gemm is read)"
+    elif method == "awq" and not zero_points:
+        problem = "zero_point false"
+    elif zero_points and bits != 4:
+        problem = f"{bits}-bit weights with zero points"
+    if problem:
+        raise ValueError(f"quantization_config ({method}): {problem}: not read; supported: GPTQ "
+                         "checkpoints with 4- or 8-bit weights (4-bit with zero points too), "
+                         "without act-order, format gptq or gptq_v2; AWQ GEMM checkpoints with "
+                         "4-bit weights and zero points")
+    held = "int4" if bits == 4 and not zero_points else "int8"
+    return held, (None if group == -1 else group), fmt, bits, zero_points
+
+
+def read_quantization(quant: Any) -> tuple[str | None, int | None, str | None, int | None,
+                                            bool]:
+    """config.json's quantization_config -> (the quantization its weights carry, None: float
+    weights; its group size, None: a scale per column; its layout, quantization_format's
+    values; GPTQ's and AWQ's bits and zero points). GPTQ and AWQ checkpoints: `_read_packed`.
+    Else read as vLLM reads them:
+    compressed-tensors checkpoints whose linear layers hold weights with a scale per output
+    channel or per tensor ("float-quantized": fp8 e4m3; "int-quantized": int8;
+    "pack-quantized": int4 or int8 packed into int32 words, as W4A16 checkpoints hold them,
+    whose scales may also be group-wise), symmetric, the LM head left in float. Their
+    activation settings are not applied: the weights are dequantised inside the matmul
+    (weight-only). Anything else is a clear error naming what it holds."""
+    if not quant:
+        return None, None, None, None, False
+    if isinstance(quant, dict) and quant.get("quant_method") in ("gptq", "awq"):
+        return _read_packed(quant)
+    supported = ("supported: compressed-tensors checkpoints with fp8, int8 or int4 weights "
+                 "per channel or per tensor (int4 also per group), symmetric; GPTQ and AWQ "
+                 "checkpoints (see their errors); or float weights with the quantization "
+                 "option")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantization_config quant_method {method!r} is not read; {supported}")
+    fmt = quant.get("format")
+    if fmt not in ("float-quantized", "int-quantized", "pack-quantized"):
+        raise ValueError(f"quantization_config format {fmt!r} is not read; {supported}")
+    method, group_size = None, None
+    groups = quant.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise ValueError(f"quantization_config config_groups must be a mapping, got {groups!r}")
+    for name, group in groups.items():
+        group = group if isinstance(group, dict) else {}
+        weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
+        if group.get("format", fmt) != fmt:
+            raise ValueError(f"quantization_config config_groups.{name}.format "
+                             f"{group.get('format')!r} differs from the checkpoint's {fmt!r}; "
+                             f"{supported}")
+        found = _COMPRESSED_WEIGHTS.get((fmt, weights.get("type"), weights.get("num_bits")))
+        grouped = weights.get("strategy") == "group"
+        size = weights.get("group_size") if grouped else None
+        if grouped and (fmt != "pack-quantized" or not isinstance(size, int) or size <= 0
+                        or weights.get("actorder")):
+            raise ValueError(f"quantization_config config_groups.{name}.weights: group-wise "
+                             f"scales are read for pack-quantized weights with a positive "
+                             f"group_size and no actorder, got {weights}; {supported}")
+        if (found is None or found != (method or found) or (method and size != group_size)
+                or weights.get("strategy") not in ("channel", "tensor", "group")
+                or weights.get("symmetric") is False or weights.get("dynamic")):
+            raise ValueError(f"quantization_config config_groups.{name}.weights {weights} is "
+                             f"not read; {supported}")
+        method, group_size = found, size
+    if not groups:
+        raise ValueError(f"quantization_config has no config_groups; {supported}")
+    ignore = quant.get("ignore") or []
+    ignored = [name for name in (ignore if isinstance(ignore, list) else [ignore])
+               if not str(name).endswith("lm_head")]
+    if ignored:
+        raise ValueError(f"quantization_config ignore leaves {ignored} unquantised: only lm_head "
+                         f"may be; {supported}")
+    return method, group_size, "compressed-tensors", None, False
