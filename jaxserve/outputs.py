@@ -242,18 +242,18 @@ class OutputProcessor:
         else:  # CUMULATIVE, or FINAL_ONLY's one output
             state.text += text
             text, token_ids = state.text, request.output_ids
+        # positional: keywords cost as much again, per request per step
+        # (index, text, token_ids, finish_reason, stop_reason, logprobs, cumulative_logprob)
         completion = CompletionOutput(
-            index=0, text=text, token_ids=token_ids,
-            finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason, logprobs=logprobs,
-            cumulative_logprob=state.logprob_sum if wants else None)
+            0, text, token_ids, request.status.value if finished else None,
+            request.stop_reason, logprobs, state.logprob_sum if wants else None)
         if finished:  # nothing reads it again: let it go with the output
             request.output_state = None
+        # (request_id, prompt, prompt_token_ids, outputs, finished, prompt_logprobs, metrics,
+        # num_cached_tokens)
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt,
-            prompt_token_ids=request.prompt_ids, outputs=[completion], finished=finished,
-            prompt_logprobs=prompt_logprobs, metrics=request.metrics,
-            num_cached_tokens=request.num_cached_tokens or 0)
+            request.request_id, request.prompt, request.prompt_ids, [completion], finished,
+            prompt_logprobs, request.metrics, request.num_cached_tokens or 0)
 
     @staticmethod
     def _release(state: _State, params, finished: bool) -> str:

@@ -343,9 +343,6 @@ class ModelRunner:
                              f"{self.kv_bytes_per_page} per page")
         return pages
 
-    def _controlled(self, chunks: list[ScheduledChunk]) -> bool:
-        return any(c.request.params.controlled for c in chunks)
-
     # -- one iteration -----------------------------------------------------------------------
 
     def dispatch(self, out: SchedulerOutput) -> Inflight:
@@ -359,9 +356,10 @@ class ModelRunner:
         self.input_batch.update(out.chunks)
         if self.input_batch.written:
             self.controls.write(self.fns, self.input_batch)
-        decode = [c for c in out.chunks if c.num_tokens == 1 and c.draft is None]
-        prefill = [c for c in out.chunks if c.num_tokens > 1 and c.draft is None]
-        verify = [c for c in out.chunks if c.draft is not None]
+        decode, prefill, verify = [], [], []
+        for c in out.chunks:
+            (verify if c.draft is not None else decode if c.num_tokens == 1
+             else prefill).append(c)
         if verify:
             flight.verify_chunks = verify
             flight.verify_packed = self._dispatch_verify(verify)
@@ -377,7 +375,8 @@ class ModelRunner:
             flight.decode_chunks = decode
             flight.decode_packed, carries[0] = self._dispatch_decode(
                 decode, max(len(decode), out.batch_rows), out.decode_steps, flight)
-            carry_rows |= {c.request.request_id: i for i, c in enumerate(decode)}
+            carry_rows |= zip([c.request.request_id for c in decode], range(len(decode)),
+                              strict=True)
         # the rows the iteration's other calls run, in order: row i's token goes to carry 1 [i]
         order = (decode if mixed else []) + prefill
         alone = [False] * (len(order) - len(prefill)) + alone
@@ -488,16 +487,20 @@ class ModelRunner:
         host = np.zeros((b,), np.int32)
         src = np.full((b,), -1, np.int32)
         # the carry row of each input token still on the device (-1: read on the host)
-        src[:len(chunks)] = [self._carry_rows[c.request.request_id] if self._on_device(c)
-                             else -1 for c in chunks]
+        carry_rows = self._carry_rows  # (_on_device inline: per row per step)
+        src[:len(chunks)] = [
+            carry_rows[c.request.request_id]
+            if c.start >= len(c.request.prompt_ids) + len(c.request.output_ids) else -1
+            for c in chunks]
         for i in np.flatnonzero(src[:len(chunks)] < 0).tolist():
             chunk = chunks[i]
             host[i] = chunk.request.token_ids(chunk.start, chunk.start + 1)[0]
-        md, sm = self._metadata(chunks, b, 1)
-        if self._controlled(chunks):  # one step (the scheduler's rule); sampled at finish
+        md, sm, slots = self._metadata(chunks, b, 1)
+        if self.input_batch.controlled[slots].any():  # one step (the scheduler's rule);
+            # sampled at finish
             last, self.kv = self.fns.decode_hidden(self.weights, self.kv, host, src,
                                                    *self._carries, md)
-            flight.heads.append(Head(chunks, last, sm, self.input_batch.columns(chunks, b)[0],
+            flight.heads.append(Head(chunks, last, sm, slots,
                                      0, np.arange(b, dtype=np.int32), None))
             return None, self._zeros
         packed, carry, self.kv = self.fns.decode(self.weights, self.kv, host, src, *self._carries,
@@ -517,8 +520,7 @@ class ModelRunner:
             first[i] = chunk.request.token_ids(chunk.start, chunk.start + 1)[0]
             drafts[i, :n] = chunk.draft
             num_drafts[i] = n
-        md, _ = self._metadata(chunks, b, k + 1)
-        slots = self.input_batch.columns(chunks, b)[0]
+        md, _, slots = self._metadata(chunks, b, k + 1)
         sm = self._sampling(slots, md.seq_lens - md.query_lens + 1)  # the first sampled token's
         probs = None
         if self.draft is not None:  # the drafts are the draft model's, on the device
@@ -544,8 +546,8 @@ class ModelRunner:
                 with_prompt = True
                 nxt = chunk.request.token_ids(start + 1, start + n + 1)
                 targets[i, :len(nxt)] = nxt
-        md, sm = self._metadata(chunks, b, c)
-        controlled = self._controlled(chunks)
+        md, sm, slots = self._metadata(chunks, b, c)
+        controlled = self.input_batch.controlled[slots].any()
         if with_prompt:  # a controlled row's token is sampled again at finish
             packed, prompt, carry, last, self.kv = self.fns.prefill_with_prompt_logprobs(
                 self.weights, self.kv, tokens, md, sm, carry, carry_index, targets)
@@ -558,8 +560,7 @@ class ModelRunner:
                                                       carry, carry_index)
             return PrefillCall(chunks, packed), carry
         if controlled:
-            flight.heads.append(Head(chunks, last, sm, self.input_batch.columns(chunks, b)[0],
-                                     1, carry_index, call))
+            flight.heads.append(Head(chunks, last, sm, slots, 1, carry_index, call))
         return call, carry
 
     def _dispatch_ragged(self, chunks: list[ScheduledChunk], carry_rows: list[int], t: int,
@@ -595,7 +596,7 @@ class ModelRunner:
                             query_starts=query_starts, seq_lens=seq_lens, page_table=page_table)
         last, self.kv = self.fns.ragged(self.weights, self.kv, tokens, src, *self._carries, md)
         sm = self._sampling(slots[:b], seq_lens[:b])
-        if flight is not None and self._controlled(chunks):  # sampled at finish
+        if flight is not None and self.input_batch.controlled[slots].any():  # sampled at finish
             call = PrefillCall(chunks, None)
             flight.heads.append(Head(chunks, last, sm, slots[:b], 1, carry_index, call))
             return call, carry
@@ -603,14 +604,15 @@ class ModelRunner:
         return PrefillCall(chunks, packed), carry
 
     def _metadata(self, chunks: list[ScheduledChunk], b: int, c: int):
-        """A call's attention and sampling arrays: b rows of c tokens (padding rows empty)."""
+        """A call's attention and sampling arrays, b rows of c tokens (padding rows empty),
+        and each row's slot in the input batch."""
         slots, starts, query_lens = self.input_batch.columns(chunks, b)  # [b] each
         positions = starts[:, None] + np.arange(c, dtype=np.int32)
         positions[len(chunks):] = 0
         seq_lens = starts + query_lens
         md = AttentionMetadata(positions=positions, query_lens=query_lens, seq_lens=seq_lens,
                                page_table=self.input_batch.page_table[slots])
-        return md, self._sampling(slots, seq_lens)
+        return md, self._sampling(slots, seq_lens), slots
 
     def _sampling(self, slots: np.ndarray, positions: np.ndarray) -> SamplingMetadata:
         """The sampling arrays of the rows in `slots` [B], sampling at `positions` [B]."""

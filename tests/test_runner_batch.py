@@ -141,9 +141,11 @@ class Checker:
         metadata, dispatch_ragged = runner._metadata, runner._dispatch_ragged
 
         def checked_metadata(chunks, b, c):
-            md, sm = metadata(chunks, b, c)
+            md, sm, slots = metadata(chunks, b, c)
             self._check_md(chunks, b, c, md, sm)
-            return md, sm
+            assert slots.tolist() == [self.runner.input_batch.slots[ch.request] for ch in chunks
+                                      ] + [0] * (b - len(chunks)), "each row's slot"
+            return md, sm, slots
 
         def checked_ragged(chunks, carry_rows, t, carry, rows=0):
             self.ragged = (chunks, t, rows)

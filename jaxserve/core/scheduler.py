@@ -186,11 +186,12 @@ class Scheduler:
         running = self._running_order(now)
         # a request whose pending tokens reach max_len only waits for update() to finish it
         decoding, chunking = [], []
-        for r in running:
-            n = r.num_to_compute
+        for r in running:  # (num_to_compute and remaining_tokens inline: per request per step)
+            total = len(r.prompt_ids) + len(r.output_ids) + r.num_pending
+            n = total - r.num_computed_tokens
             if n > 1:
                 chunking.append(r)
-            elif n == 1 and r.remaining_tokens > 0:
+            elif n == 1 and r.max_len > total:
                 decoding.append(r)
         runs_on = None  # the requests that run on (the rest only wait to be finished)
         will_admit = bool(admissible) and len(running) < self.max_num_seqs
@@ -203,8 +204,24 @@ class Scheduler:
                         and self.policy.allows_multi_step(r) for r in decoding)):
             out.decode_steps = self.decode_steps
         queue = deque(decoding + chunking)  # decodes first: never starved by chunks
+        # a decode row whose pages hold its next positions commits inline (most rows of most
+        # steps: the general path below allocates, preempts and speculates)
+        plain = not out.speculative and self.kv.sliding_window is None
+        steps, page_size, chunks = out.decode_steps, self.kv.page_size, out.chunks
+        key_pages = self._to_key if self.enable_prefix_caching else None
         while queue and budget > 0:
             request = queue.popleft()
+            start = request.num_computed_tokens
+            if (plain and start + steps <= len(request.pages) * page_size
+                    and request.num_pending + len(request.prompt_ids) + len(
+                        request.output_ids) == start + 1):
+                budget -= 1
+                request.num_computed_tokens = start + steps
+                request.num_pending += steps
+                chunks.append(ScheduledChunk(request, start, 1, steps))
+                if key_pages is not None and (start + steps) // page_size > start // page_size:
+                    key_pages[request] = None
+                continue
             n = self._chunk(request, budget)
             if n == 0:
                 continue
