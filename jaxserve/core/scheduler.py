@@ -257,7 +257,8 @@ class Scheduler:
             out.batch_rows = self._batch_rows if self._batch else 0
             return out
         bucket = max((self._bucket(c.num_tokens) for c in out.chunks
-                      if c.num_tokens > 1 and c.draft is None), default=None)
+                      if c.num_tokens > 1 and c.draft is None),
+                     default=None) if admissible and self.length_buckets else None
         for request in admissible:
             if len(self.running) >= self.max_num_seqs or budget <= 0:
                 break
