@@ -147,6 +147,9 @@ class ModelConfig:
     # value - zero spans twice the width, so a 4-bit one is held as int8)
     quantization_bits: int | None = None
     quantization_zero_points: bool = False
+    # GPTQ's act-order (desc_act): its linear layers' input rows are read in group order
+    # (QuantizedLinear.input_order)
+    quantization_act_order: bool = False
     # mixture of experts (0: a dense MLP): each token's MLP is the weighted sum of its top
     # num_experts_per_tok of num_experts experts (each a SwiGLU MLP of moe_intermediate_size),
     # the weights the router's softmax over all experts at the chosen ones, renormalised to sum
@@ -274,8 +277,7 @@ class ModelConfig:
                              f"{', '.join(ACTIVATIONS)}")
         if hf.get("mlp_bias", False):
             raise ValueError("mlp_bias=true is not supported; supported: mlp_bias=false")
-        quantization, group_size, quantization_format, bits, zero_points = read_quantization(
-            hf.get("quantization_config"))
+        quant = read_quantization(hf.get("quantization_config"))
         # each integer is checked here under its config.json name, before any arithmetic on it
         sizes = {key: _check_positive_int(key, hf[key]) for key in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -327,11 +329,12 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=_TORCH_DTYPES[dtype],
-            quantization=quantization,
-            quantization_group_size=group_size,
-            quantization_format=quantization_format,
-            quantization_bits=bits,
-            quantization_zero_points=zero_points,
+            quantization=quant.quantization,
+            quantization_group_size=quant.group_size,
+            quantization_format=quant.format,
+            quantization_bits=quant.bits,
+            quantization_zero_points=quant.zero_points,
+            quantization_act_order=quant.act_order,
             **moe,
             **gemma,
         )

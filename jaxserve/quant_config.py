@@ -2,19 +2,30 @@
 hold (compressed-tensors, GPTQ, AWQ) and whether jaxserve reads it, as vLLM reads them; what
 `ModelConfig` records of it. Host only: no jax here."""
 
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class CheckpointQuantization(NamedTuple):
+    """What ModelConfig records of a checkpoint's quantization_config."""
+
+    quantization: str | None = None  # what its weights carry; None: float weights
+    group_size: int | None = None  # its group-wise scales' rows; None: a scale per column
+    format: str | None = None  # its layout (ModelConfig.quantization_format)
+    bits: int | None = None  # GPTQ's and AWQ's packed values' width
+    zero_points: bool = False  # GPTQ's and AWQ's zero points
+    act_order: bool = False  # GPTQ desc_act: each group's rows scattered over the input
 
 # compressed-tensors' (format, weights' type, bits) -> the quantization they carry
 _COMPRESSED_WEIGHTS = {("float-quantized", "float", 8): "fp8", ("int-quantized", "int", 8): "int8",
                        ("pack-quantized", "int", 8): "int8", ("pack-quantized", "int", 4): "int4"}
 
 
-def _read_packed(quant: dict) -> tuple[str, int | None, str, int, bool]:
+def _read_packed(quant: dict) -> CheckpointQuantization:
     """A GPTQ (AutoGPTQ's, GPTQModel's) or AWQ (AutoAWQ's GEMM) checkpoint's
     quantization_config: 4- or 8-bit weights in groups of input rows (group_size; -1: a scale
-    per column), GPTQ's symmetric or with zero points (sym false, 4 bits), AWQ's with zero
-    points, no act-order -> (quantization, group size, format, bits, zero points). Weights
-    with zero points are held as int8 (value - zero spans -15..15)."""
+    per column), GPTQ's symmetric or with zero points (sym false, 4 bits) and maybe in
+    act-order (desc_act: a row's group is its g_idx), AWQ's with zero points. Weights with
+    zero points are held as int8 (value - zero spans -15..15)."""
     method = quant["quant_method"]
     bits, group = quant.get("bits", quant.get("w_bit")), quant.get(
         "group_size", quant.get("q_group_size", -1))
@@ -27,8 +38,6 @@ def _read_packed(quant: dict) -> tuple[str, int | None, str, int, bool]:
         problem = f"bits {bits!r} (4 or 8 are read)"
     elif not isinstance(group, int) or not (group == -1 or group > 0):
         problem = f"group_size {group!r}"
-    elif quant.get("desc_act"):
-        problem = "desc_act true (act-order: each group's rows scattered)"
     elif fmt not in ("gptq", "gptq_v2", "awq"):
         problem = f"checkpoint_format {fmt!r}"
     elif method == "awq" and (quant.get("version") or "gemm").lower() != "gemm":
@@ -40,17 +49,18 @@ def _read_packed(quant: dict) -> tuple[str, int | None, str, int, bool]:
     if problem:
         raise ValueError(f"quantization_config ({method}): {problem}: not read; supported: GPTQ "
                          "checkpoints with 4- or 8-bit weights (4-bit with zero points too), "
-                         "without act-order, format gptq or gptq_v2; AWQ GEMM checkpoints with "
+                         "act-order or not, format gptq or gptq_v2; AWQ GEMM checkpoints with "
                          "4-bit weights and zero points")
     held = "int4" if bits == 4 and not zero_points else "int8"
-    return held, (None if group == -1 else group), fmt, bits, zero_points
+    # act-order over one group (a scale per column) orders nothing
+    act_order = bool(quant.get("desc_act")) and method == "gptq" and group != -1
+    return CheckpointQuantization(held, None if group == -1 else group, fmt, bits, zero_points,
+                                  act_order)
 
 
-def read_quantization(quant: Any) -> tuple[str | None, int | None, str | None, int | None,
-                                            bool]:
-    """config.json's quantization_config -> (the quantization its weights carry, None: float
-    weights; its group size, None: a scale per column; its layout, quantization_format's
-    values; GPTQ's and AWQ's bits and zero points). GPTQ and AWQ checkpoints: `_read_packed`.
+def read_quantization(quant: Any) -> CheckpointQuantization:
+    """config.json's quantization_config -> what its weights carry (all None: float weights).
+    GPTQ and AWQ checkpoints: `_read_packed`.
     Else read as vLLM reads them:
     compressed-tensors checkpoints whose linear layers hold weights with a scale per output
     channel or per tensor ("float-quantized": fp8 e4m3; "int-quantized": int8;
@@ -59,7 +69,7 @@ def read_quantization(quant: Any) -> tuple[str | None, int | None, str | None, i
     activation settings are not applied: the weights are dequantised inside the matmul
     (weight-only). Anything else is a clear error naming what it holds."""
     if not quant:
-        return None, None, None, None, False
+        return CheckpointQuantization()
     if isinstance(quant, dict) and quant.get("quant_method") in ("gptq", "awq"):
         return _read_packed(quant)
     supported = ("supported: compressed-tensors checkpoints with fp8, int8 or int4 weights "
@@ -105,4 +115,4 @@ def read_quantization(quant: Any) -> tuple[str | None, int | None, str | None, i
     if ignored:
         raise ValueError(f"quantization_config ignore leaves {ignored} unquantised: only lm_head "
                          f"may be; {supported}")
-    return method, group_size, "compressed-tensors", None, False
+    return CheckpointQuantization(method, group_size, "compressed-tensors")

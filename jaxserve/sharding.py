@@ -62,6 +62,9 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, num_devices: int,
                          "heads: one must divide the other")
     if cfg.o_bias:
         raise ValueError("tensor_parallel_size > 1 with an o_proj bias is not supported")
+    if cfg.quantization_act_order:  # o_proj's and down_proj's inputs would be gathered whole
+        raise ValueError("tensor_parallel_size > 1 with a GPTQ act-order (desc_act) checkpoint "
+                         "is not supported; data_parallel_size runs it on several devices")
     group = cfg.quantization_group_size
     rows = (("o_proj", cfg.num_heads * cfg.head_dim), ("down_proj", cfg.intermediate_size))
     for name, features in rows if group else ():  # its groups of input rows split whole

@@ -2,7 +2,8 @@
 (quant_method "awq": AutoAWQ's GEMM layout), read into QuantizedLinear layers: 4- and 8-bit
 weights, scales per group of input rows or per column, GPTQ's symmetric weights (the "gptq"
 format's zero points stored minus one, "gptq_v2"'s as they are) and 4-bit weights with zero
-points (GPTQ sym false; AWQ), held as value - zero.
+points (GPTQ sym false; AWQ), held as value - zero; GPTQ's act-order (desc_act: each group's
+rows scattered over the input, a row's group its g_idx).
 
 No GPTQ or AWQ tool runs here, so `write_packed` lays the float llama fixture's weights out in
 each format as its description gives it (round-to-nearest where GPTQ and AWQ would search: the
@@ -25,6 +26,7 @@ from test_model_hf import full_logits
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.loader import load_state
 from jaxserve.model_config import ModelConfig
+from jaxserve.sharding import check_tensor_parallel
 
 SOURCE = HF_FIXTURES / "llama"
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -47,10 +49,13 @@ def pack(values: np.ndarray, bits: int, axis: int, order: list[int] | None = Non
 
 
 def write_packed(path: Path, method: str = "gptq", bits: int = 4, group_size: int = 32,
-                 fmt: str = "gptq", sym: bool = True, config_file: str = "config.json") -> Path:
+                 fmt: str = "gptq", sym: bool = True, config_file: str = "config.json",
+                 act_order: bool = False) -> Path:
     """The llama fixture as a GPTQ or AWQ checkpoint at `path`, its float twin at path /
     "twin". Symmetric: scale 2 absmax / maxq, zero 2^(bits - 1); with zero points: scale
-    (max - min) / maxq over the group and 0, zero round(-min / scale)."""
+    (max - min) / maxq over the group and 0, zero round(-min / scale). act_order (GPTQ): each
+    group a random set of group_size rows (g_idx), as desc_act's order of the rows by their
+    activations scatters them."""
     tensors = load_file(str(SOURCE / "model.safetensors"))
     packed, twin = {}, dict(tensors)
     maxq = 2**bits - 1
@@ -62,7 +67,10 @@ def write_packed(path: Path, method: str = "gptq", bits: int = 4, group_size: in
         wt = w.T.astype(np.float32)  # [in, out]
         rows, columns = wt.shape
         group = rows if group_size == -1 else group_size
-        grouped = wt.reshape(rows // group, group, columns)
+        g_idx = np.arange(rows) // group  # each row's group
+        if act_order:
+            g_idx[np.random.default_rng(rows + columns).permutation(rows)] = g_idx.copy()
+        grouped = wt[np.argsort(g_idx, kind="stable")].reshape(rows // group, group, columns)
         if sym:
             scales = 2 * np.abs(grouped).max(axis=1) / maxq
             zeros = np.full(scales.shape, 2 ** (bits - 1))
@@ -71,11 +79,11 @@ def write_packed(path: Path, method: str = "gptq", bits: int = 4, group_size: in
             scales = (high - low) / maxq
         scales = scales.astype(np.float16)  # as both store them
         scales[scales == 0] = 1
-        full = np.repeat(scales.astype(np.float32), group, axis=0)
+        full = scales.astype(np.float32)[g_idx]  # [rows, columns]: each row's group's
         if not sym:
             zeros = np.clip(np.round(-low / scales.astype(np.float32)), 0, maxq)
         zeros = zeros.astype(np.int64)
-        q = np.clip(np.round(wt / full) + np.repeat(zeros, group, axis=0), 0, maxq)
+        q = np.clip(np.round(wt / full) + zeros[g_idx], 0, maxq)
         q = q.astype(np.int64)
         if awq:
             packed[f"{stem}.qweight"] = pack(q, bits, 1, AWQ_ORDER)
@@ -83,9 +91,9 @@ def write_packed(path: Path, method: str = "gptq", bits: int = 4, group_size: in
         else:
             packed[f"{stem}.qweight"] = pack(q, bits, 0)
             packed[f"{stem}.qzeros"] = pack(zeros - (fmt == "gptq"), bits, 1)
-            packed[f"{stem}.g_idx"] = (np.arange(rows) // group).astype(np.int32)
+            packed[f"{stem}.g_idx"] = g_idx.astype(np.int32)
         packed[f"{stem}.scales"] = scales
-        twin[name] = ((q - np.repeat(zeros, group, axis=0)).astype(np.float32) * full).T
+        twin[name] = ((q - zeros[g_idx]).astype(np.float32) * full).T
     for name, w in tensors.items():
         if name.split(".")[-2] not in LINEAR:
             packed[name] = w
@@ -96,7 +104,7 @@ def write_packed(path: Path, method: str = "gptq", bits: int = 4, group_size: in
         for file in ("config.json", "generation_config.json"):
             shutil.copyfile(SOURCE / file, where / file)
     quant = ({"bits": bits, "group_size": group_size, "zero_point": True, "version": "GEMM"}
-             if awq else {"bits": bits, "group_size": group_size, "desc_act": False,
+             if awq else {"bits": bits, "group_size": group_size, "desc_act": act_order,
                           "sym": sym, "checkpoint_format": fmt, "damp_percent": 0.01})
     if config_file == "config.json":
         config = json.loads((path / "config.json").read_text())
@@ -150,10 +158,46 @@ def test_the_engine_on_a_checkpoint_gives_its_twins_greedy_ids(tmp_path, method)
             assert [o.outputs[0].logprobs for o in outs] == [o.outputs[0].logprobs for o in twin]
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_an_act_order_checkpoint_gives_its_twins_logits_and_ids(tmp_path, sym):
+    """GPTQ desc_act: the kernel holds the rows sorted by group and the layer gathers its
+    input in that order (QuantizedLinear.input_order): the twin's logits through the model,
+    and the engine's greedy ids on the CPU backend and XLA's (the logprobs within float
+    rounding: the matmul sums the rows in the kernel's order, not the twin's)."""
+    path = write_packed(tmp_path / "gptq", sym=sym, act_order=True)
+    cfg = ModelConfig.from_hf_dir(path)
+    assert cfg.quantization_act_order and cfg.quantization_group_size == 32
+    graphdef, state = load_state(path, cfg, jnp.float32)
+    twin_cfg = ModelConfig.from_hf_dir(path / "twin")
+    twin = load_state(path / "twin", twin_cfg, jnp.float32)
+    g_idx = load_file(str(path / "model.safetensors"))["model.layers.0.self_attn.q_proj.g_idx"]
+    order = np.asarray(state["model"]["layers"][0]["self_attn"]["q_proj"]["input_order"][...])
+    assert not np.array_equal(order, np.arange(len(order)))  # scattered groups, read in order
+    assert np.array_equal(g_idx[order], np.sort(g_idx))
+    for ids in prompts():
+        np.testing.assert_allclose(full_logits(graphdef, state, cfg, ids),
+                                   full_logits(*twin, twin_cfg, ids), atol=1e-5, rtol=0)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    engine = dict(max_num_seqs=4, page_size=8, num_pages=80, prefill_chunk_sizes=(16,),
+                  max_num_batched_tokens=32, enable_prompt_logprobs=False)
+    batch = [{"prompt_token_ids": ids} for ids in prompts()]
+    want = LLM(path / "twin", **engine).generate(batch, params)
+    for options in ({}, {"matmul_impl": "xla", "attention_impl": "reference"}):
+        outs = LLM(path, **engine, **options).generate(batch, params)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+        for out, ref in zip(outs, want, strict=True):
+            np.testing.assert_allclose(
+                [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs,
+                                                out.outputs[0].token_ids, strict=True)],
+                [lp[t].logprob for lp, t in zip(ref.outputs[0].logprobs,
+                                                ref.outputs[0].token_ids, strict=True)],
+                atol=1e-4)
+
+
 def test_checkpoints_jaxserve_does_not_read_are_clear_errors(tmp_path):
     path = write_packed(tmp_path / "gptq")
     config = json.loads((path / "config.json").read_text())
-    for change, words in (({"desc_act": True}, "desc_act true"), ({"bits": 3}, "bits 3"),
+    for change, words in (({"bits": 3}, "bits 3"),
                           ({"bits": 8, "sym": False}, "8-bit weights with zero points"),
                           ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
                           ({"quant_method": "awq", "version": "gemv"}, "version 'gemv'"),
@@ -164,11 +208,11 @@ def test_checkpoints_jaxserve_does_not_read_are_clear_errors(tmp_path):
             config | {"quantization_config": config["quantization_config"] | change}))
         with pytest.raises(ValueError, match=words):
             ModelConfig.from_hf_dir(edited)
-    # the tensors themselves: act-order rows, asymmetric zero points
+    # the tensors themselves: scattered rows where desc_act is false, asymmetric zero points
     tensors = load_file(str(path / "model.safetensors"))
     name = "model.layers.0.self_attn.q_proj"
     for key, value, words in (
-            (f"{name}.g_idx", tensors[f"{name}.g_idx"][::-1].copy(), "act-order"),
+            (f"{name}.g_idx", tensors[f"{name}.g_idx"][::-1].copy(), "desc_act false"),
             (f"{name}.qzeros", tensors[f"{name}.qzeros"] + 1, "sym true")):
         broken = tmp_path / f"broken_{key.rsplit('.', 1)[1]}"
         shutil.copytree(path, broken)
@@ -176,6 +220,22 @@ def test_checkpoints_jaxserve_does_not_read_are_clear_errors(tmp_path):
                   str(broken / "model.safetensors"))
         with pytest.raises(ValueError, match=words):
             load_state(broken, ModelConfig.from_hf_dir(broken), jnp.float32)
+    # act-order: a g_idx whose groups are not group_size rows each, or none at all; more than
+    # one device per replica
+    ordered = write_packed(tmp_path / "ordered", act_order=True)
+    tensors = load_file(str(ordered / "model.safetensors"))
+    uneven = tensors[f"{name}.g_idx"].copy()
+    uneven[uneven == 1] = 0
+    for change, words in (({f"{name}.g_idx": uneven}, "g_idx must give each"),
+                          ({}, f"missing {name}.g_idx")):
+        broken = tmp_path / f"ordered_{len(change)}"
+        shutil.copytree(ordered, broken)
+        kept = {k: v for k, v in tensors.items() if change or k != f"{name}.g_idx"}
+        save_file(kept | change, str(broken / "model.safetensors"))
+        with pytest.raises(ValueError, match=words):
+            load_state(broken, ModelConfig.from_hf_dir(broken), jnp.float32)
+    with pytest.raises(ValueError, match="act-order"):
+        check_tensor_parallel(ModelConfig.from_hf_dir(ordered), 2, 2)
     # an AWQ layer without its zero points
     awq = write_packed(tmp_path / "awq", "awq", sym=False, fmt="awq")
     tensors = load_file(str(awq / "model.safetensors"))

@@ -104,6 +104,8 @@ class CpuOps(Ops):
 
     def linear(self, layer: nnx.Linear | QuantizedLinear, x: jax.Array) -> jax.Array:
         w = layer.kernel[...]
+        if isinstance(layer, QuantizedLinear):
+            x = layer.ordered(x)
         if isinstance(layer, QuantizedLinear) and layer.group_scale is not None:
             # group-wise scales: the kernel's one scale a column does not fit them; the
             # weights dequantised (elementwise, so rows stay independent), then multiplied

@@ -235,7 +235,8 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
     expected = _flat(abstract)
     values: dict[tuple, jax.Array] = {}
     experts: dict[tuple, tuple[np.ndarray, set[int]]] = {}  # a stack being filled, expert by expert
-    pending: dict[tuple, dict] = {}  # GPTQ's and AWQ's values waiting for their zero points
+    # GPTQ's and AWQ's values waiting for their zero points (GPTQ act-order: its g_idx)
+    pending: dict[tuple, dict] = {}
     for file in _safetensor_files(path):
         # placed: read into host memory, each device then sent its part
         with _open_safetensors(safe_open, file, "flax" if place is None else "numpy") as f:
@@ -286,7 +287,8 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                     values[key] = (jnp.asarray(tensor, dtype=expected[key].dtype) if place is None
                                    else place(key, tensor).astype(expected[key].dtype))
     for key, parts in pending.items():
-        lacking = "qzeros" if "q" in parts else "qweight"
+        lacking = ("qweight" if "q" not in parts else "qzeros"
+                   if cfg.quantization_zero_points and "z" not in parts else "g_idx")
         raise ValueError(f"checkpoint {path} is missing {'.'.join(map(str, key))}.{lacking}")
     for key, (_, filled) in experts.items():
         lacking = sorted(set(range(cfg.num_experts)) - filled)
@@ -326,11 +328,12 @@ def _load_packed(f, file: Path, name: str, cfg: ModelConfig, expected: dict, val
     qzeros int32 [groups, out / per_word], the zero points packed along the columns (AWQ in its
       order; GPTQ's "gptq" format stores them minus one, as AutoGPTQ wrote them);
     scales [groups, out] (float16): the group-wise scales (one group: a scale per column);
-    g_idx [in] (GPTQ) each row's group, checked to be contiguous groups (no act-order);
+    g_idx [in] (GPTQ) each row's group: contiguous groups, or with act-order (desc_act) any
+    order of group_size rows a group: the kernel then holds the rows sorted by group (stable)
+    and `input_order` the input feature of each;
     a bias where the model has none must be zeros.
-    Symmetric weights (no zero points) become the kernel as their qweight arrives, the zeros
-    only checked to be 2^(bits - 1); with zero points a layer's qweight and qzeros wait in
-    `pending` for each other."""
+    A layer's qweight waits in `pending` for its qzeros when it has zero points (else the zeros
+    are only checked to be 2^(bits - 1)) and for its g_idx in act-order."""
     stem, _, leaf = name.rpartition(".")
     key = tuple(int(p) if p.isdigit() else p for p in stem.split("."))
     kernel = (*key, "kernel")
@@ -369,21 +372,40 @@ def _load_packed(f, file: Path, name: str, cfg: ModelConfig, expected: dict, val
                              f"(groups of {group} rows x columns)")
         values[scales] = _scales(name, tensor.T.astype(np.float32), expected[scales].shape,
                                  place, scales)
+    elif leaf == "g_idx" and cfg.quantization_act_order:
+        order = _act_order(name, tensor, rows, group)
+        pending.setdefault(key, {})["order"] = order
+        at = (*key, "input_order")
+        values[at] = jnp.asarray(order) if place is None else place(at, order)
     elif leaf == "g_idx":
         if not np.array_equal(tensor, np.arange(rows) // group):
             raise ValueError(f"tensor {name!r}: the rows' groups are not contiguous groups of "
-                             f"{group} (act-order), which is not read")
+                             f"{group}, but the checkpoint says desc_act false")
     elif np.any(tensor):  # a bias the model does not have
         raise ValueError(f"tensor {name!r}: a non-zero bias the {cfg.architecture} model has "
                          "no place for")
     parts = pending.get(key, {})
-    if "q" in parts and ("z" in parts or not cfg.quantization_zero_points):
+    if "q" in parts and ("z" in parts or not cfg.quantization_zero_points) and (
+            "order" in parts or not cfg.quantization_act_order):
         zeros = parts.get("z", np.full((1, columns), 1 << (bits - 1), np.int16))
-        q = parts["q"] - np.repeat(zeros, rows // zeros.shape[0], axis=0)
+        q = parts["q"] if "order" not in parts else parts["q"][parts["order"]]
+        q = q - np.repeat(zeros, rows // zeros.shape[0], axis=0)
         dtype = expected[kernel].dtype
         values[kernel] = _narrow(name, q.astype(dtype), dtype, place, kernel)
         del pending[key]
     return True
+
+
+def _act_order(name: str, g_idx, rows: int, group: int) -> np.ndarray:
+    """An act-order layer's g_idx [in] -> the input rows in group order (stable: within a
+    group, as the checkpoint holds them), checked to give each group `group` rows."""
+    g_idx = np.asarray(g_idx).astype(np.int64)
+    counts = np.bincount(g_idx, minlength=rows // group) if (
+        g_idx.shape == (rows,) and g_idx.min(initial=0) >= 0) else None
+    if counts is None or counts.shape != (rows // group,) or np.any(counts != group):
+        raise ValueError(f"tensor {name!r}: g_idx must give each of the {rows // group} groups "
+                         f"{group} of the {rows} input rows, got shape {g_idx.shape}")
+    return np.argsort(g_idx, kind="stable").astype(np.int32)
 
 
 # Mixtral's names for the MoE block and its experts' projections -> the model's (transformers')

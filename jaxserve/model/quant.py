@@ -65,11 +65,14 @@ class QuantizedLinear(nnx.Module):
     its scales: one per output column (`scale` [out]) or, with `group_size`, one per column
     and group of group_size input rows (`group_scale` [in / group_size, out], a checkpoint's
     group-wise int4: the kernel's rows g * group_size .. are scaled by group_scale[g]; its own
-    name, so the tensor-parallel split can tell it from a stack of column scales). Called
-    directly, the plain XLA product (qwix's dot, which takes either)."""
+    name, so the tensor-parallel split can tell it from a stack of column scales). With
+    `act_order` (GPTQ's desc_act, whose groups' rows lie scattered over the input), the kernel
+    holds the rows sorted by group, so its groups are contiguous again, and `input_order` [in]
+    the input feature each row multiplies: x is gathered in that order first (`ordered`).
+    Called directly, the plain XLA product (qwix's dot, which takes either)."""
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool, dtype,
-                 method: str, group_size: int | None = None):
+                 method: str, group_size: int | None = None, act_order: bool = False):
         self.in_features, self.out_features = in_features, out_features
         self.kernel = nnx.Param(jnp.zeros((in_features, out_features), qtype(method)))
         if group_size is not None and in_features % group_size:
@@ -80,6 +83,11 @@ class QuantizedLinear(nnx.Module):
         self.group_scale = None if group_size is None else nnx.Param(
             jnp.ones((in_features // group_size, out_features), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+        self.input_order = nnx.Param(jnp.arange(in_features, dtype=jnp.int32)) if (
+            act_order) else None
+
+    def ordered(self, x: jax.Array) -> jax.Array:  # [..., in]: the kernel's rows' order
+        return x if self.input_order is None else jnp.take(x, self.input_order[...], axis=-1)
 
     def scales(self) -> jax.Array:
         """[groups, out]: one group (the column scales) or the group-wise ones."""
@@ -94,6 +102,7 @@ class QuantizedLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out] in x's dtype
         import qwix
 
+        x = self.ordered(x)
         kernel = self.kernel[...]
         weight = qwix.QArray(kernel, self.scales().astype(x.dtype), qtype=kernel.dtype)
         y = qwix.dot_general(x, weight, (((x.ndim - 1,), (0,)), ((), ())))
