@@ -12,6 +12,13 @@ Workloads (token ids, greedy, ignore_eos, every request submitted at the start):
                        the chat's previous turn ends, its prompt the previous prompt, the reply
                        the model gave (`--output-len` tokens) and a new user message
                        (`--suffix-len`), `--turns` turns; N turns in all
+    chat_prefixed      the same chats shaped as vLLM's multi-turn benchmark
+                       (benchmarks/multi_turn/generate_multi_turn.json): each chat's first
+                       message opens with a system prompt every chat shares
+                       (`--common-prefix-len`, its common_prefix_num_tokens) and a document of
+                       its own (`--chat-prefix-len`, its prefix_num_tokens); messages and
+                       replies vary by +-20% (as its uniform ranges do), so the chats do not
+                       run in step
     no_sharing         N random prompts as long as prefix_repetition's: nothing to hit, so the
                        cache's own cost shows
 
@@ -37,6 +44,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.request import SamplingParams
 
+VARIATION = 0.2  # chat_prefixed's messages and replies: +-20% of their lengths
+
 
 def measure(engine: LLMEngine, samples, cache: bool) -> dict:
     use_scheduler(engine, enable_prefix_caching=cache)  # a fresh scheduler: an empty cache
@@ -54,15 +63,28 @@ def measure(engine: LLMEngine, samples, cache: bool) -> dict:
 
 
 def chat(engine: LLMEngine, cache: bool, n: int, turns: int, message_len: int,
-         reply_len: int, concurrency: int, seed: int = 0) -> dict:
-    """Closed-loop chats on the engine; the same measures as `measure`."""
+         reply_len: int, concurrency: int, seed: int = 0, common_prefix_len: int = 0,
+         chat_prefix_len: int = 0, range_ratio: float = 0.0) -> dict:
+    """Closed-loop chats on the engine; the same measures as `measure`. Each chat's first
+    message opens with `common_prefix_len` tokens every chat shares and `chat_prefix_len` of
+    its own. range_ratio: messages and replies vary uniformly within that share of their
+    lengths (so the chats do not run in step)."""
     use_scheduler(engine, enable_prefix_caching=cache)
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     chats = -(-n // turns)
-    messages = [[rng.integers(3, vocab, message_len).tolist() for _ in range(turns)]
+
+    def length(mean: int) -> int:
+        return int(rng.integers(round(mean * (1 - range_ratio)),
+                                round(mean * (1 + range_ratio)) + 1))
+
+    messages = [[rng.integers(3, vocab, length(message_len)).tolist() for _ in range(turns)]
                 for _ in range(chats)]
-    params = SamplingParams(max_tokens=reply_len, temperature=0.0, ignore_eos=True)
+    replies = [[length(reply_len) for _ in range(turns)] for _ in range(chats)]
+    common = rng.integers(3, vocab, common_prefix_len).tolist()
+    for chat_messages in messages:
+        chat_messages[0] = common + rng.integers(3, vocab, chat_prefix_len).tolist() + (
+            chat_messages[0])
     history: dict[int, list[int]] = {}  # chat -> its conversation so far
     turn_of = dict.fromkeys(range(chats), 0)
     sent: dict[str, float] = {}
@@ -75,7 +97,8 @@ def chat(engine: LLMEngine, cache: bool, n: int, turns: int, message_len: int,
         history[c] = prompt
         rid = f"{c}-{turn_of[c]}"
         sent[rid] = time.monotonic()
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        engine.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(
+            max_tokens=replies[c][turn_of[c]], temperature=0.0, ignore_eos=True))
         prompt_tokens += len(prompt)
 
     waiting = list(range(chats))
@@ -117,15 +140,24 @@ def main() -> None:
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--common-prefix-len", type=int, default=128,
+                        help="chat_prefixed: the system prompt every chat shares")
+    parser.add_argument("--chat-prefix-len", type=int, default=256,
+                        help="chat_prefixed: each chat's own document")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--workloads", nargs="+",
-                        default=["prefix_repetition", "multiturn", "chat", "no_sharing"])
+                        default=["prefix_repetition", "multiturn", "chat", "chat_prefixed",
+                                 "no_sharing"])
     args = parser.parse_args()
     n, prompt_len = args.num_prompts, args.prefix_len + args.suffix_len
+    chats_len = args.turns * (args.suffix_len + args.output_len)
+    if "chat_prefixed" in args.workloads:
+        chats_len = round(chats_len * (1 + VARIATION)) + args.common_prefix_len + (
+            args.chat_prefix_len)
     config = EngineConfig.from_overrides(
         load_format=args.load_format, max_num_seqs=args.max_num_seqs,
-        max_model_len=max(prompt_len, args.turns * (args.suffix_len + args.output_len))
-        + args.output_len, max_num_batched_tokens=512, prefill_chunk_sizes=(64, 128, 256, 512))
+        max_model_len=max(prompt_len + args.output_len, chats_len),
+        max_num_batched_tokens=512, prefill_chunk_sizes=(64, 128, 256, 512))
     engine = LLMEngine(args.model, config)
     vocab = engine.model_config.vocab_size
     workloads = {
@@ -137,9 +169,12 @@ def main() -> None:
     }
     results = {}
     for name in args.workloads:
-        if name == "chat":
+        if name in ("chat", "chat_prefixed"):
+            prefixes = ({"common_prefix_len": args.common_prefix_len,
+                         "chat_prefix_len": args.chat_prefix_len, "range_ratio": VARIATION}
+                        if name == "chat_prefixed" else {})
             off, on = (chat(engine, cache, n, args.turns, args.suffix_len, args.output_len,
-                            args.max_num_seqs) for cache in (False, True))
+                            args.max_num_seqs, **prefixes) for cache in (False, True))
         else:
             samples = workloads[name]()
             warm_up(engine, samples)

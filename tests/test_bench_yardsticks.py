@@ -61,3 +61,9 @@ def test_prefix_caching_bench_compares_on_and_off_on_one_engine(stories_dir):
     off, on = (bench.chat(engine, cache, 6, 3, 8, 4, 2) for cache in (False, True))
     assert off["token_ids"] == on["token_ids"] and len(on["token_ids"]) == 6
     assert off["hit_rate"] == 0 < on["hit_rate"] and on["mean_ttft_ms"] > 0
+    # chat_prefixed: a shared system prompt and each chat's own document open its first turn:
+    # the first turns hit the shared part too
+    off_p, on_p = (bench.chat(engine, cache, 6, 3, 8, 4, 2, common_prefix_len=16,
+                              chat_prefix_len=8) for cache in (False, True))
+    assert off_p["token_ids"] == on_p["token_ids"] and len(on_p["token_ids"]) == 6
+    assert off_p["hit_rate"] == 0 and on_p["hit_rate"] > on["hit_rate"]
