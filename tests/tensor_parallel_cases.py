@@ -117,6 +117,23 @@ def data_parallel(path: Path, dp: int, tp: int) -> dict:
     }
 
 
+def prefix_cached(dp: int, tp: int, cache: bool) -> dict:
+    """Prompts sharing a 24-token prefix (three pages), the first alone and then the rest,
+    which find its pages in the cache when it is on: the ids and every logprob, the hits."""
+    shared = list(range(3, 27))
+    prompts = [[*shared, 40 + i, 50 + i, 60 + i] for i in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    llm = LLM(MODELS["llama"], data_parallel_size=dp, tensor_parallel_size=tp,
+              enable_prefix_caching=cache, **ENGINE)
+    outs = llm.generate([{"prompt_token_ids": prompts[0]}], params) + llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[1:]], params)
+    stats = llm.stats()
+    return {"ids": [o.outputs[0].token_ids for o in outs],
+            "logprobs": [logprobs(o.outputs[0]) for o in outs],
+            "hits": stats["prefix_cache_hits"],
+            "compilations_after_warmup": stats["num_compilations_after_warmup"]}
+
+
 def stories_reference(tp: int, dp: int = 1) -> dict:
     """stories260K's C-reference cases through dp replicas of a tp-way engine: the ids."""
     path = MODELS["stories260K"]
@@ -209,6 +226,9 @@ def main() -> None:
                                       for dp, tp in sizes}
                                for name, sizes in DATA_PARALLEL.items()}
     report["stories260K_reference_dp"] = stories_reference(2, dp=2)
+    # the prefix cache over a sharded pool (and each replica's own)
+    report["prefix_cached"] = {f"{dp}x{tp}" + ("" if cache else " off"): prefix_cached(
+        dp, tp, cache) for dp, tp, cache in ((1, 2, False), (1, 2, True), (2, 2, True))}
     report["stories260K_controls"] = {tp: controlled_outputs(tp) for tp in (1, 2)}
     # random weights made on their shards: the same weights as on one device
     report["dummy_logits"] = {tp: prompt_logits(LLM(MODELS["llama"], load_format="dummy",

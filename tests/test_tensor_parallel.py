@@ -79,6 +79,19 @@ def test_data_parallel_replicas_give_one_devices_logits_and_ids(report, model):
         assert sorted(d for ds in run["devices"] for d in ds) == list(range(dp * tp)), sizes
 
 
+def test_the_prefix_cache_over_sharded_pools_gives_the_same_ids_and_logprobs(report):
+    """Prompts sharing three pages' prefix, the later ones finding them cached: at tp=2 and at
+    dp=2 x tp=2 (each replica its own cache) the ids and logprobs (bit for bit) of tp=2
+    without the cache."""
+    runs = dict(report["prefix_cached"])
+    plain = runs.pop("1x2 off")
+    assert plain["hits"] == 0
+    for sizes, run in runs.items():
+        assert run["ids"] == plain["ids"] and run["logprobs"] == plain["logprobs"], sizes
+        assert run["hits"] >= 3 * 8, sizes  # at least one request took the three pages
+        assert run["compilations_after_warmup"] == 0, sizes
+
+
 def test_the_tpu_attention_runs_per_shard_of_a_mesh(report):
     run = report["tpu_attention"]
     assert run["tpu"] == run["reference"] and len({t for ids in run["tpu"] for t in ids}) > 3
@@ -205,7 +218,7 @@ def test_plan_gives_each_devices_bytes_as_the_runner_holds_them(report):
 def _config(**changes) -> ModelConfig:
     base = dict(architecture="LlamaForCausalLM", num_heads=4, num_kv_heads=2,
                 intermediate_size=128, vocab_size=128, o_bias=False, num_experts=0,
-                head_dim=16, quantization_group_size=None,
+                head_dim=16, quantization_group_size=None, quantization_act_order=False,
                 moe_intermediate_size=0, shared_expert_intermediate_size=0)
     return type("Cfg", (), dict(base, **changes))()
 
