@@ -150,6 +150,9 @@ class ModelConfig:
     # GPTQ's act-order (desc_act): its linear layers' input rows are read in group order
     # (QuantizedLinear.input_order)
     quantization_act_order: bool = False
+    # the checkpoint's per-layer scales of an fp8 KV cache (compressed-tensors' kv_cache_scheme:
+    # self_attn.k_scale / v_scale): stored = k / k_scale, read back times it
+    kv_cache_scales: bool = False
     # mixture of experts (0: a dense MLP): each token's MLP is the weighted sum of its top
     # num_experts_per_tok of num_experts experts (each a SwiGLU MLP of moe_intermediate_size),
     # the weights the router's softmax over all experts at the chosen ones, renormalised to sum
@@ -335,6 +338,7 @@ class ModelConfig:
             quantization_bits=quant.bits,
             quantization_zero_points=quant.zero_points,
             quantization_act_order=quant.act_order,
+            kv_cache_scales=quant.kv_cache_scales,
             **moe,
             **gemma,
         )

@@ -14,6 +14,23 @@ class CheckpointQuantization(NamedTuple):
     bits: int | None = None  # GPTQ's and AWQ's packed values' width
     zero_points: bool = False  # GPTQ's and AWQ's zero points
     act_order: bool = False  # GPTQ desc_act: each group's rows scattered over the input
+    # compressed-tensors' kv_cache_scheme: each attention layer's per-tensor scales of an fp8
+    # KV cache (k_scale, v_scale), used when kv_cache_dtype is fp8
+    kv_cache_scales: bool = False
+
+
+def _read_kv_cache_scheme(scheme: Any) -> bool:
+    """compressed-tensors' kv_cache_scheme, as vLLM reads it: 8-bit floats, one static
+    symmetric scale per tensor (each layer's k_scale and v_scale); None: no scales."""
+    if scheme is None:
+        return False
+    if not isinstance(scheme, dict) or scheme.get("type") != "float" or (
+            scheme.get("num_bits") != 8 or scheme.get("strategy") != "tensor"
+            or scheme.get("symmetric") is False or scheme.get("dynamic")):
+        raise ValueError(f"quantization_config kv_cache_scheme {scheme!r} is not read; "
+                         "supported: 8-bit float, strategy tensor, symmetric, static (one "
+                         "k_scale and v_scale per layer)")
+    return True
 
 # compressed-tensors' (format, weights' type, bits) -> the quantization they carry
 _COMPRESSED_WEIGHTS = {("float-quantized", "float", 8): "fp8", ("int-quantized", "int", 8): "int8",
@@ -79,11 +96,14 @@ def read_quantization(quant: Any) -> CheckpointQuantization:
     if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise ValueError(f"quantization_config quant_method {method!r} is not read; {supported}")
+    kv_scales = _read_kv_cache_scheme(quant.get("kv_cache_scheme"))
+    groups = quant.get("config_groups") or {}
+    if kv_scales and not groups:  # float weights, the KV cache's scales alone
+        return CheckpointQuantization(kv_cache_scales=True)
     fmt = quant.get("format")
     if fmt not in ("float-quantized", "int-quantized", "pack-quantized"):
         raise ValueError(f"quantization_config format {fmt!r} is not read; {supported}")
     method, group_size = None, None
-    groups = quant.get("config_groups") or {}
     if not isinstance(groups, dict):
         raise ValueError(f"quantization_config config_groups must be a mapping, got {groups!r}")
     for name, group in groups.items():
@@ -115,4 +135,5 @@ def read_quantization(quant: Any) -> CheckpointQuantization:
     if ignored:
         raise ValueError(f"quantization_config ignore leaves {ignored} unquantised: only lm_head "
                          f"may be; {supported}")
-    return CheckpointQuantization(method, group_size, "compressed-tensors")
+    return CheckpointQuantization(method, group_size, "compressed-tensors",
+                                  kv_cache_scales=kv_scales)

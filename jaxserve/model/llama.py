@@ -124,6 +124,9 @@ class Attention(nnx.Module):
         self.sliding_window = cfg.window(layer)
         self.soft_cap = cfg.attn_logit_softcapping
         self.scale = (d if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar)**-0.5
+        # a checkpoint's scales of an fp8 KV cache (vLLM's k_scale, v_scale): used with one
+        self.k_scale = nnx.Param(jnp.ones((), jnp.float32)) if cfg.kv_cache_scales else None
+        self.v_scale = nnx.Param(jnp.ones((), jnp.float32)) if cfg.kv_cache_scales else None
 
     def __call__(self, x, cos, sin, kv: KVCache, md: AttentionMetadata | RaggedMetadata,
                  write_index, backend):
@@ -137,9 +140,20 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q, backend), self.k_norm(k, backend)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = linear(self.v_proj, x)
+        # an 8-bit pool with the checkpoint's scales: K and V stored divided by them, and read
+        # back times them, which the kernels need not know: q times k_scale meets the stored
+        # keys as q meets the keys, and the output is times v_scale (each row's weights over
+        # the values sum to one)
+        scaled = self.k_scale is not None and jnp.dtype(kv.pools[0].dtype).itemsize == 1
+        if scaled:
+            k_scale, v_scale = self.k_scale[...], self.v_scale[...]
+            k, v = (k / k_scale).astype(k.dtype), (v / v_scale).astype(v.dtype)
+            q = (q * k_scale).astype(q.dtype)
         kv = backend.attention.write(kv, k.reshape(b * c, -1, d), v.reshape(b * c, -1, d),
                                      write_index)
         out = backend.attention(q, kv, md, self.scale, self.sliding_window, self.soft_cap)
+        if scaled:
+            out = (out * v_scale).astype(out.dtype)
         return backend.sum_shards(linear(self.o_proj, out.reshape(b, c, -1))), kv
 
 

@@ -129,6 +129,24 @@ def _hf_path(name: str, expected: dict[tuple, jax.ShapeDtypeStruct]) -> tuple[tu
     return (parts, False) if parts in expected else None
 
 
+def _kv_scale_path(name: str, expected: dict) -> tuple | None:
+    """A layer's fp8 KV cache scale, as compressed-tensors writes it (self_attn.k_scale,
+    v_scale; older checkpoints: self_attn.k_proj.output_scale, v_proj's) -> its state path."""
+    parts = tuple(int(p) if p.isdigit() else p for p in name.split("."))
+    if parts[-2:] in ((f"{kv}_proj", "output_scale") for kv in "kv"):
+        parts = (*parts[:-2], f"{parts[-2][0]}_scale")
+    return parts if parts[-1] in ("k_scale", "v_scale") and parts in expected else None
+
+
+def _kv_scale(name: str, tensor, place, key: tuple) -> jax.Array:
+    values = np.asarray(tensor, np.float32).reshape(-1)
+    if values.size != 1 or not np.isfinite(values[0]) or values[0] <= 0:
+        raise ValueError(f"tensor {name!r}: a KV cache scale must be one positive number, got "
+                         f"{values.tolist()[:4]}")
+    scale = values.reshape(())
+    return jnp.asarray(scale) if place is None else place(key, scale)
+
+
 # Phi-3's fused tensors -> the model's own, in the checkpoint's row order
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -246,6 +264,9 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                     continue
                 if cfg.quantization_format in ("gptq", "gptq_v2", "awq") and _load_packed(
                         f, file, name, cfg, expected, values, pending, place):
+                    continue
+                if cfg.kv_cache_scales and (at := _kv_scale_path(name, expected)) is not None:
+                    values[at] = _kv_scale(name, _get_tensor(f, file, name), place, at)
                     continue
                 parts = _fused_parts(name, cfg)
                 targets = [_hf_path(part, expected) for part, _ in parts]
