@@ -42,7 +42,8 @@ def _read_packed(quant: dict) -> CheckpointQuantization:
     quantization_config: 4- or 8-bit weights in groups of input rows (group_size; -1: a scale
     per column), GPTQ's symmetric or with zero points (sym false, 4 bits) and maybe in
     act-order (desc_act: a row's group is its g_idx), AWQ's with zero points. Weights with
-    zero points are held as int8 (value - zero spans -15..15)."""
+    zero points are held as uint4 beside their uint4 zero points (GPTQ's "gptq" format's: as
+    int8, value - zero)."""
     method = quant["quant_method"]
     bits, group = quant.get("bits", quant.get("w_bit")), quant.get(
         "group_size", quant.get("q_group_size", -1))
@@ -68,7 +69,10 @@ def _read_packed(quant: dict) -> CheckpointQuantization:
                          "checkpoints with 4- or 8-bit weights (4-bit with zero points too), "
                          "act-order or not, format gptq or gptq_v2; AWQ GEMM checkpoints with "
                          "4-bit weights and zero points")
-    held = "int4" if bits == 4 and not zero_points else "int8"
+    # 4-bit weights with zero points are held as uint4 values and uint4 zero points, except
+    # the "gptq" format's: its zero points are stored minus one, so a zero point of 0 reads back
+    # as 16, which only value - zero held in int8 keeps
+    held = "int4" if bits == 4 and (not zero_points or fmt != "gptq") else "int8"
     # act-order over one group (a scale per column) orders nothing
     act_order = bool(quant.get("desc_act")) and method == "gptq" and group != -1
     return CheckpointQuantization(held, None if group == -1 else group, fmt, bits, zero_points,

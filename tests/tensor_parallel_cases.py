@@ -220,6 +220,13 @@ def main() -> None:
     # int4 checkpoints (compressed-tensors' pack-quantized), unpacked onto their shards
     for name in ("llama_w4a16", "llama_w4a16_g32"):  # per column, per group of 32 rows
         report[name] = run_model(ROOT / "tests" / "fixtures" / "hf" / name, (1, 2))
+    # AWQ's 4-bit weights with zero points: uint4 values and group-wise zero points, split as
+    # their group-wise scales are
+    from test_gptq_awq import write_packed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report["llama_awq"] = run_model(write_packed(Path(tmp) / "awq", "awq", sym=False,
+                                                     fmt="awq"), (1, 2))
     report["stories260K_reference"] = stories_reference(4)
     # data parallelism: replicas on their own devices, requests spread over them
     report["data_parallel"] = {name: {f"{dp}x{tp}": data_parallel(MODELS[name], dp, tp)

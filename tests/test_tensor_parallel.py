@@ -26,8 +26,8 @@ MODELS = ("llama", "qwen2", "mistral", "phi3", "stories260K")
 # mixtures of experts: each expert split over tp=2, and whole experts over 4 devices (_ep)
 MOE = ("mixtral", "qwen3_moe", "mixtral_ep", "qwen3_moe_ep")
 # quantization="int8" / "fp8" on those checkpoints; int4 checkpoints, scales per column and
-# per group of input rows
-QUANTISED = ("llama_int8", "qwen2_fp8", "llama_w4a16", "llama_w4a16_g32")
+# per group of input rows; an AWQ one (zero points per group)
+QUANTISED = ("llama_int8", "qwen2_fp8", "llama_w4a16", "llama_w4a16_g32", "llama_awq")
 
 
 @pytest.fixture(scope="module")

@@ -106,9 +106,11 @@ class CpuOps(Ops):
         w = layer.kernel[...]
         if isinstance(layer, QuantizedLinear):
             x = layer.ordered(x)
-        if isinstance(layer, QuantizedLinear) and layer.group_scale is not None:
-            # group-wise scales: the kernel's one scale a column does not fit them; the
-            # weights dequantised (elementwise, so rows stay independent), then multiplied
+        if isinstance(layer, QuantizedLinear) and (layer.group_scale is not None
+                                                   or layer.zeros() is not None):
+            # group-wise scales or zero points: the kernel's one scale a column does not fit
+            # them; the weights dequantised (elementwise, so rows stay independent), then
+            # multiplied
             y = matmul_cpu(x, layer.dequantized())
         elif isinstance(layer, QuantizedLinear):  # the narrow weights widened in registers
             scale = layer.scale[...]
@@ -167,7 +169,8 @@ class CpuOps(Ops):
                 continue
             if (isinstance(module, nnx.Linear | QuantizedLinear)
                     and module.kernel.get_value().ndim == 2
-                    and getattr(module, "group_scale", None) is None):
+                    and getattr(module, "group_scale", None) is None
+                    and getattr(module, "zero", None) is None):
                 w = module.kernel.get_value()
                 if w.dtype == jnp.int4:  # the kernel reads int8: a byte a weight on the CPU
                     w = w.astype(jnp.int8)

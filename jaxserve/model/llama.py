@@ -104,7 +104,8 @@ def _linear(cfg_in: int, cfg_out: int, bias: bool, dtype, rngs: nnx.Rngs,
             cfg: ModelConfig | None = None) -> nnx.Linear | QuantizedLinear:
     if cfg is not None and cfg.quantization is not None:  # weights from the loader (quant.py)
         return QuantizedLinear(cfg_in, cfg_out, bias, dtype, cfg.quantization,
-                               cfg.quantization_group_size, cfg.quantization_act_order)
+                               cfg.quantization_group_size, cfg.quantization_act_order,
+                               cfg.quantization == "int4" and cfg.quantization_zero_points)
     return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
                       kernel_init=nnx.initializers.normal(0.02))
 

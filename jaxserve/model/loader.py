@@ -308,8 +308,9 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                     values[key] = (jnp.asarray(tensor, dtype=expected[key].dtype) if place is None
                                    else place(key, tensor).astype(expected[key].dtype))
     for key, parts in pending.items():
-        lacking = ("qweight" if "q" not in parts else "qzeros"
-                   if cfg.quantization_zero_points and "z" not in parts else "g_idx")
+        apart = cfg.quantization == "int4" and cfg.quantization_zero_points
+        lacking = ("qweight" if "q" not in parts else "qzeros" if (
+            cfg.quantization_zero_points and not apart and "z" not in parts) else "g_idx")
         raise ValueError(f"checkpoint {path} is missing {'.'.join(map(str, key))}.{lacking}")
     for key, (_, filled) in experts.items():
         lacking = sorted(set(range(cfg.num_experts)) - filled)
@@ -353,8 +354,11 @@ def _load_packed(f, file: Path, name: str, cfg: ModelConfig, expected: dict, val
     order of group_size rows a group: the kernel then holds the rows sorted by group (stable)
     and `input_order` the input feature of each;
     a bias where the model has none must be zeros.
-    A layer's qweight waits in `pending` for its qzeros when it has zero points (else the zeros
-    are only checked to be 2^(bits - 1)) and for its g_idx in act-order."""
+    4-bit weights with zero points (but the "gptq" format's) keep their unsigned values as the
+    kernel (uint4) and their zero points apart (`zero` / `group_zero`, uint4); the rest become
+    value - zero. A layer's qweight waits in `pending` for its qzeros when the kernel is value -
+    zero (symmetric: the zeros only checked to be 2^(bits - 1)) and for its g_idx in
+    act-order."""
     stem, _, leaf = name.rpartition(".")
     key = tuple(int(p) if p.isdigit() else p for p in stem.split("."))
     kernel = (*key, "kernel")
@@ -364,6 +368,7 @@ def _load_packed(f, file: Path, name: str, cfg: ModelConfig, expected: dict, val
         return False  # the layer's own bias: loaded as any other
     tensor = np.asarray(_get_tensor(f, file, name))
     bits, awq = cfg.quantization_bits, cfg.quantization_format == "awq"
+    apart = cfg.quantization == "int4" and cfg.quantization_zero_points  # zero points held apart
     rows, columns = expected[kernel].shape
     group = cfg.quantization_group_size or rows
     if leaf == "qweight":
@@ -380,7 +385,11 @@ def _load_packed(f, file: Path, name: str, cfg: ModelConfig, expected: dict, val
                              f"expects {(rows // group, columns)}")
         zeros = zeros + (cfg.quantization_format == "gptq")  # stored minus one
         symmetric = 1 << (bits - 1)
-        if cfg.quantization_zero_points:
+        if apart:
+            at = (*key, "group_zero") if (*key, "group_zero") in expected else (*key, "zero")
+            zeros = zeros.reshape(expected[at].shape).astype(expected[at].dtype)
+            values[at] = jnp.asarray(zeros) if place is None else place(at, zeros)
+        elif cfg.quantization_zero_points:
             pending.setdefault(key, {})["z"] = zeros
         elif np.any(zeros != symmetric):
             raise ValueError(f"tensor {name!r} holds zero points other than the symmetric "
@@ -406,11 +415,12 @@ def _load_packed(f, file: Path, name: str, cfg: ModelConfig, expected: dict, val
         raise ValueError(f"tensor {name!r}: a non-zero bias the {cfg.architecture} model has "
                          "no place for")
     parts = pending.get(key, {})
-    if "q" in parts and ("z" in parts or not cfg.quantization_zero_points) and (
+    if "q" in parts and ("z" in parts or apart or not cfg.quantization_zero_points) and (
             "order" in parts or not cfg.quantization_act_order):
-        zeros = parts.get("z", np.full((1, columns), 1 << (bits - 1), np.int16))
         q = parts["q"] if "order" not in parts else parts["q"][parts["order"]]
-        q = q - np.repeat(zeros, rows // zeros.shape[0], axis=0)
+        if not apart:
+            zeros = parts.get("z", np.full((1, columns), 1 << (bits - 1), np.int16))
+            q = q - np.repeat(zeros, rows // zeros.shape[0], axis=0)
         dtype = expected[kernel].dtype
         values[kernel] = _narrow(name, q.astype(dtype), dtype, place, kernel)
         del pending[key]
@@ -538,6 +548,8 @@ def _narrow(name: str, tensor, dtype, place, key: tuple) -> jax.Array:
 def _hf_name(path: tuple) -> str:
     if path[-1] in ("scale", "group_scale"):
         return ".".join(str(p) for p in (*path[:-1], "weight_scale"))
+    if path[-1] in ("zero", "group_zero"):  # GPTQ's and AWQ's zero points
+        return ".".join(str(p) for p in (*path[:-1], "qzeros"))
     leaf = "weight" if path[-1] in ("kernel", "embedding") else path[-1]
     return ".".join(str(p) for p in (*path[:-1], leaf))
 

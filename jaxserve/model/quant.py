@@ -29,9 +29,10 @@ _QTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn),
 
 
 def array_bytes(shape, dtype) -> int:
-    """An array's bytes as an accelerator holds it: int4 two to a byte."""
+    """An array's bytes as an accelerator holds it: int4 and uint4 two to a byte."""
     size = int(np.prod(shape))
-    return (size + 1) // 2 if jnp.dtype(dtype) == jnp.int4 else size * jnp.dtype(dtype).itemsize
+    return (size + 1) // 2 if jnp.dtype(dtype) in (jnp.int4, jnp.uint4) else (
+        size * jnp.dtype(dtype).itemsize)
 
 
 def qtype(method: str) -> jnp.dtype:
@@ -69,12 +70,19 @@ class QuantizedLinear(nnx.Module):
     `act_order` (GPTQ's desc_act, whose groups' rows lie scattered over the input), the kernel
     holds the rows sorted by group, so its groups are contiguous again, and `input_order` [in]
     the input feature each row multiplies: x is gathered in that order first (`ordered`).
+    With `zero_points` (int4 only: AWQ's and GPTQ's asymmetric 4-bit weights) the kernel holds
+    the unsigned stored values (uint4) and `zero` [out] (or `group_zero` [in / group_size, out])
+    each column's (and group's) zero point, also uint4: w = (kernel - zero) * scale.
     Called directly, the plain XLA product (qwix's dot, which takes either)."""
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool, dtype,
-                 method: str, group_size: int | None = None, act_order: bool = False):
+                 method: str, group_size: int | None = None, act_order: bool = False,
+                 zero_points: bool = False):
         self.in_features, self.out_features = in_features, out_features
-        self.kernel = nnx.Param(jnp.zeros((in_features, out_features), qtype(method)))
+        if zero_points and method != "int4":
+            raise ValueError(f"zero points are held for int4 weights, not {method}")
+        narrow = jnp.uint4 if zero_points else qtype(method)
+        self.kernel = nnx.Param(jnp.zeros((in_features, out_features), narrow))
         if group_size is not None and in_features % group_size:
             raise ValueError(f"quantization group_size {group_size} does not divide a linear "
                              f"layer's {in_features} input features")
@@ -85,6 +93,12 @@ class QuantizedLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
         self.input_order = nnx.Param(jnp.arange(in_features, dtype=jnp.int32)) if (
             act_order) else None
+        # named as the scales are (the tensor-parallel split tells them apart by name)
+        self.zero = nnx.Param(jnp.zeros((out_features,), jnp.uint4)) if (
+            zero_points and group_size is None) else None
+        self.group_zero = nnx.Param(jnp.zeros((in_features // group_size, out_features),
+                                              jnp.uint4)) if (
+            zero_points and group_size is not None) else None
 
     def ordered(self, x: jax.Array) -> jax.Array:  # [..., in]: the kernel's rows' order
         return x if self.input_order is None else jnp.take(x, self.input_order[...], axis=-1)
@@ -93,17 +107,25 @@ class QuantizedLinear(nnx.Module):
         """[groups, out]: one group (the column scales) or the group-wise ones."""
         return self.scale[...][None] if self.group_scale is None else self.group_scale[...]
 
+    def zeros(self) -> jax.Array | None:
+        """[groups, out] uint4 as scales() (None: symmetric, no zero points)."""
+        return self.zero[...][None] if self.zero is not None else (
+            None if self.group_zero is None else self.group_zero[...])
+
     def dequantized(self, dtype=jnp.float32) -> jax.Array:  # [in, out]
-        scales = self.scales()
+        scales, zeros = self.scales(), self.zeros()
         kernel = self.kernel[...].astype(jnp.float32)
-        groups = kernel.reshape(scales.shape[0], -1, kernel.shape[-1]) * scales[:, None]
-        return groups.reshape(kernel.shape).astype(dtype)
+        groups = kernel.reshape(scales.shape[0], -1, kernel.shape[-1])
+        if zeros is not None:
+            groups = groups - zeros.astype(jnp.float32)[:, None]
+        return (groups * scales[:, None]).reshape(kernel.shape).astype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out] in x's dtype
         import qwix
 
         x = self.ordered(x)
         kernel = self.kernel[...]
-        weight = qwix.QArray(kernel, self.scales().astype(x.dtype), qtype=kernel.dtype)
+        weight = qwix.QArray(kernel, self.scales().astype(x.dtype), self.zeros(),
+                             qtype=kernel.dtype)
         y = qwix.dot_general(x, weight, (((x.ndim - 1,), (0,)), ((), ())))
         return y if self.bias is None else y + self.bias[...]
