@@ -25,6 +25,7 @@ from test_model_hf import full_logits
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.loader import load_state
+from jaxserve.model.quant import array_bytes
 from jaxserve.model_config import ModelConfig
 from jaxserve.sharding import check_tensor_parallel
 
@@ -139,8 +140,10 @@ def test_a_checkpoint_gives_its_dequantised_twins_logits(tmp_path, method, bits,
     layer = state["model"]["layers"][0]["mlp"]["down_proj"]
     assert (layer["kernel"][...].dtype == jnp.uint4) == apart
     if apart:  # half a byte a weight, the zero points beside the scales
+        kernel = layer["kernel"][...]
         zero = layer["zero" if group_size == -1 else "group_zero"][...]
-        assert zero.dtype == jnp.uint4 and zero.shape[-1] == layer["kernel"][...].shape[1]
+        assert zero.dtype == jnp.uint4 and zero.shape[-1] == kernel.shape[1]
+        assert array_bytes(kernel.shape, kernel.dtype) * 2 == kernel.size  # as the plan counts
     twin_cfg = ModelConfig.from_hf_dir(path / "twin")
     twin = load_state(path / "twin", twin_cfg, jnp.float32)
     for ids in prompts():
