@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine import LLMEngine, freeze_gc
 from jaxserve.model.sampler import packed_width
 from jaxserve.request import SamplingParams
 
@@ -152,6 +152,7 @@ def build(seqs: int, context: int, step_ms: float, long_tokens: int = 0):
         num_pages=max(seqs, 2) * (-(-model_len // 16)) + 1,
         prefill_chunk_sizes=(min(512, model_len - 16),))
     engine = LLMEngine(_model_dir(model_len), config)
+    freeze_gc()  # as the server does once its engine is warm
     runner = engine.runner
     device = Device(step_ms / 1000.0, runner.model_config.vocab_size,
                     packed_width(config.max_top_logprobs), runner.carry_size)
