@@ -67,6 +67,7 @@ from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
 from jaxserve.model_config import ModelConfig
+from jaxserve.request import Request
 from jaxserve.sampler_controls import Head, SamplerControls
 from jaxserve.sharding import (
     MODEL_AXIS,
@@ -126,7 +127,9 @@ class Inflight:
     """One dispatched iteration whose results have not been read yet."""
 
     decode_chunks: list[ScheduledChunk] = field(default_factory=list)
+    decode_ids: list[str] = field(default_factory=list)  # decode_chunks' request ids
     decode_packed: jax.Array | None = None  # [steps, B, W]
+    decode_logprobs: bool = False  # some decode row asked for logprobs
     prefills: list[PrefillCall] = field(default_factory=list)
     heads: list[Head] = field(default_factory=list)  # for finish, in order
     verify_chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -270,6 +273,8 @@ class ModelRunner:
         self._zeros = jax.device_put(jnp.zeros((self.carry_size,), jnp.int32), self.placement)
         self._carries = (self._zeros, self._zeros)
         self._carry_rows: dict[str, int] = {}  # request id -> index into the two carries
+        # the requests of the last iteration's decode call, in its row order ([]: it had none)
+        self._decode_requests: list[Request] = []
         self.input_batch = InputBatch(self.pages_per_seq, model_config.vocab_size,
                                       config.max_num_seqs)
         self.draft = None
@@ -373,10 +378,11 @@ class ModelRunner:
                      and mixed_tokens <= self.token_buckets[-1])
         if decode and not mixed:
             flight.decode_chunks = decode
+            requests = [c.request for c in decode]
+            flight.decode_ids = [r.request_id for r in requests]
             flight.decode_packed, carries[0] = self._dispatch_decode(
-                decode, max(len(decode), out.batch_rows), out.decode_steps, flight)
-            carry_rows |= zip([c.request.request_id for c in decode], range(len(decode)),
-                              strict=True)
+                decode, requests, max(len(decode), out.batch_rows), out.decode_steps, flight)
+            carry_rows |= zip(flight.decode_ids, range(len(decode)), strict=True)
         # the rows the iteration's other calls run, in order: row i's token goes to carry 1 [i]
         order = (decode if mixed else []) + prefill
         alone = [False] * (len(order) - len(prefill)) + alone
@@ -402,6 +408,7 @@ class ModelRunner:
         carry_rows |= {c.request.request_id: self.carry_size + i
                        for i, c in enumerate(order) if c.num_samples}
         self._carries, self._carry_rows = tuple(carries), carry_rows
+        self._decode_requests = requests if decode and not mixed else []
         arrays = [flight.decode_packed, flight.verify_packed] + [
             a for p in flight.prefills for a in (p.packed, p.prompt)]
         for array in arrays:
@@ -444,11 +451,14 @@ class ModelRunner:
             chunks = flight.decode_chunks
             # every decode row samples every step: one conversion for all rows' tokens
             tokens = packed[:, :len(chunks), 0].T.tolist()
-            for i, (chunk, row) in enumerate(zip(chunks, tokens, strict=True)):
-                logprobs = None
-                if chunk.request.params.logprobs is not None:
-                    logprobs = [_unpack(step[1:]) for step in packed[:, i]]
-                results[chunk.request.request_id] = Samples(row, logprobs)
+            if flight.decode_logprobs:
+                for i, (chunk, row) in enumerate(zip(chunks, tokens, strict=True)):
+                    logprobs = None
+                    if chunk.request.params.logprobs is not None:
+                        logprobs = [_unpack(step[1:]) for step in packed[:, i]]
+                    results[chunk.request.request_id] = Samples(row, logprobs)
+            else:  # (most steps: no loop of ours over the rows)
+                results.update(zip(flight.decode_ids, map(Samples, tokens), strict=True))
         if flight.verify_packed is not None:
             packed = np.asarray(flight.verify_packed)  # [B, K + 1, W]
             for chunk, rows in zip(flight.verify_chunks, packed, strict=False):
@@ -481,21 +491,28 @@ class ModelRunner:
         request = chunk.request
         return chunk.start >= len(request.prompt_ids) + len(request.output_ids)
 
-    def _dispatch_decode(self, chunks: list[ScheduledChunk], rows: int, steps: int,
-                         flight: Inflight):
+    def _dispatch_decode(self, chunks: list[ScheduledChunk], requests: list[Request], rows: int,
+                         steps: int, flight: Inflight):
+        """`requests`: the chunks' own, in order."""
         b = bucket(rows, self.row_buckets, "decode rows")
         host = np.zeros((b,), np.int32)
         src = np.full((b,), -1, np.int32)
-        # the carry row of each input token still on the device (-1: read on the host)
-        carry_rows = self._carry_rows  # (_on_device inline: per row per step)
-        src[:len(chunks)] = [
-            carry_rows[c.request.request_id]
-            if c.start >= len(c.request.prompt_ids) + len(c.request.output_ids) else -1
-            for c in chunks]
-        for i in np.flatnonzero(src[:len(chunks)] < 0).tolist():
-            chunk = chunks[i]
-            host[i] = chunk.request.token_ids(chunk.start, chunk.start + 1)[0]
+        if requests == self._decode_requests:  # (identity: a Request has no __eq__)
+            # the last iteration's decode rows again, in its order (most steps): each row's
+            # input token is the one that call sampled for it, on the device at its own row
+            # of the carry (the same token as on the host, if it was read since)
+            src[:len(chunks)] = np.arange(len(chunks), dtype=np.int32)
+        else:  # the carry row of each input token still on the device (-1: read on the host)
+            carry_rows = self._carry_rows  # (_on_device inline: per row per step)
+            src[:len(chunks)] = [
+                carry_rows[c.request.request_id]
+                if c.start >= len(c.request.prompt_ids) + len(c.request.output_ids) else -1
+                for c in chunks]
+            for i in np.flatnonzero(src[:len(chunks)] < 0).tolist():
+                chunk = chunks[i]
+                host[i] = chunk.request.token_ids(chunk.start, chunk.start + 1)[0]
         md, sm, slots = self._metadata(chunks, b, 1)
+        flight.decode_logprobs = bool(sm.logprobs.any())
         if self.input_batch.controlled[slots].any():  # one step (the scheduler's rule);
             # sampled at finish
             last, self.kv = self.fns.decode_hidden(self.weights, self.kv, host, src,
