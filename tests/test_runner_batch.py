@@ -133,12 +133,20 @@ def test_slots_follow_admissions_appends_finishes_and_preemptions():
 
 class Checker:
     """Wraps a runner so that every array bundle it hands the jitted steps is checked against
-    the from-scratch build of the call's chunks."""
+    the from-scratch build of the call's chunks, and records the input token each decode row
+    was fed (from the host or a carry row) to check against its request's tokens."""
 
     def __init__(self, runner):
         self.runner, self.calls, self.slots_seen = runner, {}, set()
         self.ragged = None  # the ragged call being dispatched: (chunks, t, rows)
+        self.decoding = []  # the decode call being dispatched: its chunks
+        self.fed = []  # (request, position, the token a decode row was fed there)
         metadata, dispatch_ragged = runner._metadata, runner._dispatch_ragged
+        dispatch_decode = runner._dispatch_decode
+
+        def recorded_decode(chunks, *args):
+            self.decoding = chunks
+            return dispatch_decode(chunks, *args)
 
         def checked_metadata(chunks, b, c):
             md, sm, slots = metadata(chunks, b, c)
@@ -152,10 +160,14 @@ class Checker:
             return dispatch_ragged(chunks, carry_rows, t, carry, rows)
 
         runner._metadata, runner._dispatch_ragged = checked_metadata, checked_ragged
+        runner._dispatch_decode = recorded_decode
         fns = runner.fns
         runner.fns = dataclasses.replace(fns, ragged=self._wrap(fns.ragged, self._check_ragged),
                                          ragged_head=self._wrap(fns.ragged_head,
-                                                                self._check_head))
+                                                                self._check_head),
+                                         decode=self._wrap(fns.decode, self._record_fed),
+                                         decode_hidden=self._wrap(fns.decode_hidden,
+                                                                  self._record_fed))
 
     @staticmethod
     def _wrap(fn, check):
@@ -184,6 +196,21 @@ class Checker:
         chunks = self.ragged[0]
         assert_fields(sm, scratch_sampling(chunks, rows, self.want["seq_lens"][:rows],
                                            self.vocab), "ragged sampling")
+
+    def _record_fed(self, weights, kv, host, src, carry0, carry1, *rest, **kwargs):
+        carries = np.concatenate([np.asarray(carry0), np.asarray(carry1)])  # waits: a test
+        for i, chunk in enumerate(self.decoding):
+            fed = host[i] if src[i] < 0 else carries[src[i]]
+            self.fed.append((chunk.request, chunk.start, int(fed)))
+
+    def check_fed(self):
+        """Each decode row was fed its request's token at its position (one it generated, or
+        its prompt's last), whether that came from the host or a carry row."""
+        assert self.fed
+        for request, position, token in self.fed:
+            ids = request.prompt_ids + request.output_ids
+            if position < len(ids):  # (an aborted request's step in flight: never read)
+                assert ids[position] == token, (request.request_id, position)
 
     @property
     def vocab(self):
@@ -224,12 +251,13 @@ def test_the_device_gets_what_a_from_scratch_build_gives(overrides):
     # 24 requests through 8 slots (slot 0 is padding): the slots are reused
     assert checker.slots_seen <= set(range(1, BASE["max_num_seqs"] + 1))
     assert llm.stats()["num_compilations_after_warmup"] == 0
+    checker.check_fed()
 
 
 def test_aborted_requests_give_their_slots_back():
     llm = LLM(MODEL, **BASE)
     engine, runner = llm.engine, llm.engine.runner
-    Checker(runner)
+    checker = Checker(runner)
     prompts, params = _workload(12, seed=1)
     for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), prompt, dataclasses.replace(sp, max_tokens=30))
@@ -237,8 +265,34 @@ def test_aborted_requests_give_their_slots_back():
         engine.step()
     for i in range(0, 12, 2):
         engine.abort(str(i))
+    # an aborted id again at once, as a one-token prompt: a decode row from its first step,
+    # where the aborted request's row was (its input is its prompt's token, not that row's)
+    engine.add_request("0", {"prompt_token_ids": [7]}, SamplingParams(max_tokens=5))
     while engine.has_unfinished_requests():
         engine.step()
+    checker.check_fed()
     live = {r.request_id for r in runner.input_batch.slots}
-    assert live <= {str(i) for i in range(1, 12, 2)}  # the last step's requests at most
+    assert live <= {str(i) for i in range(1, 12, 2)} | {"0"}  # the last step's at most
     assert len(set(runner.input_batch.slots.values())) == len(runner.input_batch.slots)
+
+
+def test_an_id_aborted_and_added_again_between_steps_is_fed_its_own_token():
+    """Two rows decode; "b" is aborted and a new "b" (a one-token prompt, so a decode row from
+    its first step) takes its place in the same row order: the new one is fed its prompt's
+    token, not the carry the old "b" left in that row."""
+    llm = LLM(MODEL, **BASE)
+    engine = llm.engine
+    checker = Checker(engine.runner)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+    engine.add_request("b", {"prompt_token_ids": [9, 10, 11]}, params)
+    for _ in range(4):
+        engine.step()
+    assert [c.request.request_id for c in checker.decoding] == ["a", "b"]
+    assert engine.abort("b")
+    engine.add_request("b", {"prompt_token_ids": [7]}, params)
+    engine.step()
+    assert [(c.request.request_id, c.start) for c in checker.decoding] == [("a", 7), ("b", 0)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    checker.check_fed()
