@@ -62,12 +62,19 @@ def logprob_dict(lp: "TokenLogprobs", token: int, num_top: int,
 class _State:
     """What the processor keeps of one request (on `Request.output_state`)."""
 
-    __slots__ = ("context", "detok", "held", "logprob_sum", "logprobs", "num_sent", "parts",
-                 "prompt_logprobs", "prompt_sent", "text")
+    __slots__ = ("context", "detok", "held", "limit", "logprob_sum", "logprobs", "num_sent",
+                 "parts", "prompt_logprobs", "prompt_sent", "stops", "text", "tokens_only")
 
     def __init__(self, request: Request, tokenizer: BaseTokenizer | None):
         self.detok = None if tokenizer is None else make_detokenizer(tokenizer,
                                                                      request.prompt_ids)
+        # what _advance reads per token, once: the output's length limit, the stop strings it
+        # searches (none without text), and whether it keeps only ids (no text, logprobs or
+        # token mask to follow)
+        self.limit = request.max_len - len(request.prompt_ids)
+        self.stops = request.params.stop if self.detok is not None else ()
+        self.tokens_only = (self.detok is None and request.token_mask is None
+                            and request.params.logprobs is None)
         self.held = ""  # text decoded, not handed out yet (it may begin a stop string)
         self.context = ""  # the last text handed out, where a stop string kept in may begin
         self.text = ""  # all text handed out (CUMULATIVE)
@@ -124,21 +131,19 @@ class OutputProcessor:
             if samples.prompt_logprobs is not None:
                 self._prompt_logprobs(request, state, samples)
             if chunk.num_samples and samples.tokens:
-                first = not request.output_ids
-                num_tokens += self._advance(scheduler, request, state, samples) + (
-                    len(request.prompt_ids) if first else 0)
+                if not request.output_ids:  # its first: the prompt counts too
+                    request.metrics.first_token_time = scheduler.clock()
+                    num_tokens += len(request.prompt_ids)
+                num_tokens += self._advance(scheduler, request, state, samples)
                 touched.append(request)
         return touched, num_tokens
 
     def _advance(self, scheduler: "Scheduler", request: Request, state: _State,
                  samples: "Samples") -> int:
         """Append the tokens the request keeps, apply the stops; returns how many it kept."""
-        params, out = request.params, request.output_ids
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = scheduler.clock()
-        start, limit = len(out), request.max_len - len(request.prompt_ids)
+        params, out, limit, stops = request.params, request.output_ids, state.limit, state.stops
+        start = len(out)
         status, reason = None, None
-        stops = params.stop if state.detok is not None else ()
         for token in samples.tokens:
             out.append(token)
             if token in request.stop_ids and len(out) >= params.min_tokens:
@@ -156,7 +161,19 @@ class OutputProcessor:
                     break
             if status is not None:
                 break
-        if state.detok is not None and not stops:
+        if not state.tokens_only:  # text, a token mask or logprobs to follow
+            status, reason = self._follow(request, state, samples, start, status, reason)
+        if status is not None:
+            scheduler.finish(request, status, reason)
+        return len(out) - start
+
+    def _follow(self, request: Request, state: _State, samples: "Samples", start: int,
+                status: RequestStatus | None, reason: int | str | None):
+        """The rest of `_advance` for the tokens from `start`: the text of a request without
+        stop strings, what the detokenizer held, the token mask's verdict, the logprobs.
+        Returns the (maybe changed) status and stop reason."""
+        params, out = request.params, request.output_ids
+        if state.detok is not None and not state.stops:
             new = out[start:]
             if status is RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
                 new = new[:-1]  # EOS or a stop token ended it: not text
@@ -177,9 +194,7 @@ class OutputProcessor:
                 entry = logprob_dict(lp, token, params.logprobs, self._name)
                 state.logprobs.append(entry)
                 state.logprob_sum += entry[token].logprob
-        if status is not None:
-            scheduler.finish(request, status, reason)
-        return len(out) - start
+        return status, reason
 
     def _push(self, state: _State, params, ids: list[int], final: bool,
               search: bool = True) -> str | None:
