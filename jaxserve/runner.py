@@ -272,7 +272,11 @@ class ModelRunner:
         # committedness, so an uncommitted zeros would compile every step a second time
         self._zeros = jax.device_put(jnp.zeros((self.carry_size,), jnp.int32), self.placement)
         self._carries = (self._zeros, self._zeros)
-        self._carry_rows: dict[str, int] = {}  # request id -> index into the two carries
+        # the last iteration's rows that sampled into the carries: its decode call's request
+        # ids (carry 0, row i) and its other calls' chunks (carry 1, row i); `_carry_rows`
+        # maps them, when a step needs it
+        self._carried: tuple[list[str], list[ScheduledChunk]] = ([], [])
+        self._carry_map: dict[str, int] | None = {}
         # the requests of the last iteration's decode call, in its row order ([]: it had none)
         self._decode_requests: list[Request] = []
         self.input_batch = InputBatch(self.pages_per_seq, model_config.vocab_size,
@@ -357,7 +361,7 @@ class ModelRunner:
 
     def _dispatch(self, out: SchedulerOutput) -> Inflight:
         flight = Inflight()
-        carries, carry_rows = [self._zeros, self._zeros], {}
+        carries = [self._zeros, self._zeros]
         self.input_batch.update(out.chunks)
         if self.input_batch.written:
             self.controls.write(self.fns, self.input_batch)
@@ -382,7 +386,6 @@ class ModelRunner:
             flight.decode_ids = [r.request_id for r in requests]
             flight.decode_packed, carries[0] = self._dispatch_decode(
                 decode, requests, max(len(decode), out.batch_rows), out.decode_steps, flight)
-            carry_rows |= zip(flight.decode_ids, range(len(decode)), strict=True)
         # the rows the iteration's other calls run, in order: row i's token goes to carry 1 [i]
         order = (decode if mixed else []) + prefill
         alone = [False] * (len(order) - len(prefill)) + alone
@@ -405,9 +408,8 @@ class ModelRunner:
             call, carries[1] = self._dispatch_prefill([order[i] for i in group], group,
                                                       carries[1], flight)
             flight.prefills.append(call)
-        carry_rows |= {c.request.request_id: self.carry_size + i
-                       for i, c in enumerate(order) if c.num_samples}
-        self._carries, self._carry_rows = tuple(carries), carry_rows
+        self._carries, self._carried, self._carry_map = tuple(carries), (
+            flight.decode_ids, order), None
         self._decode_requests = requests if decode and not mixed else []
         arrays = [flight.decode_packed, flight.verify_packed] + [
             a for p in flight.prefills for a in (p.packed, p.prompt)]
@@ -475,6 +477,18 @@ class ModelRunner:
                     samples.prompt_logprobs = [_unpack(prompt[i, j]) for j in range(max(n, 0))]
                 results[chunk.request.request_id] = samples
         return results
+
+    @property
+    def _carry_rows(self) -> dict[str, int]:
+        """By request id, the carry row (into the two carries, one after the other) that holds
+        the token the last iteration sampled for it (built when a step first asks: a step
+        that repeats the last decode rows never does)."""
+        if self._carry_map is None:
+            ids, order = self._carried
+            self._carry_map = dict(zip(ids, range(len(ids)), strict=True))
+            self._carry_map |= {c.request.request_id: self.carry_size + i
+                                for i, c in enumerate(order) if c.num_samples}
+        return self._carry_map
 
     @staticmethod
     def _samples(chunk: ScheduledChunk, packed: np.ndarray) -> Samples:  # packed [steps, W]
