@@ -184,31 +184,14 @@ class Scheduler:
         # nothing can join while every slot is taken: skip ordering the (maybe long) queue
         admissible = self._admissible(now) if len(self.running) < self.max_num_seqs else []
         running = self._running_order(now)
-        # a decode row whose pages hold its next positions commits inline (most rows of most
-        # steps: the general path below allocates, preempts and speculates); in this loop while
-        # a step is one token and every row before it was so committed (the queue below keeps
-        # the policy's order for the rest), else in the queue's
-        plain = not out.speculative and self.kv.sliding_window is None
-        page_size, chunks = self.kv.page_size, out.chunks
-        key_pages = self._to_key if self.enable_prefix_caching else None
-        inline = plain and self.decode_steps == 1
         # a request whose pending tokens reach max_len only waits for update() to finish it
         decoding, chunking = [], []
         for r in running:  # (num_to_compute and remaining_tokens inline: per request per step)
-            start = r.num_computed_tokens
             total = len(r.prompt_ids) + len(r.output_ids) + r.num_pending
-            if total - start > 1:
+            n = total - r.num_computed_tokens
+            if n > 1:
                 chunking.append(r)
-            elif total - start == 1 and r.max_len > total:
-                if inline and budget > 0 and start < len(r.pages) * page_size:
-                    budget -= 1
-                    r.num_computed_tokens = start + 1
-                    r.num_pending += 1
-                    chunks.append(ScheduledChunk(r, start, 1, 1))
-                    if key_pages is not None and (start + 1) % page_size == 0:
-                        key_pages[r] = None
-                    continue
-                inline = False
+            elif n == 1 and r.max_len > total:
                 decoding.append(r)
         runs_on = None  # the requests that run on (the rest only wait to be finished)
         will_admit = bool(admissible) and len(running) < self.max_num_seqs
@@ -221,7 +204,11 @@ class Scheduler:
                         and self.policy.allows_multi_step(r) for r in decoding)):
             out.decode_steps = self.decode_steps
         queue = deque(decoding + chunking)  # decodes first: never starved by chunks
-        steps = out.decode_steps
+        # a decode row whose pages hold its next positions commits inline (most rows of most
+        # steps: the general path below allocates, preempts and speculates)
+        plain = not out.speculative and self.kv.sliding_window is None
+        steps, page_size, chunks = out.decode_steps, self.kv.page_size, out.chunks
+        key_pages = self._to_key if self.enable_prefix_caching else None
         while queue and budget > 0:
             request = queue.popleft()
             start = request.num_computed_tokens
@@ -247,8 +234,8 @@ class Scheduler:
                 # one already given its tokens this iteration (its row is taken back). Those
                 # that only wait for update() to finish them free their pages then: rather
                 # than preempt itself, the request waits an iteration for them
-                if runs_on is None:  # (those committed in the first loop too)
-                    runs_on = set(decoding) | set(chunking) | {c.request for c in chunks}
+                if runs_on is None:
+                    runs_on = set(decoding) | set(chunking)
                 candidates = [r for r in self.running if r in runs_on]
                 victim = self.policy.victim(candidates, now)
                 allocated = victim is not request
