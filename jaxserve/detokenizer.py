@@ -76,7 +76,21 @@ class IncrementalDetokenizer(_Detokenizer):
     def push(self, token_ids: Iterable[int]) -> str:
         """Append generated ids; return the text they complete ("" while it is incomplete)."""
         self._check_open()
-        self._ids += self._kept(token_ids)
+        kept = self._kept(token_ids)
+        if len(kept) == 1 and self._read == len(self._ids) > self._prefix:
+            # one plain piece after a plain piece (or a byte run) whose text was returned, with
+            # a decoder that joins pieces (most tokens of most outputs): the window's decode
+            # would be the text so far and this piece's, so skip both decodes
+            prev = self._tokenizer.piece_texts(self._ids[-1])
+            texts = self._tokenizer.piece_texts(kept[0])
+            if texts is not None and (prev is not None
+                                      or self._ids[-1] in self._tokenizer.byte_fallback_ids):
+                self._ids.append(kept[0])
+                self._prefix, self._read = self._read, len(self._ids)
+                self._prefix_text = texts[1]  # the decode of ids[prefix:read], this id alone
+                self._returned.append(texts[0])
+                return texts[0]
+        self._ids += kept
         end = len(self._ids)
         while end > self._read and self._ids[end - 1] in self._tokenizer.byte_fallback_ids:
             end -= 1

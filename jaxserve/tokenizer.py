@@ -49,6 +49,24 @@ class BaseTokenizer:
     chat_template: str | None
     all_special_ids: frozenset[int]
     byte_fallback_ids: frozenset[int]
+    # the text of ids is their pieces' texts joined (the first may lose its leading space), so
+    # a plain piece after other text adds exactly its own text (`piece_texts`)
+    joins_pieces: bool = False
+    _pieces: dict[int, tuple[str, str] | None]  # piece_texts' answers so far
+
+    def piece_texts(self, token_id: int) -> tuple[str, str] | None:
+        """With joins_pieces, for a plain piece (no special or added token, no byte of a run,
+        whole characters, no U+FFFD): the text it adds after other text, and its decode alone.
+        None otherwise: its text depends on its neighbours."""
+        try:
+            return self._pieces[token_id]
+        except KeyError:
+            texts = self._piece_texts(token_id) if self.joins_pieces else None
+            self._pieces[token_id] = texts
+            return texts
+
+    def _piece_texts(self, token_id: int) -> tuple[str, str] | None:
+        return None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with BOS first when `add_special_tokens` and `add_bos_token`."""
@@ -145,6 +163,8 @@ class Tokenizer(BaseTokenizer):
         self.all_special_ids = frozenset(i for i, tok in added.items() if tok.special)
         self._added_ids = frozenset(added)
         decoders = _decoder_types(hf_tokenizer)
+        self._pieces = {}
+        self.joins_pieces = _joins_pieces(hf_tokenizer)
         self._byte_level = "ByteLevel" in decoders
         # the text is the UTF-8 of the tokens' bytes, whatever came before: DecodeStream's case
         self.byte_level_only = self._byte_level and decoders <= {"ByteLevel", "Sequence"}
@@ -213,6 +233,17 @@ class Tokenizer(BaseTokenizer):
         text = _token_text(token)
         return None if text is None else self._tk.token_to_id(text)
 
+    def _piece_texts(self, token_id: int) -> tuple[str, str] | None:
+        if token_id in self._added_ids or token_id in self.byte_fallback_ids:
+            return None
+        try:
+            text = self.token_bytes(token_id).decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        if not text or "\ufffd" in text:
+            return None
+        return text, self.decode([token_id])
+
 
 class ByteTokenizer(BaseTokenizer):
     """Byte-level tokenizer of the built-in demo model.
@@ -246,6 +277,13 @@ class ByteTokenizer(BaseTokenizer):
         self.vocab_size = self.VOCAB_SIZE
         self.all_special_ids = frozenset(self.SPECIAL_TEXT)
         self.byte_fallback_ids = frozenset()  # bytes decode like bytes.decode("utf-8", "replace")
+        # an ASCII byte after other text is itself: a byte past a complete (or invalid) run
+        # cannot change how the run decodes, and a run still open holds the text back
+        self.joins_pieces = True
+        self._pieces = {}
+
+    def _piece_texts(self, token_id: int) -> tuple[str, str] | None:
+        return (chr(token_id), chr(token_id)) if 0 <= token_id < 0x80 else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The UTF-8 bytes of `text`, after BOS when `add_special_tokens` and `add_bos_token`."""
@@ -368,6 +406,33 @@ def _byte_level_alphabet() -> dict[str, int]:
             chars[chr(256 + extra)] = b
             extra += 1
     return chars
+
+
+def _joins_pieces(hf_tokenizer: HFTokenizer) -> bool:
+    """Whether the decoder is one whose text of ids is their pieces' texts ("▁" a space, byte
+    pieces their bytes) joined, but for the start of the whole text: SentencePiece's (Llama 2,
+    Mistral, Gemma: Replace "▁" by " ", ByteFallback, Fuse, then at most one leading space
+    stripped; or Metaspace, which strips the first piece's). Any other (ByteLevel's, WordPiece's
+    "##", CTC's repeats, no decoder at all: pieces joined by spaces) is not taken for one."""
+    if hf_tokenizer.decoder is None:
+        return False
+    state = json.loads(hf_tokenizer.decoder.__getstate__())
+    fused = False
+    for d in state.get("decoders", []) if state.get("type") == "Sequence" else [state]:
+        kind = d.get("type")
+        if kind == "Replace" and d.get("pattern") == {"String": "\u2581"} and (
+                d.get("content") == " "):
+            continue
+        if kind == "Metaspace" and d.get("replacement") == "\u2581":
+            continue
+        if kind in ("ByteFallback", "Fuse"):
+            fused |= kind == "Fuse"
+            continue
+        if (kind == "Strip" and fused and d.get("content") == " " and d.get("start", 0) <= 1
+                and d.get("stop", 0) == 0):  # (after Fuse: the whole text's start)
+            continue
+        return False
+    return True
 
 
 def _decoder_types(hf_tokenizer: HFTokenizer) -> set[str]:

@@ -1,5 +1,6 @@
 """Tokenizer, ByteTokenizer, chat templates and the detokenizers (ours and DecodeStream)."""
 
+import copy
 import json
 import random
 import shutil
@@ -246,6 +247,101 @@ def test_detokenizer_prompt_ending_inside_a_character(stories: Tokenizer) -> Non
     ids = byte.encode("Hi 日本 ok", add_special_tokens=False)
     detok = IncrementalDetokenizer(byte, ids[:4])  # "Hi " and 日's first byte
     assert "".join(detok.push([i]) for i in ids[4:]) + detok.finish() == "日本 ok"
+
+
+# --- the plain-piece path: a piece after text adds its own text, without a decode ------------
+
+
+def window_only(tokenizer):
+    """The same tokenizer, its detokenizers decoding a window for every push."""
+    other = copy.copy(tokenizer)
+    other.joins_pieces, other._pieces = False, {}
+    return other
+
+
+def pushes(tokenizer, prompt_ids, ids, chunk, skip=True):
+    """Every push's text and peek, then finish's, and how many decodes they made."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip)
+    decode, calls = tokenizer.decode, []
+    tokenizer.decode = lambda *args, **kwargs: calls.append(1) or decode(*args, **kwargs)
+    try:
+        out = [(detok.push(ids[i:i + chunk]), detok.peek()) for i in range(0, len(ids), chunk)]
+        return [*out, (detok.finish(), detok.text)], len(calls)
+    finally:
+        del tokenizer.decode
+
+
+@pytest.fixture(scope="module")
+def stories_window(stories) -> Tokenizer:
+    return window_only(stories)
+
+
+@FAST
+@given(prompt=st.text(max_size=12), text=st.text(max_size=30),
+       ids=st.lists(st.integers(0, 511) | st.integers(3, 258), max_size=30),
+       chunk=st.integers(1, 3), skip=st.booleans())
+def test_plain_pieces_give_the_windows_text_push_by_push(stories, stories_window, prompt,
+                                                         text, ids, chunk, skip) -> None:
+    """Whatever the ids (a text's, then random ones: byte runs, specials, stray bytes), each
+    push returns and peeks what decoding a window returns, and finish the same."""
+    prompt_ids = stories.encode(prompt)
+    ids = stories.encode(text, add_special_tokens=False) + ids
+    assert (pushes(stories, prompt_ids, ids, chunk, skip)[0]
+            == pushes(stories_window, prompt_ids, ids, chunk, skip)[0])
+
+
+@FAST
+@given(prompt=st.lists(st.integers(0, ByteTokenizer.VOCAB_SIZE - 1), max_size=6),
+       text=st.text(max_size=30),
+       ids=st.lists(st.integers(0, ByteTokenizer.VOCAB_SIZE - 1), max_size=30),
+       chunk=st.integers(1, 3), skip=st.booleans())
+def test_plain_bytes_give_the_windows_text_push_by_push(prompt, text, ids, chunk, skip) -> None:
+    byte = ByteTokenizer()
+    ids = byte.encode(text, add_special_tokens=False) + ids
+    assert (pushes(byte, prompt, ids, chunk, skip)[0]
+            == pushes(window_only(byte), prompt, ids, chunk, skip)[0])
+
+
+def test_plain_pieces_skip_the_decodes(stories, stories_window) -> None:
+    """A story's tokens one at a time: nearly every push takes no decode at all (once each
+    piece's text is known: the tokenizer keeps it)."""
+    ids = stories.encode("Once upon a time, there was a little girl named Lily. She loved "
+                         "to play outside in the park.", add_special_tokens=False)
+    pushes(stories, [1], ids, 1)
+    fast, fast_calls = pushes(stories, [1], ids, 1)
+    window, window_calls = pushes(stories_window, [1], ids, 1)
+    assert fast == window
+    assert window_calls >= 2 * len(ids) and fast_calls <= 4
+    byte = ByteTokenizer()
+    ids = byte.encode("plain ASCII text, then é and 日本 (bytes of a run)", False)
+    pushes(byte, [256], ids, 1)
+    fast, fast_calls = pushes(byte, [256], ids, 1)
+    assert fast == pushes(window_only(byte), [256], ids, 1)[0] and fast_calls <= 30
+
+
+def test_which_decoders_join_pieces(stories, bpe) -> None:
+    """SentencePiece's decoders (Replace, ByteFallback, Fuse, Strip; Metaspace) join pieces;
+    byte-level BPE (DecodeStream's), WordPiece, a Strip before Fuse (each piece's space) and
+    no decoder (pieces joined by spaces) do not."""
+    from tokenizers import decoders, models
+
+    assert stories.joins_pieces and ByteTokenizer().joins_pieces and not bpe.joins_pieces
+    cases = [
+        (decoders.Metaspace(), True),
+        (decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                            decoders.Fuse()]), True),  # Gemma's
+        (decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0),
+                            decoders.Fuse()]), False),
+        (decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(),
+                            decoders.Strip(" ", 2, 0)]), False),
+        (decoders.WordPiece(), False),
+        (decoders.CTC(), False),
+        (None, False),
+    ]
+    for decoder, joins in cases:
+        hf = HFTokenizer(models.BPE())
+        hf.decoder = decoder
+        assert Tokenizer(hf).joins_pieces is joins, decoder
 
 
 def test_detokenizer_push_after_finish(stories: Tokenizer) -> None:
