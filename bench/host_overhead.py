@@ -22,13 +22,17 @@ and the device's idle share is the part of the measured window in which no stand
 The requests are long enough that every measured iteration runs all `--seqs` of them.
 With `--long-tokens N`, one request generates N tokens alone and the host time of its last
 1,024 tokens is compared with its first 1,024 (it should not grow with output length).
-Contexts are `--context` tokens long (prompts of that length, then decode).
+Contexts are `--context` tokens long (prompts of that length, then decode). With
+`--tokenizer DIR` (a model directory: stories260K's SentencePiece tokenizer, the demo's byte
+tokenizer) the outputs are text too, streamed as DELTA outputs as the server's are: the stand-in
+"samples" a story's tokens in turn, and "output" counts their detokenizing.
 """
 
 import argparse
 import contextlib
 import dataclasses
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -41,7 +45,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, freeze_gc
 from jaxserve.model.sampler import packed_width
-from jaxserve.request import SamplingParams
+from jaxserve.request import RequestOutputKind, SamplingParams
 
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -67,16 +71,23 @@ class Device:
     ready, so once one step is read before the next launches, every launch would wait out the
     whole sleep.)"""
 
-    def __init__(self, step_s: float, vocab_size: int, width: int, carry_size: int):
+    def __init__(self, step_s: float, vocab_size: int, width: int, carry_size: int,
+                 text_ids: list[int] | None = None):
+        """`text_ids`: "sample" them in turn, the one at each row's position (a text to
+        detokenize), instead of each input token plus one."""
         self.step_s = step_s
         self.launches: list[float] = []  # when each step was dispatched
         self.ends: list[float] = []  # when each step ends
         self._ends_by_result: dict[int, float] = {}  # id(packed result) -> its step's end
+        text = None if text_ids is None else jnp.asarray(text_ids, jnp.int32)
 
         def decode(weights, kv, host_tokens, src, carry0, carry1, md, sm, steps):
             carries = jnp.concatenate([carry0, carry1])
             tokens = jnp.where(src >= 0, carries[jnp.maximum(src, 0)], host_tokens)
-            sampled = 3 + (tokens - 2) % (vocab_size - 3)  # never a special token
+            if text is None:
+                sampled = 3 + (tokens - 2) % (vocab_size - 3)  # never a special token
+            else:
+                sampled = text[(md.positions[:, 0] + 1) % text.shape[0]]
             packed = jnp.zeros((steps, tokens.shape[0], width), jnp.int32)
             packed = packed.at[:, :, 0].set(sampled)
             carry = jnp.zeros((carry_size,), jnp.int32).at[:tokens.shape[0]].set(sampled)
@@ -131,9 +142,22 @@ class Timers:
         return timed
 
 
-def _model_dir(max_model_len: int) -> Path:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "byte_tokenizer.json")
+TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
+        "the park with her friends. One day, she found a shiny red ball under a big tree. ")
+
+
+def _model_dir(max_model_len: int, tokenizer: Path | None = None) -> Path:
+    """The tiny model's directory; with `tokenizer` (a model directory), its tokenizer and
+    vocabulary size too."""
     path = Path(tempfile.mkdtemp(prefix="jaxserve-host-overhead-"))
     config = TINY | {"max_position_embeddings": max_model_len}
+    if tokenizer is not None:
+        config["vocab_size"] = json.loads((tokenizer / "config.json").read_text())["vocab_size"]
+        for name in TOKENIZER_FILES:
+            if (tokenizer / name).is_file():
+                shutil.copy(tokenizer / name, path / name)
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -143,19 +167,22 @@ def budget(seqs: int) -> int:
     return max(2048, 2 * seqs)
 
 
-def build(seqs: int, context: int, step_ms: float, long_tokens: int = 0):
-    """An engine over the stand-in device, with every step's timing wrapped."""
+def build(seqs: int, context: int, step_ms: float, long_tokens: int = 0,
+          tokenizer: Path | None = None):
+    """An engine over the stand-in device, with every step's timing wrapped; with `tokenizer`,
+    the outputs are text too (the stand-in "samples" TEXT's tokens)."""
     model_len = context + max(long_tokens, 64) + 16
     config = EngineConfig.from_overrides(
         load_format="dummy", max_num_seqs=max(seqs, 2), max_model_len=model_len,
         max_num_batched_tokens=budget(seqs), page_size=16,
         num_pages=max(seqs, 2) * (-(-model_len // 16)) + 1,
         prefill_chunk_sizes=(min(512, model_len - 16),))
-    engine = LLMEngine(_model_dir(model_len), config)
+    engine = LLMEngine(_model_dir(model_len, tokenizer), config)
     freeze_gc()  # as the server does once its engine is warm
     runner = engine.runner
+    text_ids = None if tokenizer is None else engine.tokenizer.encode(TEXT, False)
     device = Device(step_ms / 1000.0, runner.model_config.vocab_size,
-                    packed_width(config.max_top_logprobs), runner.carry_size)
+                    packed_width(config.max_top_logprobs), runner.carry_size, text_ids)
     timers = Timers()
     fns = runner.fns
     runner.fns = dataclasses.replace(  # the stand-in decodes; the prompts run the real model
@@ -188,17 +215,22 @@ def build(seqs: int, context: int, step_ms: float, long_tokens: int = 0):
     return engine, device, timers
 
 
-def measure(seqs: int, context: int, step_ms: float, steps: int, seed: int = 0) -> dict:
+def measure(seqs: int, context: int, step_ms: float, steps: int, seed: int = 0,
+            tokenizer: Path | None = None) -> dict:
     # the requests decode while the later ones prefill: none may finish before the last
     # measured iteration, or the iterations run fewer rows than `seqs`
     prefill_steps = -(-seqs * context // (budget(seqs) - seqs)) + seqs
     max_tokens = prefill_steps + steps + 32
-    engine, device, timers = build(seqs, context, step_ms, long_tokens=max_tokens + 8)
+    engine, device, timers = build(seqs, context, step_ms, max_tokens + 8, tokenizer)
     rng = np.random.default_rng(seed)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # with text, DELTA outputs, as the server streams them
+    kind = RequestOutputKind.CUMULATIVE if tokenizer is None else RequestOutputKind.DELTA
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            output_kind=kind)
+    vocab = engine.runner.model_config.vocab_size
     for i in range(seqs):
-        engine.add_request(str(i), {"prompt_token_ids": rng.integers(3, 500, context).tolist()},
-                           params)
+        prompt = rng.integers(3, min(vocab, 500), context).tolist()
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     while any(r.num_to_compute > 1 for r in engine.scheduler.requests.values()) or (
             engine.scheduler.waiting):  # prefill first: measure decode iterations only
         engine.step()
@@ -258,9 +290,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="decode iterations measured")
     parser.add_argument("--long-tokens", type=int, default=8192,
                         help="one request's output length (0: skip)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a model directory whose tokenizer (and vocabulary size) to use: "
+                             "the outputs are detokenized, as a server's are")
     args = parser.parse_args()
     out = {"jax": jax.__version__, "backend": jax.default_backend(),
-           "runs": [measure(n, args.context, args.step_ms, args.steps) for n in args.seqs]}
+           "tokenizer": None if args.tokenizer is None else str(args.tokenizer),
+           "runs": [measure(n, args.context, args.step_ms, args.steps, tokenizer=args.tokenizer)
+                    for n in args.seqs]}
     if args.long_tokens:
         with contextlib.suppress(KeyboardInterrupt):
             out["long_request"] = long_request(args.long_tokens, args.step_ms)
