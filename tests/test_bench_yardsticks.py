@@ -44,6 +44,28 @@ def test_host_overhead_bench_splits_an_iteration_over_the_stand_in_device():
     assert long["host_ms_first_1024"] > 0 and long["last_over_first"] > 0
 
 
+def test_host_overhead_bench_detokenizes_with_a_tokenizer(stories_dir):
+    """--tokenizer: the model takes the tokenizer's vocabulary, and the stand-in "samples" a
+    story's tokens, which the requests' DELTA outputs spell."""
+    bench = _load(ROOT / "bench" / "host_overhead.py")
+    engine, _, _ = bench.build(2, 16, 0.1, tokenizer=stories_dir)
+    assert engine.tokenizer is not None and engine.runner.model_config.vocab_size == 512
+    params = bench.SamplingParams(max_tokens=12, ignore_eos=True,
+                                  output_kind=bench.RequestOutputKind.DELTA)
+    engine.add_request("a", {"prompt_token_ids": list(range(3, 19))}, params)
+    text, out_ids = "", []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            text += o.outputs[0].text
+            out_ids += o.outputs[0].token_ids
+    # the first token is the prompt's (the real model's), then the story's from position 17
+    ids = engine.tokenizer.encode(bench.TEXT, False)
+    assert out_ids[1:] == ids[17:28]
+    assert text.endswith(engine.tokenizer.decode(ids[17:28]))
+    row = bench.measure(seqs=2, context=16, step_ms=2.0, steps=4, tokenizer=stories_dir)
+    assert row["host_us_by_phase"]["output"] > 0
+
+
 def test_prefix_caching_bench_compares_on_and_off_on_one_engine(stories_dir):
     """bench/prefix_caching.py: the open-loop workloads and the closed-loop chat, cache off then
     on, on one engine: the same tokens, hits only with the cache."""
