@@ -61,7 +61,9 @@ class IncrementalDetokenizer(_Detokenizer):
         super().__init__()
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._special = tokenizer.all_special_ids if skip_special_tokens else frozenset()
         self._ids = self._kept(prompt_ids)
+        self._joins = self._joins_after()
         self._read = len(self._ids) - _unfinished_tail(tokenizer, self._ids[-4:])
         self._prefix = max(self._read - _CONTEXT_TOKENS, 0)
         # Never start the window inside a run of byte tokens.
@@ -77,24 +79,33 @@ class IncrementalDetokenizer(_Detokenizer):
         """Append generated ids; return the text they complete ("" while it is incomplete)."""
         self._check_open()
         kept = self._kept(token_ids)
-        if len(kept) == 1 and self._read == len(self._ids) > self._prefix:
-            # one plain piece after a plain piece (or a byte run) whose text was returned, with
-            # a decoder that joins pieces (most tokens of most outputs): the window's decode
-            # would be the text so far and this piece's, so skip both decodes
-            prev = self._tokenizer.piece_texts(self._ids[-1])
+        if len(kept) == 1 and self._joins and self._read == len(self._ids) > self._prefix:
+            # one plain piece after returned text whose last id a piece joins, with a decoder
+            # that joins pieces (most tokens of most outputs): the window's decode would be
+            # the text so far and this piece's, so skip both decodes
             texts = self._tokenizer.piece_texts(kept[0])
-            if texts is not None and (prev is not None
-                                      or self._ids[-1] in self._tokenizer.byte_fallback_ids):
+            if texts is not None:
                 self._ids.append(kept[0])
                 self._prefix, self._read = self._read, len(self._ids)
                 self._prefix_text = texts[1]  # the decode of ids[prefix:read], this id alone
                 self._returned.append(texts[0])
                 return texts[0]
         self._ids += kept
+        self._joins = self._joins_after()
         end = len(self._ids)
         while end > self._read and self._ids[end - 1] in self._tokenizer.byte_fallback_ids:
             end -= 1
         return self._advance(end, final=False)
+
+    def _joins_after(self) -> bool:
+        """Whether a plain piece after the last id adds its own text: the last id is a plain
+        piece itself or a byte piece (its text is never empty, so a decoder that strips the
+        text's first space never reaches the new piece)."""
+        if not self._ids:
+            return False
+        last = self._ids[-1]
+        return (last in self._tokenizer.byte_fallback_ids
+                or self._tokenizer.piece_texts(last) is not None)
 
     def peek(self) -> str:
         """The text the held-back ids would add if none followed them ("" while that ends in an
@@ -145,8 +156,8 @@ class IncrementalDetokenizer(_Detokenizer):
         return delta
 
     def _kept(self, ids: Iterable[int]) -> list[int]:
-        special = self._tokenizer.all_special_ids if self._skip else frozenset()
-        return [int(i) for i in ids if int(i) not in special]
+        special = self._special
+        return [i for i in map(int, ids) if i not in special]
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
