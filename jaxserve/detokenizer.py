@@ -98,14 +98,8 @@ class IncrementalDetokenizer(_Detokenizer):
         return self._advance(end, final=False)
 
     def _joins_after(self) -> bool:
-        """Whether a plain piece after the last id adds its own text: the last id is a plain
-        piece itself or a byte piece (its text is never empty, so a decoder that strips the
-        text's first space never reaches the new piece)."""
-        if not self._ids:
-            return False
-        last = self._ids[-1]
-        return (last in self._tokenizer.byte_fallback_ids
-                or self._tokenizer.piece_texts(last) is not None)
+        """Whether a plain piece after the last id adds its own text (BaseTokenizer.joins_after)."""
+        return bool(self._ids) and self._tokenizer.joins_after(self._ids[-1])
 
     def peek(self) -> str:
         """The text the held-back ids would add if none followed them ("" while that ends in an

@@ -68,6 +68,12 @@ class BaseTokenizer:
     def _piece_texts(self, token_id: int) -> tuple[str, str] | None:
         return None
 
+    def joins_after(self, token_id: int) -> bool:
+        """With joins_pieces: whether a plain piece after `token_id` (and the text before it
+        returned) adds its own text: after a plain piece or a byte piece, whose text is never
+        empty, so a decoder that strips the text's first space never reaches the new piece."""
+        return token_id in self.byte_fallback_ids or self.piece_texts(token_id) is not None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with BOS first when `add_special_tokens` and `add_bos_token`."""
         raise NotImplementedError
@@ -284,6 +290,9 @@ class ByteTokenizer(BaseTokenizer):
 
     def _piece_texts(self, token_id: int) -> tuple[str, str] | None:
         return (chr(token_id), chr(token_id)) if 0 <= token_id < 0x80 else None
+
+    def joins_after(self, token_id: int) -> bool:
+        return 0 <= token_id < self.NUM_BYTES  # any byte: its run is decided by then
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The UTF-8 bytes of `text`, after BOS when `add_special_tokens` and `add_bos_token`."""
