@@ -274,6 +274,9 @@ class OutputProcessor:
     def _release(state: _State, params, finished: bool) -> str:
         """Hand out the held text but what could still begin a stop string (all of it once
         finished, or when the stop string is kept in the text anyway)."""
+        if not params.stop:  # (most requests: all of it)
+            text, state.held = state.held, ""
+            return text
         keep = 0
         if params.stop and not finished and not params.include_stop_str_in_output:
             keep = max(map(len, params.stop)) - 1
