@@ -1,6 +1,7 @@
 """Shared fixtures: the test models shipped in the repository, and the test server
 (module-scoped: a module that asks for it gets its own)."""
 
+import gc
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -87,6 +88,19 @@ def other_paths():
     for suffix, flags in paths.items():
         cpu_library.register(cpu_library.build(flags), suffix)
     return tuple(paths)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_steps():
+    """A module's engines and their compiled steps go with it. XLA's CPU executables hold their
+    code in memory maps of their own, a process may hold at most vm.max_map_count of them
+    (65,530 on most Linux machines), and the whole suite's engines together come near that: a
+    compile or cache load past it segfaults. Torn down after the module's other fixtures."""
+    yield
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
 
 
 _NO_AMX: list[str] = []  # the needs_amx tests this machine could not run
