@@ -22,6 +22,7 @@ FORBIDDEN = {
     "jaxserve.checks": ("jaxserve.",),
     "jaxserve.config": ("jaxserve.",),
     "jaxserve.model_config": ("jaxserve.",),
+    "jaxserve.family_config": ("jaxserve.",),
     "jaxserve.quant_config": ("jaxserve.",),
     "jaxserve.request": ("jaxserve.",),
     "jaxserve.sim": (*RUNNER, "jaxserve.model", "jax"),
@@ -40,7 +41,8 @@ FORBIDDEN = {
     "cpu_kernels": ("jaxserve",),
 }
 # leaves the modules above may import all the same
-ALLOWED = ("jaxserve.checks", "jaxserve.model_config", "jaxserve.quant_config")
+ALLOWED = ("jaxserve.checks", "jaxserve.model_config", "jaxserve.family_config",
+           "jaxserve.quant_config")
 
 
 def _modules():
