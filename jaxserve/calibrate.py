@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.buckets import prefill_shapes
 from jaxserve.core.page_pool import PagePool
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.engine import LLMEngine, freeze_gc
@@ -79,7 +80,8 @@ def profile_shapes(engine: LLMEngine) -> list[tuple[int, int, int, int, int]]:
     contexts = sorted({16, max_len // 4, max_len // 2, max_len - 2 * max(steps) - 1})
     rows = sorted({min(b, config.max_num_seqs) for b in runner.row_buckets})
     shapes = [(b, ctx, k, 0, 0) for b in rows for ctx in contexts for k in steps]
-    for b, c in runner._prefill_buckets():
+    for b, c in prefill_shapes(runner.chunk_buckets, runner.prefill_row_buckets,
+                               config.max_num_batched_tokens):
         for ctx in (0, max_len // 2):
             if ctx + c <= max_len:
                 shapes.append((0, ctx, 1, min(b, config.max_num_seqs), c))

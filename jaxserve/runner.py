@@ -54,6 +54,7 @@ from jaxserve.core.buckets import (
     bucket,
     prefill_calls,
     prefill_row_buckets,
+    prefill_shapes,
     ragged_calls,
     ragged_token_buckets,
 )
@@ -659,6 +660,8 @@ class ModelRunner:
         from tqdm import tqdm
 
         start = time.perf_counter()
+        prefill = prefill_shapes(self.chunk_buckets, self.prefill_row_buckets,
+                                 self.config.max_num_batched_tokens)
         shapes = [("decode", b, 1, k) for b in self.row_buckets
                   for k in sorted({1, self.config.decode_steps})]
         if self.ragged:  # the model per token bucket, the head per row bucket
@@ -666,13 +669,13 @@ class ModelRunner:
             shapes += [("ragged", b, self.token_buckets[0], 1)
                        for b in self.prefill_row_buckets[1:]]
         else:
-            shapes += [("prefill", b, c, 1) for b, c in self._prefill_buckets()]
+            shapes += [("prefill", b, c, 1) for b, c in prefill]
         if self.config.enable_prompt_logprobs:  # one row: see core.buckets.prefill_calls
             shapes += [("prompt", 1, c, 1) for c in self.chunk_buckets]
         # controlled calls: the model without its head, then the head per row bucket
         shapes += [("decode_hidden", b, 1, 1) for b in self.row_buckets]
         if not self.ragged:
-            shapes += [("prefill_hidden", b, c, 1) for b, c in self._prefill_buckets()]
+            shapes += [("prefill_hidden", b, c, 1) for b, c in prefill]
         shapes += [("head", b, 1, 1)
                    for b in sorted(set(self.row_buckets) | set(self.prefill_row_buckets))]
         shapes += [("verify", b, w, 1) for b in self.row_buckets for w in self.verify_widths]
@@ -682,20 +685,6 @@ class ModelRunner:
         jax.block_until_ready(self.kv)
         self._compiles_at_warmup = self.num_compilations
         return time.perf_counter() - start
-
-    def _prefill_buckets(self) -> list[tuple[int, int]]:
-        """The (rows, chunk) buckets a budget-bound prefill can land in: the longest chunk is
-        past the previous chunk bucket, the other rows past the previous row bucket, and every
-        prompt chunk is at least 2 tokens (a 1-token row is a decode row)."""
-        budget = self.config.max_num_batched_tokens
-        out = []
-        for ci, c in enumerate(self.chunk_buckets):
-            longest = max(2, self.chunk_buckets[ci - 1] + 1 if ci else 2)
-            for bi, b in enumerate(self.prefill_row_buckets):
-                rows = self.prefill_row_buckets[bi - 1] + 1 if bi else 1
-                if longest + 2 * (rows - 1) <= budget:
-                    out.append((b, c))
-        return out
 
     def _warm(self, kind: str, b: int, c: int, steps: int) -> None:
         if kind == "ragged":  # a call of c tokens and no rows: every token padding

@@ -13,6 +13,7 @@ from jaxserve.core.buckets import (
     prefill_calls,
     prefill_groups,
     prefill_row_buckets,
+    prefill_shapes,
     ragged_calls,
     ragged_token_buckets,
 )
@@ -58,6 +59,25 @@ def test_a_chunk_that_wants_prompt_logprobs_runs_alone():
     assert prefill_calls([40, 30, 50, 200], [False, True, False, False], ROWS, CHUNKS) == [
         [1], [0, 2], [3]]
     assert prefill_calls([40, 30], [False, False], ROWS, CHUNKS) == [[0, 1]]
+
+
+def test_prefill_shapes_by_hand():
+    # budget 18: a 32-bucket chunk is at least 17 tokens, so it runs alone
+    assert prefill_shapes((16, 32), (1, 2, 4), 18) == [(1, 16), (2, 16), (4, 16), (1, 32)]
+
+
+@given(st.lists(st.sampled_from([2, 3, 16, 17, 64, 65, 255, 256]) | st.integers(2, 256),
+                min_size=1, max_size=64), st.integers(2, 600))
+def test_every_call_of_a_budget_lands_in_a_prefill_shape(lengths, budget):
+    """What warm-up compiles (prefill_shapes) holds every call an iteration's chunks within
+    the token budget can make (lengths at the buckets' edges: the tightest calls)."""
+    total = 0
+    lengths = [n for n in lengths if (total := total + n) <= budget]
+    shapes = set(prefill_shapes(CHUNKS, ROWS, budget))
+    for group in prefill_calls(lengths, [False] * len(lengths), ROWS, CHUNKS):
+        call = (bucket(len(group), ROWS, "rows"),
+                bucket(max(lengths[i] for i in group), CHUNKS, "chunk"))
+        assert call in shapes, (lengths, group)
 
 
 @given(st.lists(st.integers(2, 256), min_size=1, max_size=32))

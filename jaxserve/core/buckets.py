@@ -37,6 +37,22 @@ def prefill_row_buckets(row_buckets: tuple[int, ...]) -> tuple[int, ...]:
     return row_buckets if row_buckets[0] == 1 else (1, *row_buckets)
 
 
+def prefill_shapes(chunk_buckets: tuple[int, ...], row_buckets: tuple[int, ...],
+                   budget: int) -> list[tuple[int, int]]:
+    """The (rows, chunk) buckets a budget-bound prefill call can land in (`row_buckets`: a
+    prefill call's): its longest chunk is past the previous chunk bucket, its other rows past
+    the previous row bucket, and every prompt chunk is at least 2 tokens (a 1-token row is a
+    decode row)."""
+    out = []
+    for ci, c in enumerate(chunk_buckets):
+        longest = max(2, chunk_buckets[ci - 1] + 1 if ci else 2)
+        for bi, b in enumerate(row_buckets):
+            rows = row_buckets[bi - 1] + 1 if bi else 1
+            if longest + 2 * (rows - 1) <= budget:
+                out.append((b, c))
+    return out
+
+
 def prefill_groups(lengths: list[int], row_buckets: tuple[int, ...],
                    chunk_buckets: tuple[int, ...]) -> list[list[int]]:
     """Indices into `lengths` (tokens per prompt chunk), one list per prefill call, shortest
