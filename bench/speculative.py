@@ -50,7 +50,7 @@ import random
 import sys
 import time
 
-from jaxserve.engine import LLM
+from jaxserve.llm import LLM
 from jaxserve.request import SamplingParams
 
 # modules whose small top-level functions make the code_edit prompts (a frozen module, such as

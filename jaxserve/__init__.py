@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "LLM":
-        from jaxserve.engine import LLM
+        from jaxserve.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

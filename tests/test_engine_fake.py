@@ -16,8 +16,9 @@ from fake_runner import FakeRunner, expected_output, fake_logprob, token_after
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.detokenizer import StreamDetokenizer, make_detokenizer
-from jaxserve.engine import LLM, LLMEngine
+from jaxserve.engine import LLMEngine
 from jaxserve.engine_core import Samples
+from jaxserve.llm import LLM
 from jaxserve.outputs import OutputProcessor
 from jaxserve.request import Request, RequestOutputKind, RequestStatus, SamplingParams
 from jaxserve.tokenizer import ByteTokenizer, Tokenizer

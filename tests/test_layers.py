@@ -12,13 +12,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ("jaxserve.runner", "jaxserve.sampler_controls", "jaxserve.draft_runner")
 FORBIDDEN = {
     "jaxserve.core": ("jax", "flax", "optax", "jaxserve.model", *RUNNER, "jaxserve.engine",
-                      "jaxserve.server", "jaxserve.backends", "pallas_kernels", "cpu_kernels"),
+                      "jaxserve.llm", "jaxserve.server", "jaxserve.backends", "pallas_kernels",
+                      "cpu_kernels"),
     # the model names no platform: the backend it is handed does the kernels
-    "jaxserve.model": ("jaxserve.core", *RUNNER, "jaxserve.engine", "jaxserve.async_engine",
-                       "jaxserve.server", "jaxserve.tokenizer", "jaxserve.backends",
-                       "pallas_kernels", "cpu_kernels"),
-    "jaxserve.backends": ("jaxserve.core", *RUNNER, "jaxserve.engine", "jaxserve.async_engine",
-                          "jaxserve.server"),
+    "jaxserve.model": ("jaxserve.core", *RUNNER, "jaxserve.engine", "jaxserve.llm",
+                       "jaxserve.async_engine", "jaxserve.server", "jaxserve.tokenizer",
+                       "jaxserve.backends", "pallas_kernels", "cpu_kernels"),
+    "jaxserve.backends": ("jaxserve.core", *RUNNER, "jaxserve.engine", "jaxserve.llm",
+                          "jaxserve.async_engine", "jaxserve.server"),
     "jaxserve.checks": ("jaxserve.",),
     "jaxserve.config": ("jaxserve.",),
     "jaxserve.model_config": ("jaxserve.",),

@@ -32,7 +32,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args, engine_options: dict) -> dict:
-    from jaxserve.engine import LLM
+    from jaxserve.llm import LLM
 
     start = time.perf_counter()
     llm = LLM(args.model, **engine_options)
