@@ -90,17 +90,32 @@ def other_paths():
     return tuple(paths)
 
 
+def _memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the most it may: vm.max_map_count), where Linux says."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except (OSError, ValueError):
+        return None
+
+
 @pytest.fixture(scope="module", autouse=True)
-def release_compiled_steps():
+def release_compiled_steps(request):
     """A module's engines and their compiled steps go with it. XLA's CPU executables hold their
     code in memory maps of their own, a process may hold at most vm.max_map_count of them
     (65,530 on most Linux machines), and the whole suite's engines together come near that: a
-    compile or cache load past it segfaults. Torn down after the module's other fixtures."""
+    compile or cache load past it segfaults. Torn down after the module's other fixtures; a
+    module that alone comes within a quarter of the limit fails here, by name, instead."""
     yield
     import jax
 
+    maps = _memory_maps()
     gc.collect()
     jax.clear_caches()
+    if maps is not None and maps[0] > 0.75 * maps[1]:
+        pytest.fail(f"{request.module.__name__} left {maps[0]} memory maps of the process's "
+                    f"{maps[1]} (vm.max_map_count): XLA segfaults past it; release its "
+                    "engines and compiled functions sooner")
 
 
 _NO_AMX: list[str] = []  # the needs_amx tests this machine could not run
