@@ -185,6 +185,30 @@ def test_freeze_gc_takes_the_warm_heap_out_of_full_collections():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_an_engine_dropped_takes_its_compiled_steps_with_it():
+    """Its executables' code (XLA:CPU holds it in memory maps, a bounded resource: see
+    conftest's release_compiled_steps) goes when the last reference to the engine does: a
+    process that builds engine after engine (a notebook, an evaluation harness) holds no
+    more maps after the second than after the first."""
+    import gc
+
+    from conftest import _memory_maps
+
+    def build_and_drop() -> tuple[int, int]:
+        llm = LLM(MODEL, **BASE)
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4),
+                     use_tqdm=False)
+        alive = _memory_maps()[0]
+        del llm
+        gc.collect()
+        return alive, _memory_maps()[0]
+
+    alive, first = build_and_drop()
+    assert alive - first > 500  # what an engine's steps hold: the count can see them go
+    _, second = build_and_drop()
+    assert second <= first + 50, (first, second)
+
+
 def test_n_samples_of_a_prompt_are_its_seeded_requests(workload):
     """SamplingParams(n=3, seed=11): three completions, sample j the request seeded 11 + j alone
     would give; the engine itself takes one sample per request and says so."""
