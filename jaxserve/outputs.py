@@ -130,11 +130,25 @@ class OutputProcessor:
                 state = request.output_state = _State(request, self.tokenizer)
             if samples.prompt_logprobs is not None:
                 self._prompt_logprobs(request, state, samples)
-            if chunk.num_samples and samples.tokens:
-                if not request.output_ids:  # its first: the prompt counts too
+            tokens = samples.tokens
+            if chunk.num_samples and tokens:
+                out = request.output_ids
+                if not out:  # its first: the prompt counts too
                     request.metrics.first_token_time = scheduler.clock()
                     num_tokens += len(request.prompt_ids)
-                num_tokens += self._advance(scheduler, request, state, samples)
+                if state.tokens_only and len(tokens) == 1:
+                    # (_advance inline for its most common row, one token and only ids to
+                    # keep: per request per step)
+                    token = tokens[0]
+                    out.append(token)
+                    if token in request.stop_ids and len(out) >= request.params.min_tokens:
+                        scheduler.finish(request, RequestStatus.FINISHED_STOPPED,
+                                         token if token in request.named_stop_ids else None)
+                    elif len(out) >= state.limit:
+                        scheduler.finish(request, RequestStatus.FINISHED_LENGTH, None)
+                    num_tokens += 1
+                else:
+                    num_tokens += self._advance(scheduler, request, state, samples)
                 touched.append(request)
         return touched, num_tokens
 

@@ -203,25 +203,28 @@ class Scheduler:
                 and all(r.remaining_tokens >= self.decode_steps and not r.params.controlled
                         and self.policy.allows_multi_step(r) for r in decoding)):
             out.decode_steps = self.decode_steps
-        queue = deque(decoding + chunking)  # decodes first: never starved by chunks
-        # a decode row whose pages hold its next positions commits inline (most rows of most
-        # steps: the general path below allocates, preempts and speculates)
+        # decodes first: never starved by chunks. A decode row (its state is as the loop above
+        # read it: only a victim's changes, and a victim leaves its queue) whose pages hold its
+        # next positions commits inline (most rows of most steps: the general path below
+        # allocates, preempts and speculates)
+        decodes, queue = deque(decoding), deque(chunking)
         plain = not out.speculative and self.kv.sliding_window is None
         steps, page_size, chunks = out.decode_steps, self.kv.page_size, out.chunks
         key_pages = self._to_key if self.enable_prefix_caching else None
-        while queue and budget > 0:
-            request = queue.popleft()
-            start = request.num_computed_tokens
-            if (plain and start + steps <= len(request.pages) * page_size
-                    and request.num_pending + len(request.prompt_ids) + len(
-                        request.output_ids) == start + 1):
-                budget -= 1
-                request.num_computed_tokens = start + steps
-                request.num_pending += steps
-                chunks.append(ScheduledChunk(request, start, 1, steps))
-                if key_pages is not None and (start + steps) // page_size > start // page_size:
-                    key_pages[request] = None
-                continue
+        while (decodes or queue) and budget > 0:
+            if decodes:
+                request = decodes.popleft()
+                start = request.num_computed_tokens
+                if plain and start + steps <= len(request.pages) * page_size:
+                    budget -= 1
+                    request.num_computed_tokens = start + steps
+                    request.num_pending += steps
+                    chunks.append(ScheduledChunk(request, start, 1, steps))
+                    if key_pages is not None and (start + steps) // page_size > start // page_size:
+                        key_pages[request] = None
+                    continue
+            else:
+                request = queue.popleft()
             n = self._chunk(request, budget)
             if n == 0:
                 continue
@@ -243,8 +246,9 @@ class Scheduler:
                     break
                 budget += self._uncommit(victim, out)
                 self._preempt(victim, out)
-                if victim in queue:
-                    queue.remove(victim)
+                for rest in (decodes, queue):
+                    if victim in rest:
+                        rest.remove(victim)
             if allocated:
                 budget -= positions if draft is not None else n
                 self._commit(request, n, out, draft)
