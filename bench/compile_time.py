@@ -28,11 +28,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxserve.backends import select_backend
+from jaxserve.decode_rows import PAGES
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.llama import stack_layers
 from jaxserve.model.loader import abstract_model, random_state
 from jaxserve.model.sampler import SamplingMetadata
-from jaxserve.model.step import make_step_fns
+from jaxserve.model.step import make_step_fns, pack_decode_rows
 from jaxserve.model_config import ModelConfig
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -83,7 +84,8 @@ def compile_seconds(cfg: ModelConfig, dtype, backend, scan: bool) -> dict:
     weights, md, sm = step_args(cfg, dtype, backend, state, kv, ROWS, 1)
     carry = _spec((ROWS,), jnp.int32)
     start = time.perf_counter()
-    fns.decode.lower(weights, kv, carry, carry, carry, carry, md, sm, steps=1).compile()
+    rows = _spec((ROWS, PAGES + PAGES_PER_SEQ), jnp.int32)  # decode_rows.py's columns
+    fns.decode.lower(weights, kv, rows, carry, carry, steps=1).compile()
     out["decode_s"] = time.perf_counter() - start
     weights, md, sm = step_args(cfg, dtype, backend, state, kv, PREFILL_ROWS, CHUNK)
     start = time.perf_counter()
@@ -106,7 +108,8 @@ def decode_ms(cfg: ModelConfig, backend, steps: int) -> dict[bool, float]:
                           np.ones(ROWS, np.float32), np.zeros(ROWS, np.uint32), lens,
                           np.zeros(ROWS, bool))
     zeros = jnp.zeros((ROWS,), jnp.int32)
-    src = np.full((ROWS,), -1, np.int32)
+    rows = pack_decode_rows(np.arange(ROWS, dtype=np.int32), np.full((ROWS,), -1, np.int32),
+                            md, sm)
     steps_of = {}
     for scan in (True, False):
         graphdef, state = random_state(cfg, jnp.float32, 0)
@@ -120,8 +123,7 @@ def decode_ms(cfg: ModelConfig, backend, steps: int) -> dict[bool, float]:
         for scan, entry in steps_of.items():
             fns, weights, kv = entry
             start = time.perf_counter()
-            packed, _, entry[2] = fns.decode(weights, kv, np.arange(ROWS, dtype=np.int32), src,
-                                             zeros, zeros, md, sm, steps=1)
+            packed, _, entry[2] = fns.decode(weights, kv, rows, zeros, zeros, steps=1)
             packed.block_until_ready()
             if i >= 2:
                 times[scan].append(time.perf_counter() - start)

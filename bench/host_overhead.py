@@ -11,8 +11,8 @@ work does not take the host's cores (256 rows' attention over 2,048-token contex
 where the "device" is the same two cores). Every decode iteration's host time is split into
 
     schedule   Scheduler.schedule
-    batch      the runner's persistent arrays updated and each call's gathered (metadata,
-               sampling arrays)
+    batch      the runner's persistent arrays updated and each call's gathered (a decode
+               call's one array; the metadata and sampling arrays of the others)
     dispatch   the jitted calls themselves (launch)
     collect    reading the step's results once they are ready (not the wait for them)
     output     the way out: the output processor (stops, logprobs, detokenizing, outputs), the
@@ -45,6 +45,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, freeze_gc
 from jaxserve.model.sampler import packed_width
+from jaxserve.model.step import unpack_decode_rows
 from jaxserve.request import RequestOutputKind, SamplingParams
 
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 32,
@@ -81,7 +82,8 @@ class Device:
         self._ends_by_result: dict[int, float] = {}  # id(packed result) -> its step's end
         text = None if text_ids is None else jnp.asarray(text_ids, jnp.int32)
 
-        def decode(weights, kv, host_tokens, src, carry0, carry1, md, sm, steps):
+        def decode(weights, kv, rows, carry0, carry1, steps):
+            host_tokens, src, md, _ = unpack_decode_rows(rows)
             carries = jnp.concatenate([carry0, carry1])
             tokens = jnp.where(src >= 0, carries[jnp.maximum(src, 0)], host_tokens)
             if text is None:
@@ -193,6 +195,7 @@ def build(seqs: int, context: int, step_ms: float, long_tokens: int = 0,
         ragged_head=timers.wrap("dispatch", fns.ragged_head))
     batch = runner.input_batch  # the persistent arrays' update, then each call's gather
     batch.update = timers.wrap("batch", batch.update)
+    batch.decode_rows = timers.wrap("batch", batch.decode_rows)
     runner._metadata = timers.wrap("batch", runner._metadata)
     runner._sampling = timers.wrap("batch", runner._sampling)
     engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.model.kv_cache import AttentionMetadata  # noqa: E402
 from jaxserve.model.sampler import SamplingMetadata  # noqa: E402
+from jaxserve.model.step import pack_decode_rows  # noqa: E402
 from jaxserve.model_config import ModelConfig  # noqa: E402
 from jaxserve.runner import ModelRunner  # noqa: E402
 
@@ -210,14 +211,15 @@ def main(argv: list[str] | None = None) -> None:
                                                           sm, runner._zeros, carry_index)
                 packed.block_until_ready()
         else:
-            tokens, src, md, sm = decode_inputs(runner, args.rows, args.context)
-            call = (runner.weights, runner.kv, tokens, src, *runner._carries, md, sm)
+            _, _, md, sm = inputs = decode_inputs(runner, args.rows, args.context)
+            rows = pack_decode_rows(*inputs)
+            call = (runner.weights, runner.kv, rows, *runner._carries)
             hlo = runner.fns.decode.lower(*call, steps=1).compile().as_text()
             what = f"decode step of {args.rows} rows at about {args.context} tokens"
 
             def step():
-                packed, _, runner.kv = runner.fns.decode(runner.weights, runner.kv, tokens, src,
-                                                         *runner._carries, md, sm, steps=1)
+                packed, _, runner.kv = runner.fns.decode(runner.weights, runner.kv, rows,
+                                                         *runner._carries, steps=1)
                 packed.block_until_ready()
 
         times = times_of(step, args.iters)

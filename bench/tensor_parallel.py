@@ -23,6 +23,7 @@ import numpy as np
 from jaxserve import LLM
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.sampler import SamplingMetadata
+from jaxserve.model.step import pack_decode_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = {"cpu": {}, "reference": dict(attention_impl="reference", matmul_impl="xla")}
@@ -40,8 +41,8 @@ def decode_collectives(runner) -> dict:
                           top_k=np.full(rows, vocab, np.int32), top_p=np.ones(rows, np.float32),
                           seeds=np.zeros(rows, np.uint32), positions=np.full(rows, 4, np.int32),
                           logprobs=np.zeros(rows, bool))
-    hlo = runner.fns.decode.lower(runner.weights, runner.kv, np.zeros(rows, np.int32),
-                                  np.full(rows, -1, np.int32), *runner._carries, md, sm,
+    packed = pack_decode_rows(np.zeros(rows, np.int32), np.full(rows, -1, np.int32), md, sm)
+    hlo = runner.fns.decode.lower(runner.weights, runner.kv, packed, *runner._carries,
                                   steps=1).compile().as_text()
     ops = re.findall(r"= (\S+) (all-reduce|all-gather)(?:-start)?\(", hlo)
     return {"all_reduces": sum(op == "all-reduce" for _, op in ops),

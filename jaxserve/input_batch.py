@@ -7,6 +7,17 @@ call's padded arrays from it; nothing here touches the device.
 import numpy as np
 
 from jaxserve.core.scheduler import ScheduledChunk
+from jaxserve.decode_rows import (
+    LOGPROBS,
+    PAGES,
+    QUERY_LEN,
+    SEED,
+    SRC,
+    START,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+)
 from jaxserve.request import Request
 
 
@@ -23,7 +34,9 @@ class InputBatch:
     scheduler runs holds a slot, a row of every per-request array. A request's sampling
     parameters and seed are written when it takes its slot; after that a step writes only the
     pages its requests appended. A step's padded arrays are gathered from the slots in one
-    indexing op per array (slot 0 is padding: the null page, greedy, no logprobs).
+    indexing op per array (slot 0 is padding: the null page, greedy, no logprobs). The page
+    table and the sampling parameters a decode call takes are views of one table whose rows
+    are a decode call's (decode_rows.py): a decode call gathers them in one op.
 
     A request keeps its slot while every step schedules it; one that a step leaves out
     (finished, aborted, preempted, or waiting for budget) gives it up, and takes a slot afresh,
@@ -38,12 +51,12 @@ class InputBatch:
         self._free: list[int] = []
         self._num_pages: list[int] = [0]  # per slot: the pages written to its row
         self._preemptions: list[int] = [0]  # per slot: its request's count when written
-        self.page_table = np.zeros((1, pages_per_seq), np.int32)  # [slots, pages_per_seq]
-        self.temperature = np.zeros((1,), np.float32)  # [slots] 0: greedy
-        self.top_k = np.full((1,), vocab_size, np.int32)  # [slots] vocab_size: off
-        self.top_p = np.ones((1,), np.float32)  # [slots] 1.0: off
-        self.seeds = np.zeros((1,), np.uint32)  # [slots] device_seed(request.seed)
-        self.logprobs = np.zeros((1,), bool)  # [slots]
+        # [slots, PAGES + pages_per_seq]: page_table, temperature, top_k, top_p, seeds and
+        # logprobs (int32 0/1) are views of it (_views)
+        self.table = np.zeros((1, PAGES + pages_per_seq), np.int32)
+        self.table[0, SRC] = -1
+        self._views()
+        self.top_k[0], self.top_p[0] = vocab_size, 1.0  # off
         # the sampler controls (model/sampler.py: Controls), off in padding and plain rows
         self.controlled = np.zeros((1,), bool)  # [slots] the request has any control on
         self.presence = np.zeros((1,), np.float32)  # [slots]
@@ -74,6 +87,15 @@ class InputBatch:
                 self._write(request, slot)
             elif len(request.pages) != num_pages[slot]:
                 self._append(slot, request.pages)
+
+    def decode_rows(self, chunks: list[ScheduledChunk], b: int) -> tuple[np.ndarray, np.ndarray]:
+        """A decode call's rows [b, PAGES + pages_per_seq] (decode_rows.py: the per-slot
+        columns gathered, START and QUERY_LEN written; HOST_TOKEN 0 and SRC -1, for the runner
+        to fill) and each row's slot [b]."""
+        slots, starts, query_lens = self.columns(chunks, b)
+        rows = self.table[slots]
+        rows[:, START], rows[:, QUERY_LEN] = starts, query_lens
+        return rows, slots
 
     def columns(self, chunks: list[ScheduledChunk], b: int) -> np.ndarray:
         """[3, b] int32: each row's slot, start and tokens; padding rows slot 0, 0, 0."""
@@ -117,10 +139,19 @@ class InputBatch:
     def _grow(self, more: int) -> None:
         """`more` slots past the current ones, at padding values, on the free list."""
         old = len(self._num_pages)
-        for name in ("page_table", "temperature", "top_k", "top_p", "seeds", "logprobs",
-                     "controlled", "presence", "frequency", "repetition", "min_p"):
+        for name in ("table", "controlled", "presence", "frequency", "repetition", "min_p"):
             array = getattr(self, name)
             setattr(self, name, np.concatenate([array, np.repeat(array[:1], more, axis=0)]))
+        self._views()
         self._num_pages += [0] * more
         self._preemptions += [0] * more
         self._free += range(old + more - 1, old - 1, -1)
+
+    def _views(self) -> None:
+        table = self.table
+        self.page_table = table[:, PAGES:]  # [slots, pages_per_seq]
+        self.temperature = table[:, TEMPERATURE].view(np.float32)  # [slots] 0: greedy
+        self.top_k = table[:, TOP_K]  # [slots] vocab_size: off
+        self.top_p = table[:, TOP_P].view(np.float32)  # [slots] 1.0: off
+        self.seeds = table[:, SEED].view(np.uint32)  # [slots] device_seed(request.seed)
+        self.logprobs = table[:, LOGPROBS]  # [slots] 1: the request asked for logprobs

@@ -59,6 +59,7 @@ from jaxserve.core.buckets import (
     ragged_token_buckets,
 )
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.decode_rows import HOST_TOKEN, LOGPROBS, SRC
 from jaxserve.draft_runner import DraftRunner
 from jaxserve.engine_core import Samples, TokenLogprobs
 from jaxserve.input_batch import InputBatch
@@ -66,7 +67,7 @@ from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.llama import rope_tables, stack_layers
 from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
-from jaxserve.model.step import make_step_fns
+from jaxserve.model.step import make_step_fns, pack_decode_rows
 from jaxserve.model_config import ModelConfig
 from jaxserve.request import Request
 from jaxserve.sampler_controls import Head, SamplerControls
@@ -506,37 +507,38 @@ class ModelRunner:
         request = chunk.request
         return chunk.start >= len(request.prompt_ids) + len(request.output_ids)
 
-    def _dispatch_decode(self, chunks: list[ScheduledChunk], requests: list[Request], rows: int,
-                         steps: int, flight: Inflight):
-        """`requests`: the chunks' own, in order."""
-        b = bucket(rows, self.row_buckets, "decode rows")
-        host = np.zeros((b,), np.int32)
-        src = np.full((b,), -1, np.int32)
+    def _dispatch_decode(self, chunks: list[ScheduledChunk], requests: list[Request],
+                         num_rows: int, steps: int, flight: Inflight):
+        """`requests`: the chunks' own, in order. One array crosses to the device (its rows:
+        decode_rows.py)."""
+        b, n = bucket(num_rows, self.row_buckets, "decode rows"), len(chunks)
+        rows, slots = self.input_batch.decode_rows(chunks, b)  # [b, PAGES + pages_per_seq]
+        host, src = rows[:, HOST_TOKEN], rows[:, SRC]  # (views: written into rows)
         if requests == self._decode_requests:  # (identity: a Request has no __eq__)
             # the last iteration's decode rows again, in its order (most steps): each row's
             # input token is the one that call sampled for it, on the device at its own row
             # of the carry (the same token as on the host, if it was read since)
-            src[:len(chunks)] = np.arange(len(chunks), dtype=np.int32)
+            src[:n] = np.arange(n, dtype=np.int32)
         else:  # the carry row of each input token still on the device (-1: read on the host)
             carry_rows = self._carry_rows  # (_on_device inline: per row per step)
-            src[:len(chunks)] = [
+            src[:n] = [
                 carry_rows[c.request.request_id]
                 if c.start >= len(c.request.prompt_ids) + len(c.request.output_ids) else -1
                 for c in chunks]
-            for i in np.flatnonzero(src[:len(chunks)] < 0).tolist():
+            for i in np.flatnonzero(src[:n] < 0).tolist():
                 chunk = chunks[i]
                 host[i] = chunk.request.token_ids(chunk.start, chunk.start + 1)[0]
-        md, sm, slots = self._metadata(chunks, b, 1)
-        flight.decode_logprobs = bool(sm.logprobs.any())
+        flight.decode_logprobs = bool(rows[:, LOGPROBS].any())
         if self.input_batch.controlled[slots].any():  # one step (the scheduler's rule);
             # sampled at finish
-            last, self.kv = self.fns.decode_hidden(self.weights, self.kv, host, src,
-                                                   *self._carries, md)
+            md, sm, _ = self._metadata(chunks, b, 1)
+            last, self.kv = self.fns.decode_hidden(self.weights, self.kv, host.copy(),
+                                                   src.copy(), *self._carries, md)
             flight.heads.append(Head(chunks, last, sm, slots,
                                      0, np.arange(b, dtype=np.int32), None))
             return None, self._zeros
-        packed, carry, self.kv = self.fns.decode(self.weights, self.kv, host, src, *self._carries,
-                                                 md, sm, steps=steps)
+        packed, carry, self.kv = self.fns.decode(self.weights, self.kv, rows, *self._carries,
+                                                 steps=steps)
         return packed, carry
 
     def _dispatch_verify(self, chunks: list[ScheduledChunk]) -> jax.Array:
@@ -651,7 +653,7 @@ class ModelRunner:
         batch = self.input_batch
         return SamplingMetadata(temperature=batch.temperature[slots], top_k=batch.top_k[slots],
                                 top_p=batch.top_p[slots], seeds=batch.seeds[slots],
-                                positions=positions, logprobs=batch.logprobs[slots])
+                                positions=positions, logprobs=batch.logprobs[slots] != 0)
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -721,9 +723,9 @@ class ModelRunner:
         elif kind == "prefill_hidden":
             _, self.kv = self.fns.prefill_hidden(self.weights, self.kv, tokens, md)
         elif kind == "decode":
-            src = np.full((b,), -1, np.int32)
-            _, _, self.kv = self.fns.decode(self.weights, self.kv, tokens[:, 0], src, self._zeros,
-                                            self._zeros, md, sm, steps=steps)
+            rows = pack_decode_rows(tokens[:, 0], np.full((b,), -1, np.int32), md, sm)
+            _, _, self.kv = self.fns.decode(self.weights, self.kv, rows, self._zeros,
+                                            self._zeros, steps=steps)
         elif kind == "prefill":
             _, _, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md, sm, self._zeros,
                                              np.zeros((b,), np.int32))

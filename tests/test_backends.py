@@ -17,6 +17,7 @@ from jaxserve.backends import REFERENCE, Ops, resolve_attention_impl, select_bac
 from jaxserve.backends.base import Attention, Backend
 from jaxserve.backends.cpu import CpuAttention, CpuOps
 from jaxserve.backends.gpu import PallasAttention
+from jaxserve.decode_rows import PAGES
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.llama import LlamaForCausalLM, stack_layers
 from jaxserve.model.sampler import SamplingMetadata
@@ -186,8 +187,8 @@ def test_no_step_copies_the_kv_pool(attention, scan):
                               spec((rows,), jnp.int32), spec((rows,), jnp.bool_))
         carry = spec((4,), jnp.int32)
         if chunk == 1:
-            lowered = fns.decode.lower(weights, kv, spec((rows,), jnp.int32),
-                                       spec((rows,), jnp.int32), carry, carry, md, sm, steps=1)
+            lowered = fns.decode.lower(weights, kv, spec((rows, PAGES + 6), jnp.int32), carry,
+                                       carry, steps=1)
         else:
             lowered = fns.prefill.lower(weights, kv, spec((rows, chunk), jnp.int32), md, sm,
                                         carry, spec((rows,), jnp.int32))

@@ -25,6 +25,7 @@ FORBIDDEN = {
     "jaxserve.model_config": ("jaxserve.",),
     "jaxserve.family_config": ("jaxserve.",),
     "jaxserve.quant_config": ("jaxserve.",),
+    "jaxserve.decode_rows": ("jaxserve.",),
     "jaxserve.request": ("jaxserve.",),
     "jaxserve.sim": (*RUNNER, "jaxserve.model", "jax"),
     # the engine loop, shared with the simulator and the tests' fake: host only
@@ -43,7 +44,7 @@ FORBIDDEN = {
 }
 # leaves the modules above may import all the same
 ALLOWED = ("jaxserve.checks", "jaxserve.model_config", "jaxserve.family_config",
-           "jaxserve.quant_config")
+           "jaxserve.quant_config", "jaxserve.decode_rows")
 
 
 def _modules():

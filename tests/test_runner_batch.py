@@ -4,13 +4,18 @@ preemption and resume (pages rebuilt), finishes, aborts and slot reuse."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from conftest import HF_FIXTURES
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.scheduler import ScheduledChunk
+from jaxserve.decode_rows import PAGES as PAGES_COLUMN
 from jaxserve.input_batch import InputBatch, device_seed
+from jaxserve.model.kv_cache import AttentionMetadata
+from jaxserve.model.sampler import SamplingMetadata
+from jaxserve.model.step import pack_decode_rows, unpack_decode_rows
 from jaxserve.request import Request
 
 MODEL = HF_FIXTURES / "llama"
@@ -71,6 +76,35 @@ def assert_fields(got, want: dict, what: str):
         array = np.asarray(getattr(got, name))
         assert array.dtype == value.dtype, (what, name, array.dtype, value.dtype)
         np.testing.assert_array_equal(array, value, err_msg=f"{what}: {name}")
+
+
+def test_a_decode_calls_one_array_unpacks_to_its_arrays():
+    """pack_decode_rows (the host) and unpack_decode_rows (the device, model/step.py) agree on
+    every column of decode_rows.py: float and uint32 bits (seeds past 2**31), the page table."""
+    rng = np.random.default_rng(0)
+    b, pages = 5, 7
+    starts = rng.integers(0, 4000, b).astype(np.int32)
+    query_lens = np.array([1, 1, 1, 1, 0], np.int32)
+    md = AttentionMetadata(positions=starts[:, None], query_lens=query_lens,
+                           seq_lens=starts + query_lens,
+                           page_table=rng.integers(0, 99, (b, pages)).astype(np.int32))
+    sm = SamplingMetadata(temperature=np.array([0.0, 0.7, 1.3, 1e-6, 0.0], np.float32),
+                          top_k=np.array([32, 5, 1, 32, 32], np.int32),
+                          top_p=np.array([1.0, 0.9, 0.25, 1.0, 1.0], np.float32),
+                          seeds=np.array([0, 2**31, 2**32 - 1, 12345, 0], np.uint32),
+                          positions=starts + query_lens,
+                          logprobs=np.array([False, True, False, True, False]))
+    host = rng.integers(0, 32, b).astype(np.int32)
+    src = np.array([-1, 3, -1, 0, -1], np.int32)
+    rows = pack_decode_rows(host, src, md, sm)
+    assert rows.shape == (b, PAGES_COLUMN + pages) and rows.dtype == np.int32
+    got_host, got_src, got_md, got_sm = jax.jit(unpack_decode_rows)(rows)
+    np.testing.assert_array_equal(got_host, host)
+    np.testing.assert_array_equal(got_src, src)
+    assert_fields(got_md, {f.name: np.asarray(getattr(md, f.name))
+                           for f in dataclasses.fields(md)}, "metadata")
+    assert_fields(got_sm, {f.name: np.asarray(getattr(sm, f.name))
+                           for f in dataclasses.fields(sm)}, "sampling")
 
 
 # -- the InputBatch alone, on hand-made steps ------------------------------------------------------
@@ -143,6 +177,12 @@ class Checker:
         self.fed = []  # (request, position, the token a decode row was fed there)
         metadata, dispatch_ragged = runner._metadata, runner._dispatch_ragged
         dispatch_decode = runner._dispatch_decode
+        # a decode call's rows unpacked as the device does, compiled here for every row
+        # bucket, as the runner dispatches (a compilation while dispatching counts against it)
+        self._unpack = jax.jit(unpack_decode_rows)
+        with jax.default_device(runner.local_device):
+            for b in runner.row_buckets:
+                self._unpack(np.zeros((b, runner.input_batch.table.shape[1]), np.int32))
 
         def recorded_decode(chunks, *args):
             self.decoding = chunks
@@ -165,7 +205,7 @@ class Checker:
         runner.fns = dataclasses.replace(fns, ragged=self._wrap(fns.ragged, self._check_ragged),
                                          ragged_head=self._wrap(fns.ragged_head,
                                                                 self._check_head),
-                                         decode=self._wrap(fns.decode, self._record_fed),
+                                         decode=self._wrap(fns.decode, self._check_decode),
                                          decode_hidden=self._wrap(fns.decode_hidden,
                                                                   self._record_fed))
 
@@ -196,6 +236,12 @@ class Checker:
         chunks = self.ragged[0]
         assert_fields(sm, scratch_sampling(chunks, rows, self.want["seq_lens"][:rows],
                                            self.vocab), "ragged sampling")
+
+    def _check_decode(self, weights, kv, rows, carry0, carry1, steps):
+        """A decode call's one array, unpacked as the device unpacks it."""
+        host, src, md, sm = jax.tree.map(np.asarray, self._unpack(rows))
+        self._check_md(self.decoding, rows.shape[0], 1, md, sm)
+        self._record_fed(weights, kv, host, src, carry0, carry1)
 
     def _record_fed(self, weights, kv, host, src, carry0, carry1, *rest, **kwargs):
         carries = np.concatenate([np.asarray(carry0), np.asarray(carry1)])  # waits: a test

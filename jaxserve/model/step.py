@@ -32,13 +32,27 @@ from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.decode_rows import (
+    HOST_TOKEN,
+    LOGPROBS,
+    PAGES,
+    QUERY_LEN,
+    SEED,
+    SRC,
+    START,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+)
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.sampler import (
     Controls,
     SamplerState,
+    SamplingMetadata,
     draft_sample,
     sample,
     sharded_greedy,
@@ -55,8 +69,8 @@ class StepFns:
     # (weights, kv, tokens [B, C], md, sm, carry, carry_index, targets [B, C])
     #   -> (packed, prompt [B, C, W-1], carry, last [M, hidden], kv)
     prefill_with_prompt_logprobs: Callable
-    # (weights, kv, host_tokens [B], src [B], carry0 [M], carry1 [M], md, sm, steps)
-    #   -> (packed [steps, B, W], next_tokens [M], kv)
+    # (weights, kv, rows [B, PAGES + pages_per_seq]: decode_rows.py's columns, carry0 [M],
+    #   carry1 [M], steps) -> (packed [steps, B, W], next_tokens [M], kv)
     decode: Callable
     # (weights, kv, host_tokens [1, T], src [T], carry0 [M], carry1 [M], md: RaggedMetadata of
     #   M rows) -> (last [M, hidden]: each row's last token's hidden state, kv)
@@ -81,6 +95,39 @@ class StepFns:
     #   unfed tokens (1 or 2, the newest last), sm: positions the first proposal's, steps=K)
     #   -> (drafts [B, K], q [B, K, V], kv). Feeds every draft it makes
     draft: Callable
+
+
+def unpack_decode_rows(rows: jax.Array):
+    """A decode call's rows [B, PAGES + P] (decode_rows.py) as (host_tokens [B], src [B], md,
+    sm): each row one token at position START, sampled at START + QUERY_LEN."""
+    def bits(column, dtype):
+        return jax.lax.bitcast_convert_type(rows[:, column], dtype)
+
+    start, query_lens = rows[:, START], rows[:, QUERY_LEN]
+    seq_lens = start + query_lens
+    md = AttentionMetadata(positions=start[:, None], query_lens=query_lens, seq_lens=seq_lens,
+                           page_table=rows[:, PAGES:])
+    sm = SamplingMetadata(temperature=bits(TEMPERATURE, jnp.float32), top_k=rows[:, TOP_K],
+                          top_p=bits(TOP_P, jnp.float32), seeds=bits(SEED, jnp.uint32),
+                          positions=seq_lens, logprobs=rows[:, LOGPROBS] != 0)
+    return rows[:, HOST_TOKEN], rows[:, SRC], md, sm
+
+
+def pack_decode_rows(host_tokens, src, md: AttentionMetadata,
+                     sm: SamplingMetadata) -> np.ndarray:
+    """The host's side of unpack_decode_rows, from a decode call's arrays (numpy; md of one
+    token a row, its positions seq_lens - query_lens, sm sampling at seq_lens)."""
+    page_table = np.asarray(md.page_table, np.int32)
+    rows = np.zeros((page_table.shape[0], PAGES + page_table.shape[1]), np.int32)
+    rows[:, HOST_TOKEN], rows[:, SRC] = host_tokens, src
+    rows[:, START], rows[:, QUERY_LEN] = np.asarray(md.positions)[:, 0], md.query_lens
+    rows[:, TEMPERATURE] = np.asarray(sm.temperature, np.float32).view(np.int32)
+    rows[:, TOP_K] = sm.top_k
+    rows[:, TOP_P] = np.asarray(sm.top_p, np.float32).view(np.int32)
+    rows[:, SEED] = np.asarray(sm.seeds, np.uint32).view(np.int32)
+    rows[:, LOGPROBS] = sm.logprobs
+    rows[:, PAGES:] = page_table
+    return rows
 
 
 def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
@@ -159,7 +206,8 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
                             bias_ids=state.bias_ids.at[slot].set(bias_ids),
                             bias_values=state.bias_values.at[slot].set(bias_values))
 
-    def decode(weights, kv, host_tokens, src, carry0, carry1, md, sm, steps):
+    def decode(weights, kv, rows, carry0, carry1, steps):
+        host_tokens, src, md, sm = unpack_decode_rows(rows)
         tokens = decode_tokens(host_tokens, src, carry0, carry1)
         model, rope = merge(weights)
 
@@ -234,7 +282,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
         prefill=jax.jit(on_mesh(prefill, "wkrrrrr", "rrk"), donate_argnums=(1,)),
         prefill_with_prompt_logprobs=jax.jit(
             on_mesh(prefill_with_prompt_logprobs, "wkrrrrrr", "rrrrk"), donate_argnums=(1,)),
-        decode=jax.jit(on_mesh(decode, "wkrrrrrr", "rrk"), donate_argnums=(1,),
+        decode=jax.jit(on_mesh(decode, "wkrrr", "rrk"), donate_argnums=(1,),
                        static_argnames=("steps",)),
         ragged=jax.jit(on_mesh(ragged, "wkrrrrr", "rk"), donate_argnums=(1,)),
         ragged_head=jax.jit(on_mesh(ragged_head, "wrrrr", "rr"), static_argnames=("rows",)),
