@@ -184,9 +184,31 @@ class Scheduler:
         # nothing can join while every slot is taken: skip ordering the (maybe long) queue
         admissible = self._admissible(now) if len(self.running) < self.max_num_seqs else []
         running = self._running_order(now)
+        steps, page_size, chunks = 1, self.kv.page_size, out.chunks
+        key_pages = self._to_key if self.enable_prefix_caching else None
+        # the plain decode rows at the head of the order commit in one pass (most rows of most
+        # steps): a decode row whose pages hold its next position, or take it from the pool.
+        # The first other row (a prompt chunk, a finishing row, one the pool or the budget
+        # cannot take) ends the pass: it and the rest go the general way below, in order.
+        # (_commit's decode branch inline: per request per step.)
+        done = 0
+        if self.decode_steps == 1 and not out.speculative and self.kv.sliding_window is None:
+            for r in running:
+                start = r.num_computed_tokens
+                total = len(r.prompt_ids) + len(r.output_ids) + r.num_pending
+                if total != start + 1 or r.max_len <= total or budget <= 0 or (
+                        start >= len(r.pages) * page_size and self.kv.allocate(r, 1) is None):
+                    break
+                budget -= 1
+                r.num_computed_tokens = start + 1
+                r.num_pending += 1
+                chunks.append(ScheduledChunk(r, start, 1, 1))
+                if key_pages is not None and (start + 1) % page_size == 0:
+                    key_pages[r] = None
+                done += 1
         # a request whose pending tokens reach max_len only waits for update() to finish it
         decoding, chunking = [], []
-        for r in running:  # (num_to_compute and remaining_tokens inline: per request per step)
+        for r in running[done:] if done else running:
             total = len(r.prompt_ids) + len(r.output_ids) + r.num_pending
             n = total - r.num_computed_tokens
             if n > 1:
@@ -205,12 +227,10 @@ class Scheduler:
             out.decode_steps = self.decode_steps
         # decodes first: never starved by chunks. A decode row (its state is as the loop above
         # read it: only a victim's changes, and a victim leaves its queue) whose pages hold its
-        # next positions commits inline (most rows of most steps: the general path below
-        # allocates, preempts and speculates)
+        # next positions commits inline (the general path allocates, preempts and speculates)
         decodes, queue = deque(decoding), deque(chunking)
         plain = not out.speculative and self.kv.sliding_window is None
-        steps, page_size, chunks = out.decode_steps, self.kv.page_size, out.chunks
-        key_pages = self._to_key if self.enable_prefix_caching else None
+        steps = out.decode_steps
         while (decodes or queue) and budget > 0:
             if decodes:
                 request = decodes.popleft()
@@ -238,7 +258,7 @@ class Scheduler:
                 # that only wait for update() to finish them free their pages then: rather
                 # than preempt itself, the request waits an iteration for them
                 if runs_on is None:
-                    runs_on = set(decoding) | set(chunking)
+                    runs_on = set(running[:done]) | set(decoding) | set(chunking)
                 candidates = [r for r in self.running if r in runs_on]
                 victim = self.policy.victim(candidates, now)
                 allocated = victim is not request
