@@ -66,6 +66,10 @@ class InputBatch:
         # controlled requests written to a slot by the latest update: the runner writes their
         # slot's device state (token counts, prompt tokens, logit_bias)
         self.written: list[tuple[int, Request]] = []
+        # the latest update's chunks, their requests and each one's slot, in order
+        self._chunks: list[ScheduledChunk] = []
+        self.requests: list[Request] = []
+        self._row_slots: list[int] = []
         self._grow(num_slots)
 
     @property
@@ -76,17 +80,27 @@ class InputBatch:
         """Apply a step: free the slots of requests it leaves out, give new ones a slot, write
         the pages appended since the last step."""
         self.written = []
-        scheduled = {chunk.request for chunk in chunks}
+        requests = [chunk.request for chunk in chunks]
         slots, preemptions, num_pages = self.slots, self._preemptions, self._num_pages
-        for request in slots.keys() - scheduled:
+        self._chunks = chunks
+        if requests == self.requests:  # (identity: a Request has no __eq__)
+            # the last step's requests again, in order (most steps): each holds its slot
+            for request, slot in zip(requests, self._row_slots, strict=True):
+                if preemptions[slot] != request.metrics.num_preemptions:
+                    self._write(request, slot)
+                elif len(request.pages) != num_pages[slot]:
+                    self._append(slot, request.pages)
+            return
+        for request in slots.keys() - set(requests):
             self._free.append(slots.pop(request))
-        for chunk in chunks:
-            request = chunk.request
+        for request in requests:
             slot = slots.get(request)
             if slot is None or preemptions[slot] != request.metrics.num_preemptions:
                 self._write(request, slot)
             elif len(request.pages) != num_pages[slot]:
                 self._append(slot, request.pages)
+        self.requests = requests
+        self._row_slots = [slots[request] for request in requests]
 
     def decode_rows(self, chunks: list[ScheduledChunk], b: int) -> tuple[np.ndarray, np.ndarray]:
         """A decode call's rows [b, PAGES + pages_per_seq] (decode_rows.py: the per-slot
@@ -102,7 +116,8 @@ class InputBatch:
         columns = np.zeros((3, b), np.int32)
         if chunks:  # a list per column: numpy reads a flat list of ints fastest
             n, slots = len(chunks), self.slots
-            columns[0, :n] = [slots[c.request] for c in chunks]
+            columns[0, :n] = (self._row_slots if chunks is self._chunks
+                              else [slots[c.request] for c in chunks])
             columns[1, :n] = [c.start for c in chunks]
             columns[2, :n] = [c.num_tokens for c in chunks]
         return columns

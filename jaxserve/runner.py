@@ -367,10 +367,13 @@ class ModelRunner:
         self.input_batch.update(out.chunks)
         if self.input_batch.written:
             self.controls.write(self.fns, self.input_batch)
-        decode, prefill, verify = [], [], []
-        for c in out.chunks:
-            (verify if c.draft is not None else decode if c.num_tokens == 1
-             else prefill).append(c)
+        if out.decode_only:
+            decode, prefill, verify = out.chunks, [], []
+        else:
+            decode, prefill, verify = [], [], []
+            for c in out.chunks:
+                (verify if c.draft is not None else decode if c.num_tokens == 1
+                 else prefill).append(c)
         if verify:
             flight.verify_chunks = verify
             flight.verify_packed = self._dispatch_verify(verify)
@@ -384,10 +387,14 @@ class ModelRunner:
                      and mixed_tokens <= self.token_buckets[-1])
         if decode and not mixed:
             flight.decode_chunks = decode
-            requests = [c.request for c in decode]
-            flight.decode_ids = [r.request_id for r in requests]
+            requests = (self.input_batch.requests if decode is out.chunks
+                        else [c.request for c in decode])
+            # the last iteration's decode rows again, in its order (most steps)?
+            again = requests == self._decode_requests  # (identity: no Request.__eq__)
+            flight.decode_ids = (self._carried[0] if again
+                                 else [r.request_id for r in requests])
             flight.decode_packed, carries[0] = self._dispatch_decode(
-                decode, requests, max(len(decode), out.batch_rows), out.decode_steps, flight)
+                decode, again, max(len(decode), out.batch_rows), out.decode_steps, flight)
         # the rows the iteration's other calls run, in order: row i's token goes to carry 1 [i]
         order = (decode if mixed else []) + prefill
         alone = [False] * (len(order) - len(prefill)) + alone
@@ -507,17 +514,16 @@ class ModelRunner:
         request = chunk.request
         return chunk.start >= len(request.prompt_ids) + len(request.output_ids)
 
-    def _dispatch_decode(self, chunks: list[ScheduledChunk], requests: list[Request],
-                         num_rows: int, steps: int, flight: Inflight):
-        """`requests`: the chunks' own, in order. One array crosses to the device (its rows:
-        decode_rows.py)."""
+    def _dispatch_decode(self, chunks: list[ScheduledChunk], again: bool, num_rows: int,
+                         steps: int, flight: Inflight):
+        """`again`: the chunks' requests are the last decode call's, in order. One array
+        crosses to the device (its rows: decode_rows.py)."""
         b, n = bucket(num_rows, self.row_buckets, "decode rows"), len(chunks)
         rows, slots = self.input_batch.decode_rows(chunks, b)  # [b, PAGES + pages_per_seq]
         host, src = rows[:, HOST_TOKEN], rows[:, SRC]  # (views: written into rows)
-        if requests == self._decode_requests:  # (identity: a Request has no __eq__)
-            # the last iteration's decode rows again, in its order (most steps): each row's
-            # input token is the one that call sampled for it, on the device at its own row
-            # of the carry (the same token as on the host, if it was read since)
+        if again:  # each row's input token is the one the last call sampled for it, on the
+            # device at its own row of the carry (the same token as on the host, if it was
+            # read since)
             src[:n] = np.arange(n, dtype=np.int32)
         else:  # the carry row of each input token still on the device (-1: read on the host)
             carry_rows = self._carry_rows  # (_on_device inline: per row per step)

@@ -68,6 +68,8 @@ class SchedulerOutput:
     # proposals are verified this iteration (Scheduler.speculates): its rows with a draft
     # must be read before the next iteration is scheduled
     speculative: bool = False
+    # every chunk is a one-token decode row (most iterations): the runner need not sort them
+    decode_only: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -315,6 +317,7 @@ class Scheduler:
             budget -= n
             self._commit(request, n, out)
         out.batch_rows = self._batch_rows if self._batch else 0
+        out.decode_only = done == len(chunks)  # (nothing preempted: no row taken back)
         return out
 
     def _running_order(self, now: float) -> list[Request]:
