@@ -420,11 +420,12 @@ class ModelRunner:
         self._carries, self._carried, self._carry_map = tuple(carries), (
             flight.decode_ids, order), None
         self._decode_requests = requests if decode and not mixed else []
-        arrays = [flight.decode_packed, flight.verify_packed] + [
-            a for p in flight.prefills for a in (p.packed, p.prompt)]
-        for array in arrays:
-            if array is not None:
-                array.copy_to_host_async()
+        if self.platform != "cpu":  # (on the CPU the results are in host memory already)
+            arrays = [flight.decode_packed, flight.verify_packed] + [
+                a for p in flight.prefills for a in (p.packed, p.prompt)]
+            for array in arrays:
+                if array is not None:
+                    array.copy_to_host_async()
         return flight
 
     def finish(self, flight: Inflight,

@@ -481,10 +481,14 @@ class Scheduler:
         calls `finish` for the requests they end. `sampled`: by request id, the tokens each
         verification row got (1 + the proposed tokens it kept); the positions of the rest are
         computed no more."""
+        if sampled is None:  # (most iterations: no verification row)
+            for chunk in out.chunks:
+                chunk.request.num_pending -= chunk.num_samples
+            return
         for chunk in out.chunks:
             request = chunk.request
             request.num_pending -= chunk.num_samples
-            if chunk.draft is None or sampled is None or request.request_id not in sampled:
+            if chunk.draft is None or request.request_id not in sampled:
                 continue
             got = sampled[request.request_id]
             if request.status is RequestStatus.RUNNING:
