@@ -310,8 +310,10 @@ class ModelRunner:
         return self.backend.attention.name
 
     @property
-    def matmul_impl(self) -> str:
-        return self.backend.ops.name
+    def matmul_impl(self) -> str:  # "xla+fp8": fp8 weights meet fp8 activations (Ops.native_fp8)
+        ops = self.backend.ops
+        fp8 = ops.native_fp8 and self.model_config.quantization == "fp8"
+        return ops.name + ("+fp8" if fp8 else "")
 
     @property
     def num_compilations_after_warmup(self) -> int:

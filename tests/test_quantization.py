@@ -6,6 +6,7 @@ implementation, transformers on compressed-tensors checkpoints, the demo's held-
 import dataclasses
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from test_model_hf import full_logits
 from jaxserve import LLM, SamplingParams
 from jaxserve.backends import REFERENCE
 from jaxserve.backends.cpu import CpuOps
+from jaxserve.backends.select import fp8_matmul_capable
 from jaxserve.config import EngineConfig, kv_cache_dtype
 from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.quant import QuantizedLinear, dequantize, quantize_weight
@@ -93,6 +95,42 @@ def test_a_quantised_layer_is_within_the_bound_its_scales_give(method, ops):
         packed = nnx.merge(graphdef, state)
         assert packed.kernel[...].ndim == 3
         np.testing.assert_array_equal(np.asarray(ops.linear(packed, x)), got)
+
+
+def test_fp8_weights_times_fp8_activations_stay_within_the_activations_bound():
+    """Ops(native_fp8=True), the GPUs that multiply fp8 by fp8 (select.py): each row of x
+    scaled into e4m3 by its own largest magnitude and multiplied in one fp8 x fp8 dot. Off the
+    weight-only product by at most what rounding x to e4m3 moves it, sum_k bound(x_k) *
+    |w_kj| (rows a million apart in magnitude each keep their precision); other layers, and
+    fp8 layers with group scales, take the weight-only product."""
+    _, quant = _linear_pair("fp8")
+    x = np.array(jax.random.normal(jax.random.key(3), (4, 5, 72)))
+    x[0, 0] *= 1e3
+    x[1, 2] *= 1e-3
+    x[2, 1] = 0.0
+    weight_only = np.asarray(REFERENCE.ops.linear(quant, jnp.asarray(x)))
+    native = dataclasses.replace(REFERENCE.ops, native_fp8=True)
+    got = np.asarray(native.linear(quant, jnp.asarray(x)))
+    w = np.abs(np.asarray(dequantize(quant.kernel[...], quant.scale[...])))
+    row_scale = np.abs(x).max(axis=-1, keepdims=True) / 448.0
+    x_bound = np.maximum(np.abs(x) * 2.0**-4, row_scale * 2.0**-10)
+    bound = x_bound @ w + 1e-5 * (np.abs(x) @ w) + 1e-6
+    assert np.all(np.abs(got - weight_only) <= bound)
+    assert np.abs(got - weight_only).max() > 1e-4  # the activations were rounded
+    np.testing.assert_array_equal(got[2, 1], np.asarray(quant.bias[...]))  # a zero row
+    hlo = jax.jit(native.linear).lower(quant, jnp.asarray(x)).as_text()
+    assert re.search(r"dot_general.*\(tensor<[0-9x]+xf8E4M3FN>, tensor<[0-9x]+xf8E4M3FN>\)",
+                     hlo), "one fp8 x fp8 dot"
+    _, int8 = _linear_pair("int8")
+    np.testing.assert_array_equal(np.asarray(native.linear(int8, jnp.asarray(x))),
+                                  np.asarray(REFERENCE.ops.linear(int8, jnp.asarray(x))))
+
+
+@pytest.mark.parametrize(("capability", "native"), [
+    ("9.0", True), ("8.9", True), ("10.0", True), ("8.6", False), ("8.0", False),
+    ("gfx942", False), (None, False)])
+def test_fp8_matmuls_are_native_from_compute_capability_8_9(capability, native):
+    assert fp8_matmul_capable(capability) is native
 
 
 @pytest.mark.parametrize("method", METHODS)

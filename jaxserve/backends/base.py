@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
+from jaxserve.model.quant import QuantizedLinear
 from pallas_kernels.blocked import decode_attention_blocked, prefill_attention_blocked
 from pallas_kernels.reference import FP8_POOL
 
@@ -103,8 +104,16 @@ class Ops:
     # tensor parallelism's sums of the shards' partial products in one fixed order, the same
     # whatever the rows (Backend.sum_shards); else one all-reduce, whose order XLA may choose
     ordered_shard_sums = False
+    # fp8 weights multiply fp8 activations in the device's fp8 matmul (QuantizedLinear's
+    # fp8_product: each row scaled into e4m3 as it goes) where it has one (select.py:
+    # NVIDIA compute capability 8.9 on); else they widen inside the product (weight-only)
+    native_fp8: bool = False
 
-    def linear(self, layer: nnx.Linear, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+    def linear(self, layer: nnx.Linear | QuantizedLinear,
+               x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+        if self.native_fp8 and isinstance(layer, QuantizedLinear) and (
+                layer.takes_fp8_activations):
+            return layer.fp8_product(x)
         return layer(x)
 
     def grouped_linear(self, layer, x: jax.Array, group_sizes: jax.Array) -> jax.Array:

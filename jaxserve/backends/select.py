@@ -101,6 +101,16 @@ def resolve_matmul_impl(impl: str, platform: str, dtype: str) -> str:
     return "amx" if impl == "amx" else "cpu"
 
 
+def fp8_matmul_capable(compute_capability: str | None) -> bool:
+    """Whether an NVIDIA device of this compute capability ("9.0") multiplies fp8 by fp8
+    (8.9 on: Ada, Hopper, Blackwell); anything else (an AMD target, None) is taken as not."""
+    try:
+        major, minor = (int(part) for part in str(compute_capability).split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (8, 9)
+
+
 def select_backend(attention_impl: str, matmul_impl: str, dtype: str, head_dim: int,
                    page_size: int, platform: str | None = None, num_heads: int = 1,
                    num_kv_heads: int = 1) -> Backend:
@@ -119,7 +129,9 @@ def select_backend(attention_impl: str, matmul_impl: str, dtype: str, head_dim: 
     # scan each layer's are sliced out of the stack into a copy every step: on an H200 the
     # Llama-3-8B shape's bf16 decode step (2 rows) took 12.8 ms scanned against 5.8 ms
     # unrolled, where compiling it unrolled took no longer (7 s; bench/RESULTS.md)
-    ops = (Ops(scan_layers=platform != "gpu") if matmul_name == "xla"
+    native_fp8 = platform == "gpu" and fp8_matmul_capable(
+        getattr(jax.devices()[0], "compute_capability", None))
+    ops = (Ops(scan_layers=platform != "gpu", native_fp8=native_fp8) if matmul_name == "xla"
            else CpuOps(amx=matmul_name == "amx"))
     if attention_name in ("pallas", "tpu"):
         name = {"pallas": "gpu", "tpu": "tpu"}[attention_name]
