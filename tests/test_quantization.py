@@ -124,6 +124,18 @@ def test_fp8_weights_times_fp8_activations_stay_within_the_activations_bound():
     _, int8 = _linear_pair("int8")
     np.testing.assert_array_equal(np.asarray(native.linear(int8, jnp.asarray(x))),
                                   np.asarray(REFERENCE.ops.linear(int8, jnp.asarray(x))))
+    # packed for it, the fp8 kernel is held [out, in] (int8 ones as they were): the same
+    # product, the same dequantised weights
+    graphdef, state = native.pack_weights(*nnx.split(nnx.List([quant, int8])))
+    packed_fp8, packed_int8 = nnx.merge(graphdef, state)
+    assert packed_fp8.out_major and packed_fp8.kernel[...].shape == (136, 72)
+    assert not packed_int8.out_major and packed_int8.kernel[...].shape == (72, 136)
+    np.testing.assert_allclose(np.asarray(native.linear(packed_fp8, jnp.asarray(x))), got,
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(packed_fp8.dequantized()), np.asarray(
+        _linear_pair("fp8")[1].dequantized()))
+    np.testing.assert_allclose(np.asarray(packed_fp8(jnp.asarray(x))), weight_only,
+                               rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(("capability", "native"), [

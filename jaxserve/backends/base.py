@@ -140,8 +140,19 @@ class Ops:
 
     def pack_weights(self, graphdef: nnx.GraphDef,
                      state: nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
-        """The weights in the layout `linear` reads fastest; XLA takes them as they are."""
-        return graphdef, state
+        """The weights in the layout `linear` reads fastest. XLA takes them as they are, but
+        for the fp8 matmul (`native_fp8`): its operands are read along the contracted axis
+        (cuBLASLt's fp8 GEMM on Hopper takes no other layout), so those kernels are held
+        [out, in] (QuantizedLinear.out_major), or XLA would transpose each one every step."""
+        if not self.native_fp8:
+            return graphdef, state
+        model = nnx.merge(graphdef, state)  # shares state's variables
+        for _, module in nnx.iter_modules(model):
+            if (isinstance(module, QuantizedLinear) and module.takes_fp8_activations
+                    and not module.out_major and module.kernel.get_value().ndim == 2):
+                module.kernel.set_value(module.kernel.get_value().T)
+                module.out_major = True
+        return nnx.split(model)
 
 
 @dataclass(frozen=True)

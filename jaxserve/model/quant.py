@@ -97,6 +97,9 @@ class QuantizedLinear(nnx.Module):
         # named as the scales are (the tensor-parallel split tells them apart by name)
         self.zero = nnx.Param(jnp.zeros((out_features,), jnp.uint4)) if (
             zero_points and group_size is None) else None
+        # the kernel held [out, in] instead (Ops.pack_weights, for an fp8 matmul that reads
+        # both operands along the contracted axis, as the GPUs' do)
+        self.out_major = False
         self.group_zero = nnx.Param(jnp.zeros((in_features // group_size, out_features),
                                               jnp.uint4)) if (
             zero_points and group_size is not None) else None
@@ -113,9 +116,12 @@ class QuantizedLinear(nnx.Module):
         return self.zero[...][None] if self.zero is not None else (
             None if self.group_zero is None else self.group_zero[...])
 
+    def in_major_kernel(self) -> jax.Array:  # [in, out], however it is held
+        return self.kernel[...].T if self.out_major else self.kernel[...]
+
     def dequantized(self, dtype=jnp.float32) -> jax.Array:  # [in, out]
         scales, zeros = self.scales(), self.zeros()
-        kernel = self.kernel[...].astype(jnp.float32)
+        kernel = self.in_major_kernel().astype(jnp.float32)
         groups = kernel.reshape(scales.shape[0], -1, kernel.shape[-1])
         if zeros is not None:
             groups = groups - zeros.astype(jnp.float32)[:, None]
@@ -138,7 +144,8 @@ class QuantizedLinear(nnx.Module):
         xs = self.ordered(x).astype(jnp.float32)
         row_scale = jnp.maximum(jnp.max(jnp.abs(xs), axis=-1, keepdims=True), 1e-30) / FP8_MAX
         xq = (xs / row_scale).astype(jnp.float8_e4m3fn)
-        y = jax.lax.dot_general(xq, self.kernel[...], (((x.ndim - 1,), (0,)), ((), ())),
+        y = jax.lax.dot_general(xq, self.kernel[...],
+                                (((x.ndim - 1,), (1 if self.out_major else 0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         y = (y * row_scale * self.scale[...]).astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
@@ -147,7 +154,7 @@ class QuantizedLinear(nnx.Module):
         import qwix
 
         x = self.ordered(x)
-        kernel = self.kernel[...]
+        kernel = self.in_major_kernel()
         weight = qwix.QArray(kernel, self.scales().astype(x.dtype), self.zeros(),
                              qtype=kernel.dtype)
         y = qwix.dot_general(x, weight, (((x.ndim - 1,), (0,)), ((), ())))
