@@ -186,37 +186,36 @@ class Scheduler:
         # nothing can join while every slot is taken: skip ordering the (maybe long) queue
         admissible = self._admissible(now) if len(self.running) < self.max_num_seqs else []
         running = self._running_order(now)
-        steps, page_size, chunks = 1, self.kv.page_size, out.chunks
+        page_size, chunks = self.kv.page_size, out.chunks
         key_pages = self._to_key if self.enable_prefix_caching else None
-        # the plain decode rows at the head of the order commit in one pass (most rows of most
-        # steps): a decode row whose pages hold its next position, or take it from the pool.
-        # The first other row (a prompt chunk, a finishing row, one the pool or the budget
-        # cannot take) ends the pass: it and the rest go the general way below, in order.
-        # (_commit's decode branch inline: per request per step.)
-        done = 0
-        if self.decode_steps == 1 and not out.speculative and self.kv.sliding_window is None:
-            for r in running:
-                start = r.num_computed_tokens
-                total = len(r.prompt_ids) + len(r.output_ids) + r.num_pending
-                if total != start + 1 or r.max_len <= total or budget <= 0 or (
-                        start >= len(r.pages) * page_size and self.kv.allocate(r, 1) is None):
-                    break
-                budget -= 1
-                r.num_computed_tokens = start + 1
-                r.num_pending += 1
-                chunks.append(ScheduledChunk(r, start, 1, 1))
-                if key_pages is not None and (start + 1) % page_size == 0:
-                    key_pages[r] = None
-                done += 1
-        # a request whose pending tokens reach max_len only waits for update() to finish it
+        # decodes first, in policy order, then prompt chunks: decodes are never starved by
+        # chunks. In this one pass (most rows of most steps) a plain decode row commits at
+        # once: its pages hold its next position, or it takes a page from the pool (_commit's
+        # decode branch inline: per request per step). From the first decode row that cannot
+        # (the pool or the budget is short), every decode row goes the general way below, in
+        # order; multi-step and speculative iterations take every row that way. A request
+        # whose pending tokens reach max_len only waits for update() to finish it.
         decoding, chunking = [], []
-        for r in running[done:] if done else running:
+        inline = self.decode_steps == 1 and not out.speculative and self.kv.sliding_window is None
+        num_inline = 0
+        for r in running:
+            start = r.num_computed_tokens
             total = len(r.prompt_ids) + len(r.output_ids) + r.num_pending
-            n = total - r.num_computed_tokens
-            if n > 1:
+            if total > start + 1:
                 chunking.append(r)
-            elif n == 1 and r.max_len > total:
-                decoding.append(r)
+            elif total == start + 1 and r.max_len > total:
+                if inline and budget > 0 and (start < len(r.pages) * page_size
+                                              or self.kv.allocate(r, 1) is not None):
+                    budget -= 1
+                    r.num_computed_tokens = start + 1
+                    r.num_pending += 1
+                    chunks.append(ScheduledChunk(r, start, 1, 1))
+                    if key_pages is not None and (start + 1) % page_size == 0:
+                        key_pages[r] = None
+                    num_inline += 1
+                else:
+                    inline = False
+                    decoding.append(r)
         runs_on = None  # the requests that run on (the rest only wait to be finished)
         will_admit = bool(admissible) and len(running) < self.max_num_seqs
         # several decode steps per dispatch only when nobody waits to join and every row can
@@ -227,26 +226,9 @@ class Scheduler:
                 and all(r.remaining_tokens >= self.decode_steps and not r.params.controlled
                         and self.policy.allows_multi_step(r) for r in decoding)):
             out.decode_steps = self.decode_steps
-        # decodes first: never starved by chunks. A decode row (its state is as the loop above
-        # read it: only a victim's changes, and a victim leaves its queue) whose pages hold its
-        # next positions commits inline (the general path allocates, preempts and speculates)
-        decodes, queue = deque(decoding), deque(chunking)
-        plain = not out.speculative and self.kv.sliding_window is None
-        steps = out.decode_steps
-        while (decodes or queue) and budget > 0:
-            if decodes:
-                request = decodes.popleft()
-                start = request.num_computed_tokens
-                if plain and start + steps <= len(request.pages) * page_size:
-                    budget -= 1
-                    request.num_computed_tokens = start + steps
-                    request.num_pending += steps
-                    chunks.append(ScheduledChunk(request, start, 1, steps))
-                    if key_pages is not None and (start + steps) // page_size > start // page_size:
-                        key_pages[request] = None
-                    continue
-            else:
-                request = queue.popleft()
+        queue = deque(decoding + chunking)
+        while queue and budget > 0:
+            request = queue.popleft()
             n = self._chunk(request, budget)
             if n == 0:
                 continue
@@ -259,8 +241,8 @@ class Scheduler:
                 # one already given its tokens this iteration (its row is taken back). Those
                 # that only wait for update() to finish them free their pages then: rather
                 # than preempt itself, the request waits an iteration for them
-                if runs_on is None:
-                    runs_on = set(running[:done]) | set(decoding) | set(chunking)
+                if runs_on is None:  # (those committed so far among them)
+                    runs_on = {c.request for c in chunks} | set(decoding) | set(chunking)
                 candidates = [r for r in self.running if r in runs_on]
                 victim = self.policy.victim(candidates, now)
                 allocated = victim is not request
@@ -268,9 +250,8 @@ class Scheduler:
                     break
                 budget += self._uncommit(victim, out)
                 self._preempt(victim, out)
-                for rest in (decodes, queue):
-                    if victim in rest:
-                        rest.remove(victim)
+                if victim in queue:
+                    queue.remove(victim)
             if allocated:
                 budget -= positions if draft is not None else n
                 self._commit(request, n, out, draft)
@@ -317,7 +298,7 @@ class Scheduler:
             budget -= n
             self._commit(request, n, out)
         out.batch_rows = self._batch_rows if self._batch else 0
-        out.decode_only = done == len(chunks)  # (nothing preempted: no row taken back)
+        out.decode_only = num_inline == len(chunks)  # (nothing preempted: none taken back)
         return out
 
     def _running_order(self, now: float) -> list[Request]:
