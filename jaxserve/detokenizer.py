@@ -77,7 +77,8 @@ class IncrementalDetokenizer(_Detokenizer):
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Append generated ids; return the text they complete ("" while it is incomplete)."""
-        self._check_open()
+        if self._finished:  # (_check_open inline: per token)
+            self._check_open()
         kept = self._kept(token_ids)
         if len(kept) == 1 and self._joins and self._read == len(self._ids) > self._prefix:
             # one plain piece after returned text whose last id a piece joins, with a decoder
@@ -151,6 +152,9 @@ class IncrementalDetokenizer(_Detokenizer):
 
     def _kept(self, ids: Iterable[int]) -> list[int]:
         special = self._special
+        if isinstance(ids, list) and len(ids) == 1:  # (most pushes: one token)
+            i = int(ids[0])
+            return [] if i in special else [i]
         return [i for i in map(int, ids) if i not in special]
 
     def _decode(self, start: int, end: int) -> str:
