@@ -9,7 +9,8 @@
 #   steps    bench/profile_step.py: the 8B shape's decode step alone, 2 and 32 rows unrolled
 #            (the GPU's default; scanned: measured 2026-12-04, bench/RESULTS.md); not by default
 #   quant    the same step with fp8 and int4 weights at 2 rows, fp8 against bf16 at 64 rows, and
-#            fp8 weights with an fp8 KV pool (needs qwix: not in the device image, carry its wheel)
+#            fp8 weights with an fp8 KV pool (needs qwix: not in the device image, carry its wheel);
+#            one fp8 layer, fp8 x fp8 against weight-only (bench/fp8_matmul.py)
 #   spec     bench/profile_step.py --verify 4: the 8B shape's verification call (5 tokens a row)
 #            against its decode step, 2 and 32 rows (not by default: about a minute)
 #   moe      bench/moe.py on Qwen3-30B-A3B's layers (4 of them, bf16): jax.lax.ragged_dot's
@@ -77,6 +78,8 @@ if [[ $parts == *quant* ]]; then
       --rows "$1" --context 300 --iters 10 --top 6 --kv-cache-dtype "$3" "${quant[@]}" 2>&1 |
       grep -v "^compiling"
   done
+  echo "-- one fp8 layer (4096 x 14336): fp8 activations x fp8 weights against weight-only"
+  timeout 60 python3 bench/fp8_matmul.py --rows 2,64,512
 fi
 if [[ $parts == *spec* ]]; then
   echo "== speculation's verification (k=4) against a decode step: Llama-3-8B shape, bf16"
