@@ -87,6 +87,15 @@ def mistral_window(tmp_path_factory):
     return path
 
 
+def _fragmentation(requests, size: int) -> float:
+    """Allocated slots not holding a token over allocated slots, counted page by page: a
+    released page (0) held its tokens."""
+    held = sum(1 for r in requests for page in r.pages if page)
+    used = sum(min(r.num_computed_tokens, len(r.pages) * size)
+               - sum(1 for page in r.pages if not page) * size for r in requests)
+    return 0.0 if not held else 1.0 - used / (held * size)
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_pages_behind_the_window_go_back_and_the_ids_stay(mistral_window, prefix_caching):
     """A 120-token generation with a window of 8 (pages of 4) holds at most 4 pages at any
@@ -102,8 +111,12 @@ def test_pages_behind_the_window_go_back_and_the_ids_stay(mistral_window, prefix
                        SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
     most, final = 0, None
     while engine.has_unfinished_requests():
-        for request in engine.scheduler.running:
+        running = engine.scheduler.running
+        for request in running:
             most = max(most, sum(1 for page in request.pages if page))
+        # the stats' per-request count against one page by page (released pages are 0s)
+        assert engine.scheduler.kv.fragmentation(running) == pytest.approx(
+            _fragmentation(running, PAGE_SIZE))
         for output in engine.step():
             final = output if output.finished else final
     assert most <= 4, most

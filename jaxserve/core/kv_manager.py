@@ -14,6 +14,7 @@ The pages live in the pool (free, held, evictable) and the keys in the `PrefixCa
 those modules for the states and for why the keys are exact.
 """
 
+import bisect
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -202,13 +203,16 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_usable
 
     def fragmentation(self, requests: list[Request]) -> float:
-        """Internal fragmentation: allocated token slots not holding a token / allocated slots."""
+        """Internal fragmentation: allocated token slots not holding a token / allocated slots.
+        (Per request, not per page: the stats read it every iteration. The pages released
+        behind a window are the 0s at the front of a request's list, found by bisection.)"""
         size = self.page_size
-        held = {r: sum(1 for page in r.pages if page) for r in requests}
-        slots = sum(held.values()) * size
+        released = ([bisect.bisect_left(r.pages, True, key=bool) for r in requests]
+                    if self.sliding_window is not None else [0] * len(requests))
+        slots = (sum(len(r.pages) for r in requests) - sum(released)) * size
         if slots == 0:
             return 0.0
         # a page released behind a window held its tokens
-        used = sum(min(r.num_computed_tokens, len(r.pages) * size) - (len(r.pages) - held[r]) * size
-                   for r in requests)
+        used = sum(min(r.num_computed_tokens, len(r.pages) * size) - gone * size
+                   for r, gone in zip(requests, released, strict=True))
         return 1.0 - used / slots
