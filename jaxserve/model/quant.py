@@ -97,12 +97,12 @@ class QuantizedLinear(nnx.Module):
         # named as the scales are (the tensor-parallel split tells them apart by name)
         self.zero = nnx.Param(jnp.zeros((out_features,), jnp.uint4)) if (
             zero_points and group_size is None) else None
-        # the kernel held [out, in] instead (Ops.pack_weights, for an fp8 matmul that reads
-        # both operands along the contracted axis, as the GPUs' do)
-        self.out_major = False
         self.group_zero = nnx.Param(jnp.zeros((in_features // group_size, out_features),
                                               jnp.uint4)) if (
             zero_points and group_size is not None) else None
+        # the kernel held [out, in] instead (Ops.pack_weights, for an fp8 matmul that reads
+        # both operands along the contracted axis, as the GPUs' do)
+        self.out_major = False
 
     def ordered(self, x: jax.Array) -> jax.Array:  # [..., in]: the kernel's rows' order
         return x if self.input_order is None else jnp.take(x, self.input_order[...], axis=-1)
