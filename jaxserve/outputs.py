@@ -63,7 +63,8 @@ class _State:
     """What the processor keeps of one request (on `Request.output_state`)."""
 
     __slots__ = ("context", "detok", "held", "limit", "logprob_sum", "logprobs", "num_sent",
-                 "parts", "prompt_logprobs", "prompt_sent", "stops", "text", "tokens_only")
+                 "parts", "plain", "prompt_logprobs", "prompt_sent", "stops", "text",
+                 "tokens_only")
 
     def __init__(self, request: Request, tokenizer: BaseTokenizer | None):
         self.detok = None if tokenizer is None else make_detokenizer(tokenizer,
@@ -75,6 +76,10 @@ class _State:
         self.stops = request.params.stop if self.detok is not None else ()
         self.tokens_only = (self.detok is None and request.token_mask is None
                             and request.params.logprobs is None)
+        # no stop strings, token mask or logprobs: a token that ends nothing only extends the
+        # ids and the text
+        self.plain = (not self.stops and request.token_mask is None
+                      and request.params.logprobs is None)
         self.held = ""  # text decoded, not handed out yet (it may begin a stop string)
         self.context = ""  # the last text handed out, where a stop string kept in may begin
         self.text = ""  # all text handed out (CUMULATIVE)
@@ -136,16 +141,14 @@ class OutputProcessor:
                 if not out:  # its first: the prompt counts too
                     request.metrics.first_token_time = scheduler.clock()
                     num_tokens += len(request.prompt_ids)
-                if state.tokens_only and len(tokens) == 1:
-                    # (_advance inline for its most common row, one token and only ids to
-                    # keep: per request per step)
-                    token = tokens[0]
-                    out.append(token)
-                    if token in request.stop_ids and len(out) >= request.params.min_tokens:
-                        scheduler.finish(request, RequestStatus.FINISHED_STOPPED,
-                                         token if token in request.named_stop_ids else None)
-                    elif len(out) >= state.limit:
-                        scheduler.finish(request, RequestStatus.FINISHED_LENGTH, None)
+                kept = len(out) + 1
+                if state.plain and len(tokens) == 1 and kept < state.limit and not (
+                        tokens[0] in request.stop_ids and kept >= request.params.min_tokens):
+                    # one token that ends nothing (most rows of most steps): what _advance
+                    # does with it, inline (per request per step); every stop is _advance's
+                    out.append(tokens[0])
+                    if state.detok is not None:
+                        state.held += state.detok.push(tokens)
                     num_tokens += 1
                 else:
                     num_tokens += self._advance(scheduler, request, state, samples)
