@@ -124,6 +124,11 @@ def test_fp8_weights_times_fp8_activations_stay_within_the_activations_bound():
     _, int8 = _linear_pair("int8")
     np.testing.assert_array_equal(np.asarray(native.linear(int8, jnp.asarray(x))),
                                   np.asarray(REFERENCE.ops.linear(int8, jnp.asarray(x))))
+    grouped = QuantizedLinear(72, 136, False, jnp.float32, "fp8", group_size=24)
+    grouped.kernel.set_value(quant.kernel[...])
+    assert not grouped.takes_fp8_activations
+    np.testing.assert_array_equal(np.asarray(native.linear(grouped, jnp.asarray(x))),
+                                  np.asarray(REFERENCE.ops.linear(grouped, jnp.asarray(x))))
     # packed for it, the fp8 kernel is held [out, in] (int8 ones as they were): the same
     # product, the same dequantised weights
     graphdef, state = native.pack_weights(*nnx.split(nnx.List([quant, int8])))
