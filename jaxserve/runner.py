@@ -39,7 +39,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -61,7 +61,8 @@ from jaxserve.core.buckets import (
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
 from jaxserve.decode_rows import HOST_TOKEN, LOGPROBS, SRC
 from jaxserve.draft_runner import DraftRunner
-from jaxserve.engine_core import Samples, TokenLogprobs
+from jaxserve.engine_core import Samples
+from jaxserve.inflight import Inflight, PrefillCall, read_results
 from jaxserve.input_batch import InputBatch
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.llama import rope_tables, stack_layers
@@ -106,36 +107,6 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def _unpack(packed: np.ndarray) -> TokenLogprobs:
-    """[2 + 2K] int32 (logprob bits, rank, top ids, top bits) -> TokenLogprobs."""
-    k = (packed.shape[-1] - 2) // 2
-    return TokenLogprobs(float(packed[0:1].view(np.float32)[0]), int(packed[1]),
-                         packed[2:2 + k], packed[2 + k:].view(np.float32))
-
-
-@dataclass
-class PrefillCall:
-    """One dispatched prefill call: its rows and their packed results."""
-
-    chunks: list[ScheduledChunk]
-    packed: jax.Array  # [B, W]
-    prompt: jax.Array | None = None  # [B, C, W - 1]
-
-
-@dataclass
-class Inflight:
-    """One dispatched iteration whose results have not been read yet."""
-
-    decode_chunks: list[ScheduledChunk] = field(default_factory=list)
-    decode_ids: list[str] = field(default_factory=list)  # decode_chunks' request ids
-    decode_packed: jax.Array | None = None  # [steps, B, W]
-    decode_logprobs: bool = False  # some decode row asked for logprobs
-    prefills: list[PrefillCall] = field(default_factory=list)
-    heads: list[Head] = field(default_factory=list)  # for finish, in order
-    verify_chunks: list[ScheduledChunk] = field(default_factory=list)
-    verify_packed: jax.Array | None = None  # [B, K + 1, W]
 
 
 class ModelRunner:
@@ -458,37 +429,12 @@ class ModelRunner:
 
     def collect(self, flight: Inflight) -> dict[str, Samples]:
         """Wait for an iteration's results: the tokens each request sampled."""
-        results: dict[str, Samples] = {}
-        if flight.decode_packed is not None:
-            packed = np.asarray(flight.decode_packed)  # [steps, B, W] ([B, W]: a head's)
-            packed = packed[None] if packed.ndim == 2 else packed
-            chunks = flight.decode_chunks
-            # every decode row samples every step: one conversion for all rows' tokens
-            tokens = packed[:, :len(chunks), 0].T.tolist()
-            if flight.decode_logprobs:
-                for i, (chunk, row) in enumerate(zip(chunks, tokens, strict=True)):
-                    logprobs = None
-                    if chunk.request.params.logprobs is not None:
-                        logprobs = [_unpack(step[1:]) for step in packed[:, i]]
-                    results[chunk.request.request_id] = Samples(row, logprobs)
-            else:  # (most steps: no loop of ours over the rows)
-                results.update(zip(flight.decode_ids, map(Samples, tokens), strict=True))
-        if flight.verify_packed is not None:
-            packed = np.asarray(flight.verify_packed)  # [B, K + 1, W]
-            for chunk, rows in zip(flight.verify_chunks, packed, strict=False):
-                results[chunk.request.request_id] = self._samples(
-                    chunk, rows[:int(np.argmax(np.append(rows[:, 0], -1) < 0))])
-        for call in flight.prefills:
-            packed = np.asarray(call.packed)  # [B, W]
-            prompt = None if call.prompt is None else np.asarray(call.prompt)
-            for i, chunk in enumerate(call.chunks):
-                samples = self._samples(chunk, packed[i:i + 1])
-                if prompt is not None and chunk.request.params.prompt_logprobs is not None:
-                    n = min(chunk.num_tokens, len(chunk.request.prompt_ids) - 1 - chunk.start)
-                    samples.prompt_start = chunk.start
-                    samples.prompt_logprobs = [_unpack(prompt[i, j]) for j in range(max(n, 0))]
-                results[chunk.request.request_id] = samples
-        return results
+        def host(array):
+            return None if array is None else np.asarray(array)
+
+        return read_results(flight, host(flight.decode_packed), host(flight.verify_packed),
+                            [(np.asarray(call.packed), host(call.prompt))
+                             for call in flight.prefills])
 
     @property
     def _carry_rows(self) -> dict[str, int]:
@@ -501,14 +447,6 @@ class ModelRunner:
             self._carry_map |= {c.request.request_id: self.carry_size + i
                                 for i, c in enumerate(order) if c.num_samples}
         return self._carry_map
-
-    @staticmethod
-    def _samples(chunk: ScheduledChunk, packed: np.ndarray) -> Samples:  # packed [steps, W]
-        rows = packed[:chunk.num_samples]
-        logprobs = None
-        if chunk.request.params.logprobs is not None:
-            logprobs = [_unpack(row[1:]) for row in rows]
-        return Samples(tokens=rows[:, 0].tolist(), logprobs=logprobs)
 
     @staticmethod
     def _on_device(chunk: ScheduledChunk) -> bool:

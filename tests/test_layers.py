@@ -8,8 +8,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # module prefix -> prefixes it must never import
-# the three that touch both worlds
-RUNNER = ("jaxserve.runner", "jaxserve.sampler_controls", "jaxserve.draft_runner")
+# the four that touch both worlds
+RUNNER = ("jaxserve.runner", "jaxserve.sampler_controls", "jaxserve.draft_runner",
+          "jaxserve.inflight")
 FORBIDDEN = {
     "jaxserve.core": ("jax", "flax", "optax", "jaxserve.model", *RUNNER, "jaxserve.engine",
                       "jaxserve.llm", "jaxserve.server", "jaxserve.backends", "pallas_kernels",
