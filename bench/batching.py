@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig
-from jaxserve.engine import make_scheduler
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.llm_engine import make_scheduler
 
 
 def workload(n: int, vocab: int, seed: int):

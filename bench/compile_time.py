@@ -28,13 +28,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxserve.backends import select_backend
-from jaxserve.decode_rows import PAGES
+from jaxserve.config.model import ModelConfig
+from jaxserve.model.decode_rows import PAGES
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.llama import stack_layers
 from jaxserve.model.loader import abstract_model, random_state
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns, pack_decode_rows
-from jaxserve.model_config import ModelConfig
 
 MODELS = Path(__file__).resolve().parent / "models"
 PAGE, PAGES_PER_SEQ, ROWS, PREFILL_ROWS, CHUNK, NUM_PAGES = 16, 64, 8, 4, 64, 1024

@@ -4,7 +4,7 @@
     python bench/grammar_engines.py --tokenizers bpe --bpe-vocab 32768   # a bigger BPE (~15 s)
     python bench/grammar_engines.py --engines llguidance --tokenizers stories --json out.json
 
-llguidance is measured through jaxserve's own adapter, jaxserve/structured_output.py (the code
+llguidance is measured through jaxserve's own adapter, jaxserve/structured/grammar.py (the code
 the engine runs); xgrammar through an adapter here that makes the calls jaxserve would. Needs
 `pip install xgrammar jsonschema` (xgrammar pulls in torch and transformers: it imports both);
 without xgrammar, llguidance (a jaxserve dependency) is measured alone.
@@ -64,8 +64,8 @@ from grammar_workloads import (
 )
 
 from jaxserve.request import StructuredOutputsParams
-from jaxserve.token_masks import bitmask_width
-from jaxserve.tokenizer import ByteTokenizer
+from jaxserve.structured.bitmask import bitmask_width
+from jaxserve.text.tokenizer import ByteTokenizer
 
 # ---------------------------------------------------------------------------------------------
 # Engines: one adapter each, the calls jaxserve would make
@@ -144,13 +144,13 @@ class XGrammarEngine:
 
 
 class LLGuidanceEngine:
-    """jaxserve's own llguidance adapter (jaxserve/structured_output.py), called as the engine
+    """jaxserve's own llguidance adapter (jaxserve/structured/grammar.py), called as the engine
     calls it."""
 
     name = "llguidance"
 
     def __init__(self, threads: int):  # --threads is xgrammar's: jaxserve compiles in place
-        from jaxserve.structured_output import GrammarCompiler  # timed as the import
+        from jaxserve.structured.grammar import GrammarCompiler  # timed as the import
         self.compiler_class = GrammarCompiler
 
     @staticmethod
@@ -211,7 +211,7 @@ CLOSERS = [b'"', b"}", b"]", b")", b"0", b"1", b"5"]
 
 def walk(engine, compiled, tok, name: str, rng: random.Random, soft: int, hard: int) -> dict:
     """A seeded random walk through the grammar; masks and accepts timed."""
-    from jaxserve.structured_output import allowed as unpack_row
+    from jaxserve.structured.grammar import allowed as unpack_row
     vocab, eos = tok.vocab_size, sorted(tok.eos_token_ids)
     eos_set = set(eos)
     closer_ids = {}

@@ -18,7 +18,7 @@ import json
 import re
 from pathlib import Path
 
-from jaxserve.tokenizer import Tokenizer, load_tokenizer
+from jaxserve.text.tokenizer import Tokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES_DIR = Path("/work/shared/models/stories260K")

@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine, freeze_gc
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine, freeze_gc
 from jaxserve.model.sampler import packed_width
 from jaxserve.model.step import unpack_decode_rows
 from jaxserve.request import RequestOutputKind, SamplingParams

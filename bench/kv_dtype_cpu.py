@@ -7,7 +7,7 @@ engine: the step with the pool in each dtype, at two pool sizes. XLA on the CPU 
 float gather or scatter: with a bfloat16 pool array it converted the whole pool every layer of
 every step, so the step's time grew with the pool (the first row: what the engine once did,
 under the reference attention). The engine keeps the pool in float32 there
-(`jaxserve.config.kv_cache_dtype`, "auto"), or, with kv_cache_dtype="bfloat16" or "fp8", holds
+(`jaxserve.config.engine.kv_cache_dtype`, "auto"), or, with kv_cache_dtype="bfloat16" or "fp8", holds
 bfloat16 as uint16 bits or float8_e4m3fn as uint8 bits that the cpu attention's kernels read.
 Model: Llama-3-8B's 32 layers and vocabulary with a tiny hidden size, dummy bf16 weights.
 
@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from cpu_kernel_speed import best_time, streaming_read_gbs
 
-import jaxserve.runner
+import jaxserve.runner.model_runner
 from cpu_kernels.attention import bf16_bits, decode_attention_cpu, fp8_bits
-from jaxserve.calibrate import profile_output, time_iteration
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.tools.calibrate import profile_output, time_iteration
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=1024)
@@ -64,16 +64,16 @@ def engine_rows(pools: dict[str, dict]) -> None:
     config.pop("torch_dtype", None)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
-        rule = jaxserve.runner.kv_cache_dtype
+        rule = jaxserve.runner.model_runner.kv_cache_dtype
         print(f"{'KV pool':<46}{'pages':>8}{'2-row decode ms':>18}")
         for pool, options in pools.items():
             # the rule as it once was: the model's dtype, a bfloat16 array
             xla_bf16 = pool.startswith("bfloat16 array")
-            jaxserve.runner.kv_cache_dtype = (lambda dtype, *_: dtype) if xla_bf16 else rule
+            jaxserve.runner.model_runner.kv_cache_dtype = (lambda dtype, *_: dtype) if xla_bf16 else rule
             for pages in (512, 4096):
                 ms = decode_ms(Path(tmp), pages, **options)
                 print(f"{pool:<46}{pages:>8}{ms:>18.1f}", flush=True)
-        jaxserve.runner.kv_cache_dtype = rule
+        jaxserve.runner.model_runner.kv_cache_dtype = rule
 
 
 def kernel_rows(slots: int, context: int, runs: int, rng) -> list[dict]:

@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jaxserve.backends.select import select_backend  # noqa: E402
+from jaxserve.config.model import ModelConfig  # noqa: E402
 from jaxserve.model.kv_cache import AttentionMetadata  # noqa: E402
 from jaxserve.model.loader import random_state  # noqa: E402
-from jaxserve.model_config import ModelConfig  # noqa: E402
 
 PAGE_SIZE = 16
 

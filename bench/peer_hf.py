@@ -324,7 +324,7 @@ def main() -> None:
     import torch
 
     from jaxserve.benchmarks.roofline import measure_matmul_flops, workload_flops
-    from jaxserve.model_config import ModelConfig
+    from jaxserve.config.model import ModelConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_model(Path(tmp) / "llama-27m", args.seed)

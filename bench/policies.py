@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.sim import Burst, RequestSpec, Simulator
-from jaxserve.sim.cli import load_fit
 from jaxserve.sim.metrics import format_table
 from jaxserve.sim.workload import arrival_times
+from jaxserve.tools.simulate import load_fit
 
 # task -> (class, median prompt tokens, median output tokens). Prompt length says little about
 # output length (a long document to classify, a short request for an essay); the task does.
@@ -72,7 +72,7 @@ def two_class_workload(n: int, rate: float, seed: int, max_model_len: int,
 
 def learned_predictor(max_model_len: int, slo_ms: dict[str, float], path: Path) -> Path:
     """Train the optax predictor on a separate sample of the workload; returns its file."""
-    from jaxserve.train_predictor import train_predictor
+    from jaxserve.tools.train_predictor import train_predictor
 
     sample = two_class_workload(2000, 10.0, seed=12345, max_model_len=max_model_len,
                                 slo_ms=slo_ms, bursts=False)

@@ -40,8 +40,8 @@ from jaxserve.benchmarks.datasets import (
     random_samples,
 )
 from jaxserve.benchmarks.offline import run_load, use_scheduler, warm_up
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.request import SamplingParams
 
 VARIATION = 0.2  # chat_prefixed's messages and replies: +-20% of their lengths

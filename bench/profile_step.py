@@ -34,12 +34,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.config.engine import EngineConfig  # noqa: E402
+from jaxserve.config.model import ModelConfig  # noqa: E402
 from jaxserve.model.kv_cache import AttentionMetadata  # noqa: E402
 from jaxserve.model.sampler import SamplingMetadata  # noqa: E402
 from jaxserve.model.step import pack_decode_rows  # noqa: E402
-from jaxserve.model_config import ModelConfig  # noqa: E402
-from jaxserve.runner import ModelRunner  # noqa: E402
+from jaxserve.runner.model_runner import ModelRunner  # noqa: E402
 
 # the executor's own spans
 _WRAPPERS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "end:")

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.calibrate import profile_output, time_iteration
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.tools.calibrate import profile_output, time_iteration
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "bench" / "models" / "llama-300m"
@@ -84,11 +84,11 @@ def stories_quality() -> None:
 def demo_bpb(windows: int) -> None:
     import jax.numpy as jnp
 
+    from jaxserve.config.model import ModelConfig
     from jaxserve.demo import demo_model_dir
     from jaxserve.demo.data import evenly_spaced_windows, load_corpus
     from jaxserve.demo.train import validation_bpb
     from jaxserve.model.loader import load_state
-    from jaxserve.model_config import ModelConfig
 
     demo = demo_model_dir()
     cfg = ModelConfig.from_hf_dir(demo)

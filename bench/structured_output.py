@@ -21,8 +21,8 @@ import time
 
 import jsonschema
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.request import SamplingParams, StructuredOutputsParams
 
 PROMPT = "Write the record as JSON: "

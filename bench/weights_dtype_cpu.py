@@ -4,7 +4,7 @@
 
 XLA on the CPU has no fast 16-bit matmul: a bf16 model's step converts its weights every time
 it runs. `dtype="auto"` therefore loads a 16-bit checkpoint in float32 on the CPU when float32
-weights fit in half the host's memory (`jaxserve.config.compute_dtype`); `dtype="bfloat16"`
+weights fit in half the host's memory (`jaxserve.config.engine.compute_dtype`); `dtype="bfloat16"`
 keeps it. Model: a 156M-parameter Llama shape (8 layers of 1024, 32k vocabulary), dummy weights.
 """
 
@@ -12,9 +12,9 @@ import json
 import tempfile
 from pathlib import Path
 
-from jaxserve.calibrate import profile_output, time_iteration
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.tools.calibrate import profile_output, time_iteration
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 1024,
           "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,

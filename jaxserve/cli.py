@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from jaxserve.config import EngineConfig, read_config_file
+from jaxserve.config.engine import EngineConfig, read_config_file
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -39,8 +39,8 @@ def _convert(args) -> int:
 
     import jax.numpy as jnp
 
+    from jaxserve.config.model import ModelConfig
     from jaxserve.model.loader import load_hf_state, save_orbax
-    from jaxserve.model_config import ModelConfig
 
     if Path(args.out_dir).resolve() == Path(args.hf_dir).resolve():
         raise ValueError(f"OUT_DIR {args.out_dir} is HF_DIR itself: give another directory "
@@ -57,7 +57,7 @@ def _convert(args) -> int:
 
 
 def _generate(args) -> int:
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.request import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     prompts = (args.prompt or []) + args.prompts
@@ -93,8 +93,8 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from jaxserve import distributed
-    from jaxserve.engine import DEMO, LLMEngine, freeze_gc, resolve_model
+    from jaxserve.engine.llm_engine import DEMO, LLMEngine, freeze_gc, resolve_model
+    from jaxserve.parallel import distributed
     from jaxserve.server import ServerConfig, bind, serve
 
     engine_options, server_options = _options(args)
@@ -103,7 +103,9 @@ def _serve(args) -> int:
     model = args.model or DEMO
     group = _join_processes(args)
     if group is not None and not group.processes.is_leader:
-        return distributed.run_follower(model, engine_config, group)
+        from jaxserve.engine.follower import run_follower
+
+        return run_follower(model, engine_config, group)
     sock = bind(server_config)  # a port in use fails now, not after the compile
     try:
         if group is not None:
@@ -126,7 +128,7 @@ def _serve(args) -> int:
 def _join_processes(args):
     """jax.distributed across processes when --num-processes (or its env var) is above 1;
     the heartbeats start at once, so a process lost while the others compile stops them."""
-    from jaxserve import distributed
+    from jaxserve.parallel import distributed
 
     if args.num_processes in (None, 1):
         return None
@@ -155,7 +157,7 @@ def _bench(args) -> int:
 def _plan(args) -> int:
     import json
 
-    from jaxserve.plan import format_plan, plan
+    from jaxserve.tools.plan import format_plan, plan
 
     engine_options, _ = _options(args)
     result = plan(args.model, EngineConfig.from_overrides(**engine_options), args.context)
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_option_flags(plan, EngineConfig, "engine options")
     plan.set_defaults(func=_plan)
 
-    from jaxserve.sim.cli import add_simulate_parser
+    from jaxserve.tools.simulate import add_simulate_parser
 
     add_simulate_parser(sub)
 

@@ -5,9 +5,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from jaxserve.checks import show
-from jaxserve.config import EngineConfig
-from jaxserve.engine import DEMO, LLMEngine, PromptType
+from jaxserve.config.checks import show
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.llm_engine import DEMO, LLMEngine, PromptType
 from jaxserve.request import RequestOutput, RequestOutputKind, SamplingParams
 
 

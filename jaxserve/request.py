@@ -1,10 +1,14 @@
-"""What a user asks for and what they get back: SamplingParams, RequestOutput (a leaf module)."""
+"""What a user asks for and what they get back: SamplingParams, RequestOutput; the host state of
+a request (Request) and what one iteration gave it (Samples). The shared nouns: every part of
+the engine may import this module, and it imports only jaxserve.config."""
 
 import dataclasses
 import enum
 from dataclasses import dataclass, field
 
-from jaxserve.checks import is_finite, is_int, show
+import numpy as np
+
+from jaxserve.config.checks import is_finite, is_int, show
 
 
 class RequestOutputKind(enum.Enum):
@@ -346,7 +350,7 @@ class Request:
         self.pages: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.output_state = None  # what the output processor keeps of it (outputs.py)
+        self.output_state = None  # what the output processor keeps of it (engine/outputs.py)
         # what it may sample next (token_masks.TokenMask), when its params restrict it
         self.token_mask = None
         # prompt tokens found in the prefix cache when it was first scheduled (None: not yet)
@@ -395,3 +399,23 @@ class Request:
             raise ValueError(f"request {self.request_id}: {self.status.value} -> {new.value} "
                              "is not an allowed transition")
         self.status = new
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled (or prompt) token's logprob and rank, and the top-K ids and logprobs."""
+
+    logprob: float
+    rank: int
+    top_ids: np.ndarray  # [K] int32
+    top_logprobs: np.ndarray  # [K] float32
+
+
+@dataclass(slots=True)
+class Samples:
+    """What one request got from one iteration."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # when the request asked for logprobs
+    prompt_start: int = 0  # prompt_logprobs[j] is for the prompt token at prompt_start + 1 + j
+    prompt_logprobs: list[TokenLogprobs] | None = None

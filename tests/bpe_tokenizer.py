@@ -4,7 +4,7 @@ the kind of tokenizer `make_detokenizer` gives DecodeStream (`StreamDetokenizer`
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.text.tokenizer import Tokenizer
 
 MIXED_TEXT = "Héllo wörld 😀 naïve café, 日本語のテキスト 🎉🧠 Ωμέγα ﬁn."
 

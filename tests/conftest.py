@@ -46,9 +46,9 @@ def reference(stories_dir):
 
 @pytest.fixture(scope="module")
 def server(stories_dir, reference):
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.server import ServerConfig, build_app
 
     engine = AsyncEngine(LLMEngine(stories_dir, EngineConfig.from_overrides(**SERVER_ENGINE)))

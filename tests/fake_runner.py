@@ -12,7 +12,7 @@ others are prompt chunks that sample once at their end) and checks the scheduler
 every step. Its "device" keeps, like the real one, only the tokens the previous dispatch sampled
 (the carry), so a decode row whose input token is not on the host must find it there.
 
-It implements the engine's runner interface (engine_core.Runner): `LLMEngine(model_dir, config,
+It implements the engine's runner interface (jaxserve/engine/loop.py's Runner): `LLMEngine(model_dir, config,
 runner=FakeRunner(...))` runs the real engine on it, with no model compiled.
 """
 
@@ -22,8 +22,8 @@ import numpy as np
 
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.core.window import BatchingWindow
-from jaxserve.engine_core import EngineCore, Samples, TokenLogprobs
-from jaxserve.request import Request, RequestStatus, SamplingParams
+from jaxserve.engine.loop import EngineCore
+from jaxserve.request import Request, RequestStatus, Samples, SamplingParams, TokenLogprobs
 
 
 def token_after(prompt_ids: list[int], position: int) -> int:

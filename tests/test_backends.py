@@ -17,12 +17,12 @@ from jaxserve.backends import REFERENCE, Ops, resolve_attention_impl, select_bac
 from jaxserve.backends.base import Attention, Backend
 from jaxserve.backends.cpu import CpuAttention, CpuOps
 from jaxserve.backends.gpu import PallasAttention
-from jaxserve.decode_rows import PAGES
+from jaxserve.config.model import ModelConfig
+from jaxserve.model.decode_rows import PAGES
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.llama import LlamaForCausalLM, stack_layers
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
-from jaxserve.model_config import ModelConfig
 
 MODEL = HF_FIXTURES / "llama"
 

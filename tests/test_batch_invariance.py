@@ -17,9 +17,9 @@ from flax import nnx
 from jaxserve import LLM, SamplingParams
 from jaxserve.backends import Backend
 from jaxserve.backends.cpu import CpuAttention, CpuOps
+from jaxserve.config.model import ModelConfig
 from jaxserve.model.kv_cache import AttentionMetadata, RaggedMetadata
 from jaxserve.model.llama import LlamaForCausalLM, stack_layers
-from jaxserve.model_config import ModelConfig
 
 PAGE, PAGES_PER_ROW = 8, 8
 CPU = Backend("cpu", CpuAttention(), CpuOps())

@@ -70,8 +70,8 @@ def test_prefix_caching_bench_compares_on_and_off_on_one_engine(stories_dir):
     """bench/prefix_caching.py: the open-loop workloads and the closed-loop chat, cache off then
     on, on one engine: the same tokens, hits only with the cache."""
     from jaxserve.benchmarks.datasets import prefix_repetition_samples
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
 
     bench = _load(ROOT / "bench" / "prefix_caching.py")
     engine = LLMEngine(stories_dir, EngineConfig.from_overrides(

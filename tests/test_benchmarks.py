@@ -16,7 +16,6 @@ import yaml
 from served import uvicorn_url
 
 from cpu_kernels import library as cpu_library
-from jaxserve.async_engine import AsyncEngine
 from jaxserve.benchmarks.datasets import (
     Sample,
     batching_samples,
@@ -29,8 +28,9 @@ from jaxserve.benchmarks.offline import run_load
 from jaxserve.benchmarks.serve import serve_arrivals, set_output_len
 from jaxserve.benchmarks.sweep import knee, largest_meeting, recommend
 from jaxserve.cli import main
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server import ServerConfig, build_app
 from jaxserve.sim.metrics import RequestRecord, parse_slos, percentile_key
 

@@ -1,4 +1,4 @@
-"""The bridge between the simulator and the real engine (jaxserve.calibrate) on a tiny model:
+"""The bridge between the simulator and the real engine (jaxserve.tools.calibrate) on a tiny model:
 profile, fit, measure the engine, save; then validate a short trace against the engine."""
 
 import dataclasses
@@ -7,13 +7,13 @@ import math
 import pytest
 from conftest import HF_FIXTURES
 
-from jaxserve.calibrate import VALIDATED, calibrate, measure_wakeup, profile_shapes, validate
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sim.cost_model import StepCostModel
 from jaxserve.sim.metrics import idle_arrivals
 from jaxserve.sim.simulator import Simulator
 from jaxserve.sim.workload import RequestSpec, synthetic
+from jaxserve.tools.calibrate import VALIDATED, calibrate, measure_wakeup, profile_shapes, validate
 
 MODEL = str(HF_FIXTURES / "llama")
 CONFIG = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, prefill_chunk_sizes=(16, 32),
@@ -107,7 +107,7 @@ def test_one_sequence_at_a_time_still_gives_finite_factors(tmp_path):
 
 def test_a_fresh_calibration_interleaves_its_open_loops_with_the_validation_runs(
         tmp_path, monkeypatch):
-    import jaxserve.calibrate as calibrate_module
+    import jaxserve.tools.calibrate as calibrate_module
 
     played = []  # (requests, whether the calibration timed its steps) per workload, in order
     real_run = calibrate_module.run_on_engine

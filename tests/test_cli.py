@@ -20,7 +20,7 @@ import yaml
 from conftest import SERVER_ENGINE, SERVER_ENGINE_FLAGS
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.server import ServerConfig
 
 MODEL = "stories"

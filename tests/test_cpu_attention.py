@@ -20,7 +20,7 @@ from cpu_kernels.attention import (
 )
 from cpu_kernels.library import KernelUnavailable
 from jaxserve.backends import resolve_attention_impl
-from jaxserve.config import kv_cache_dtype
+from jaxserve.config.engine import kv_cache_dtype
 from pallas_kernels import decode_attention_ref, prefill_attention_ref
 
 

@@ -11,11 +11,11 @@ from fake_runner import FakeRunner, expected_output
 from test_engine_fake import CONFIG  # the fake model's config.json
 
 from jaxserve import LLM
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine, merge_stats
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.llm_engine import LLMEngine, merge_stats
 from jaxserve.request import RequestOutputKind, SamplingParams
-from jaxserve.tokenizer import ByteTokenizer
+from jaxserve.text.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")

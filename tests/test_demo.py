@@ -11,13 +11,13 @@ import pytest
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.config.model import ModelConfig
 from jaxserve.demo import demo_model_dir
 from jaxserve.demo.data import is_validation, source_files, stdlib_root
 from jaxserve.demo.train import REPORT_FILE, causal_logits
 from jaxserve.demo.train import main as train_main
-from jaxserve.engine import resolve_model
+from jaxserve.engine.llm_engine import resolve_model
 from jaxserve.model.loader import load_state
-from jaxserve.model_config import ModelConfig
 
 # One row bucket keeps the warm-up to five compiles.
 SMALL = dict(max_num_seqs=1, prefill_chunk_sizes=(16, 64), page_size=16, num_pages=32,

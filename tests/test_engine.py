@@ -82,7 +82,7 @@ def test_pallas_kernels_in_the_engine_match_the_reference(workload, alone):
 def test_a_16_bit_model_keeps_a_float32_kv_cache_on_the_cpu():
     """XLA on the CPU has no 16-bit float gather/scatter and would convert the whole pool every
     layer and step; kv_cache_dtype keeps the pool in float32 there, and only there."""
-    from jaxserve.config import kv_cache_dtype
+    from jaxserve.config.engine import kv_cache_dtype
 
     assert kv_cache_dtype("bfloat16", "cpu", "reference") == "float32"
     assert kv_cache_dtype("bfloat16", "cpu", "pallas") == "bfloat16"  # the kernels' contract
@@ -102,10 +102,10 @@ def test_auto_dtype_computes_a_16_bit_checkpoint_in_float32_on_the_cpu(tmp_path)
     import json
     import shutil
 
-    from jaxserve.config import EngineConfig, compute_dtype
-    from jaxserve.model_config import ModelConfig
-    from jaxserve.plan import format_plan, plan
-    from jaxserve.runner import ModelRunner
+    from jaxserve.config.engine import EngineConfig, compute_dtype
+    from jaxserve.config.model import ModelConfig
+    from jaxserve.runner.model_runner import ModelRunner
+    from jaxserve.tools.plan import format_plan, plan
 
     gib = 2**30
     assert compute_dtype("auto", "bfloat16", "cpu", 10**9, host_bytes=16 * gib) == "float32"
@@ -178,7 +178,7 @@ def test_freeze_gc_takes_the_warm_heap_out_of_full_collections():
     import subprocess
     import sys
 
-    code = ("import gc; from jaxserve.engine import freeze_gc; freeze_gc(); "
+    code = ("import gc; from jaxserve.engine.llm_engine import freeze_gc; freeze_gc(); "
             "assert gc.get_freeze_count() > 10_000, gc.get_freeze_count(); "
             "assert sum(gc.get_count()) < 1_000; "
             "assert gc.get_threshold()[0] == 20_000, gc.get_threshold()")

@@ -13,15 +13,14 @@ import pytest
 from bpe_tokenizer import byte_level_bpe_hf
 from fake_runner import FakeRunner, expected_output, fake_logprob, token_after
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
-from jaxserve.detokenizer import StreamDetokenizer, make_detokenizer
-from jaxserve.engine import LLMEngine
-from jaxserve.engine_core import Samples
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.outputs import OutputProcessor
 from jaxserve.llm import LLM
-from jaxserve.outputs import OutputProcessor
-from jaxserve.request import Request, RequestOutputKind, RequestStatus, SamplingParams
-from jaxserve.tokenizer import ByteTokenizer, Tokenizer
+from jaxserve.request import Request, RequestOutputKind, RequestStatus, Samples, SamplingParams
+from jaxserve.text.detokenizer import StreamDetokenizer, make_detokenizer
+from jaxserve.text.tokenizer import ByteTokenizer, Tokenizer
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": ByteTokenizer.VOCAB_SIZE,
           "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -348,7 +347,7 @@ def test_cumulative_outputs_through_the_async_engine_are_snapshots(model_dir):
     import asyncio
     import time
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine.async_engine import AsyncEngine
 
     engine = make_engine(model_dir)
     collect = engine.runner.collect

@@ -24,10 +24,10 @@ from safetensors.numpy import load_file, save_file
 from test_model_hf import full_logits
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.config.model import ModelConfig
 from jaxserve.model.loader import load_state
 from jaxserve.model.quant import array_bytes
-from jaxserve.model_config import ModelConfig
-from jaxserve.sharding import check_tensor_parallel
+from jaxserve.parallel.sharding import check_tensor_parallel
 
 SOURCE = HF_FIXTURES / "llama"
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -33,10 +33,10 @@ from served import (
     wait_idle,
 )
 
-from jaxserve.async_engine import AsyncEngine
 from jaxserve.benchmarks import hostile
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.request import SamplingParams
 from jaxserve.server import ServerConfig, build_app
 from jaxserve.server import app as server_app
@@ -115,7 +115,7 @@ def test_mass_abort_of_queued_sequences_leaves_the_engine_serving(server, http):
 def test_commands_between_two_steps_are_bounded_and_a_requests_adds_never_split():
     """A flood of aborts is applied a budget at a time, with a step between (the running
     requests go on); a request's adds (a tuple) are applied together, alone if over budget."""
-    from jaxserve.async_engine import _commands_within
+    from jaxserve.engine.async_engine import _commands_within
 
     assert _commands_within(["abort"] * 10, 4) == 4
     assert _commands_within([("add",) * 3, "abort", ("add",) * 5], 4) == 2

@@ -24,9 +24,9 @@ from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.backends import REFERENCE
+from jaxserve.config.model import ModelConfig
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.loader import load_state
-from jaxserve.model_config import ModelConfig
 
 SOURCE = HF_FIXTURES / "llama"
 F = 1024.0  # a power of two: the weights' scaling and the scales' round trip are exact

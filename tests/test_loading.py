@@ -13,11 +13,11 @@ from safetensors.numpy import load_file, save_file
 from test_model_hf import full_logits
 
 from jaxserve.cli import main as cli_main
-from jaxserve.config import EngineConfig
-from jaxserve.engine import generation_defaults
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.model import ModelConfig
+from jaxserve.engine.llm_engine import generation_defaults
 from jaxserve.model.llama import rope_inv_freq, rope_tables
 from jaxserve.model.loader import is_orbax_checkpoint, load_state
-from jaxserve.model_config import ModelConfig
 
 LLAMA_CONFIG = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
 PHI3_LONGROPE = json.loads((HF_FIXTURES / "phi3_longrope" / "config.json").read_text())

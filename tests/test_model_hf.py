@@ -13,10 +13,10 @@ from safetensors.numpy import load_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.backends import REFERENCE
+from jaxserve.config.model import ModelConfig
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.llama import rope_tables, stack_layers
 from jaxserve.model.loader import load_state
-from jaxserve.model_config import ModelConfig
 
 
 def _expected(name):

@@ -17,9 +17,9 @@ from test_model_hf import full_logits
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.backends import REFERENCE
+from jaxserve.config.model import ModelConfig
 from jaxserve.model.loader import abstract_model, load_state
 from jaxserve.model.moe import Experts, dense_experts, grouped_experts, route
-from jaxserve.model_config import ModelConfig
 
 MOE_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe")
 

@@ -1,4 +1,4 @@
-"""Several processes serving one model (jaxserve/distributed.py): two `jaxserve serve` processes
+"""Several processes serving one model (jaxserve/parallel/distributed.py): two `jaxserve serve` processes
 on 127.0.0.1, each with 2 host devices, tp=4 across them, CPU collectives through gloo. Process
 0 serves stories260K's C-reference prompts with the reference ids, and a structured request; a
 follower killed makes it fail its requests and exit non-zero naming the lost process; a clean
@@ -21,7 +21,7 @@ import pytest
 
 from jaxserve.cli import main
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
-from jaxserve.distributed import Decoder, Encoder, Processes
+from jaxserve.parallel.distributed import Decoder, Encoder, Processes
 from jaxserve.request import Request, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from fake_runner import Driver, FakeClock, expected, make_request, run
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.policies import EDF, MLFQ, POLICIES, SJF, PriorityPolicy, make_policy
 from jaxserve.core.predictors import (
     NUM_FEATURES,

@@ -13,7 +13,7 @@ from served import AUTH, KEY, MODEL, PROMPT, assert_error, succeeds, uvicorn_url
 
 from jaxserve import SamplingParams
 from jaxserve.server import protocol
-from jaxserve.tokenizer import ByteTokenizer, token_text
+from jaxserve.text.tokenizer import ByteTokenizer, token_text
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -326,9 +326,9 @@ def test_whole_vocabulary_logprobs_need_max_top_logprobs_of_the_vocabulary(http)
 def whole_vocabulary(stories_dir):
     """A server allowing logprobs of -1: max_top_logprobs of the vocabulary (as vLLM's
     max_logprobs=-1)."""
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.server import ServerConfig, build_app
 
     config = EngineConfig.from_overrides(**SERVER_ENGINE, max_top_logprobs=512)

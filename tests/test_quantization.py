@@ -21,11 +21,11 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.backends import REFERENCE
 from jaxserve.backends.cpu import CpuOps
 from jaxserve.backends.select import fp8_matmul_capable
-from jaxserve.config import EngineConfig, kv_cache_dtype
+from jaxserve.config.engine import EngineConfig, kv_cache_dtype
+from jaxserve.config.model import ModelConfig
 from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.quant import QuantizedLinear, dequantize, quantize_weight
-from jaxserve.model_config import ModelConfig
-from jaxserve.plan import plan
+from jaxserve.tools.plan import plan
 
 METHODS = ("int8", "fp8", "int4")
 EIGHT_BITS = ("int8", "fp8")  # the quality goals' (int4 is measured by bench/quantization.py)

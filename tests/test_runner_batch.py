@@ -11,12 +11,12 @@ from conftest import HF_FIXTURES
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.scheduler import ScheduledChunk
-from jaxserve.decode_rows import PAGES as PAGES_COLUMN
-from jaxserve.input_batch import InputBatch, device_seed
+from jaxserve.model.decode_rows import PAGES as PAGES_COLUMN
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import pack_decode_rows, unpack_decode_rows
 from jaxserve.request import Request
+from jaxserve.runner.input_batch import InputBatch, device_seed
 
 MODEL = HF_FIXTURES / "llama"
 BASE = dict(page_size=8, max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_sizes=(16, 64),

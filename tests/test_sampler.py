@@ -103,7 +103,7 @@ def test_top_k_keeps_ties_at_its_cut_and_tiny_temperatures_are_greedy():
 
 
 def test_64_bit_seeds_reach_the_device_distinct():
-    from jaxserve.input_batch import device_seed
+    from jaxserve.runner.input_batch import device_seed
 
     assert [device_seed(s) for s in (5, 2**32 - 1)] == [5, 2**32 - 1]  # 32-bit seeds as they are
     assert len({device_seed(s) for s in (5, 5 + 2**32, 5 + 2**33, 2**63)}) == 4

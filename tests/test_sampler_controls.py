@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.backends import Ops
+from jaxserve.config.model import ModelConfig
 from jaxserve.demo import demo_model_dir
 from jaxserve.demo.train import causal_logits
 from jaxserve.model.loader import load_state
@@ -31,9 +32,9 @@ from jaxserve.model.sampler import (
     apply_controls,
     sample,
 )
-from jaxserve.model_config import ModelConfig
-from jaxserve.token_masks import TokenMask, bad_word_ids, pack_bits
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.structured.bitmask import pack_bits
+from jaxserve.structured.token_masks import TokenMask, bad_word_ids
+from jaxserve.text.tokenizer import load_tokenizer
 
 # -- the reference ---------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from served import (
     wait_idle,
 )
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server import ServerConfig, build_app, protocol
 
 # -- errors: status and envelope, then a request that succeeds ---------------------------------

@@ -5,12 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.policies import SJF
 from jaxserve.core.predictors import oracle
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.sim import RequestSpec, Simulator, StepCostModel, synthetic
-from jaxserve.sim.cli import main
 from jaxserve.sim.cost_model import (
     StepShape,
     correlated_draws,
@@ -22,6 +21,7 @@ from jaxserve.sim.cost_model import (
 )
 from jaxserve.sim.metrics import RequestRecord, compute_metrics, parse_slos
 from jaxserve.sim.workload import Burst, arrival_times, read_trace, write_trace
+from jaxserve.tools.simulate import main
 
 ROWS, CHUNKS = (1, 2, 4, 8), (16, 64)
 
@@ -404,7 +404,7 @@ def test_cli_plots(tmp_path):
 def test_learned_predictor_learns_the_task_from_the_prompt(tmp_path):
     from jaxserve.core.predictors import resolve_predictor
     from jaxserve.request import Request, SamplingParams
-    from jaxserve.train_predictor import train_predictor
+    from jaxserve.tools.train_predictor import train_predictor
 
     rng = np.random.default_rng(0)
     lengths = {3: 8, 10: 64, 17: 200}  # the first token names the task, the task its length
@@ -428,7 +428,7 @@ def test_the_host_core_and_the_simulator_load_without_jax():
     import subprocess
     import sys
 
-    code = ("import sys, jaxserve.core.scheduler, jaxserve.core.buckets, jaxserve.sim.cli; "
+    code = ("import sys, jaxserve.core.scheduler, jaxserve.core.buckets, jaxserve.tools.simulate; "
             "sys.exit('jax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 

@@ -15,8 +15,8 @@ from conftest import HF_FIXTURES
 from test_model_hf import full_logits
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.config.model import ModelConfig
 from jaxserve.model.loader import load_state
-from jaxserve.model_config import ModelConfig
 
 PAGE_SIZE = 4
 

@@ -288,7 +288,7 @@ def test_served_streams_and_metrics(spec):
     from prometheus_client.parser import text_string_to_metric_families
     from served import metrics_of, uvicorn_url
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server import ServerConfig, build_app
 
     want = spec.generate([CODE], SamplingParams(max_tokens=40, temperature=0.0),

@@ -14,7 +14,7 @@ from fake_runner import (
     token_after,
 )
 
-from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.config.engine import EngineConfig, SpeculativeConfig
 from jaxserve.core.scheduler import BATCHING_MODES
 from jaxserve.spec.ngram import NgramProposer, propose_ngram
 

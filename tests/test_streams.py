@@ -5,8 +5,8 @@ deltas added together), and it still gets everything and the end."""
 import asyncio
 from types import SimpleNamespace
 
+from jaxserve.engine.request_stream import RequestStream
 from jaxserve.request import CompletionOutput, RequestOutput
-from jaxserve.request_stream import RequestStream
 from jaxserve.server.streams import merge
 
 

@@ -1,4 +1,4 @@
-"""Structured output's host half (jaxserve/structured_output.py) on the three kinds of tokenizer:
+"""Structured output's host half (jaxserve/structured/grammar.py) on the three kinds of tokenizer:
 the demo's bytes, stories260K's SentencePiece with byte fallback, a Hugging Face byte-level BPE.
 
 The main check is a seeded random walk through each grammar, as a model sampling under the mask
@@ -21,8 +21,9 @@ from schemas import json_schemas, regexes
 
 from jaxserve.demo import demo_model_dir
 from jaxserve.request import StructuredOutputsParams
-from jaxserve.structured_output import GrammarCompiler, allowed, bitmask_width
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.structured.bitmask import bitmask_width
+from jaxserve.structured.grammar import GrammarCompiler, allowed
+from jaxserve.text.tokenizer import load_tokenizer
 
 PAD = 45  # the model's vocabulary past the tokenizer's (ids never allowed)
 SOFT_STEPS, MAX_STEPS = 120, 400  # a walk steers to an end after SOFT_STEPS

@@ -1,4 +1,4 @@
-"""Tensor and data parallelism (jaxserve/sharding.py, LLMEngine's replicas) on 8 host CPU
+"""Tensor and data parallelism (jaxserve/parallel/sharding.py, LLMEngine's replicas) on 8 host CPU
 devices: each model's logits and greedy ids against one device, batch invariance within each
 configuration, each device's share of the weights and the KV pool, the decode step's
 collectives, stories260K's C-reference ids at tp=4 and over dp=2 x tp=2.
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM
-from jaxserve.config import EngineConfig
-from jaxserve.model_config import ModelConfig
-from jaxserve.plan import Device, plan
-from jaxserve.sharding import check_tensor_parallel
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.model import ModelConfig
+from jaxserve.parallel.sharding import check_tensor_parallel
+from jaxserve.tools.plan import Device, plan
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("llama", "qwen2", "mistral", "phi3", "stories260K")

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from jinja2.exceptions import SecurityError
 from tokenizers import Tokenizer as HFTokenizer
 
-from jaxserve.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
-from jaxserve.tokenizer import (
+from jaxserve.text.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
+from jaxserve.text.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     ByteTokenizer,
     Tokenizer,

@@ -163,7 +163,7 @@ class Backend:
     name: str  # "gpu" | "tpu" | "cpu" | "reference"
     attention: Attention
     ops: Ops
-    # tensor parallelism (jaxserve/sharding.py): the mesh axis the heads, the MLP's columns and
+    # tensor parallelism (jaxserve/parallel/sharding.py): the mesh axis the heads, the MLP's columns and
     # the vocabulary are split over, the model running once per shard under shard_map on its
     # part of each weight; None: the whole model on one device
     model_axis: str | None = None

@@ -6,5 +6,6 @@
                 table, plots, the knee, and a recommended config under a latency SLO
 
 Results carry vLLM's key names (`vllm bench serve --save-result`, `vllm bench throughput
---output-json`), so they compare directly. Benchmarks use the public engine API only.
+--output-json`), so they compare directly. Imports the public engine API (LLM, LLMEngine) and
+the simulator's metrics, never the runner or the model; only the CLI and the tools import it.
 """

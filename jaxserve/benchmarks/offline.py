@@ -17,9 +17,9 @@ import time
 
 from jaxserve.benchmarks.datasets import Sample
 from jaxserve.benchmarks.serve import serve_arrivals
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.scheduler import make_scheduler
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.request import SamplingParams
 from jaxserve.sim.metrics import RequestRecord
 

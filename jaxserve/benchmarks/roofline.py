@@ -12,7 +12,7 @@ fed) and samples O. Embedding lookups and norms are not counted.
 
 import time
 
-from jaxserve.model_config import ModelConfig
+from jaxserve.config.model import ModelConfig
 
 
 def workload_flops(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[int]) -> float:

@@ -202,7 +202,7 @@ def first_model(base_url: str, api_key: str | None) -> str:
 def model_info(tokenizer_dir: str | None, model: str) -> tuple[int, object, int | None]:
     """(vocab size, tokenizer or None, max_model_len) from a local model directory: --tokenizer,
     else the served model's name when it names one (or "demo")."""
-    from jaxserve.model_config import ModelConfig
+    from jaxserve.config.model import ModelConfig
 
     candidate = tokenizer_dir or model
     if candidate == "demo":
@@ -216,7 +216,7 @@ def model_info(tokenizer_dir: str | None, model: str) -> tuple[int, object, int 
     cfg = ModelConfig.from_hf_dir(path)
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "byte_tokenizer.json")):
-        from jaxserve.tokenizer import load_tokenizer
+        from jaxserve.text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(path)
     return cfg.vocab_size, tokenizer, cfg.max_position_embeddings

@@ -414,8 +414,8 @@ def _target(args, engine_options: dict, max_concurrency: int | None, kinds: list
         model = args.model or first_model(args.base_url, args.api_key)
         vocab, tokenizer, max_len = model_info(args.tokenizer, model)
         return ServerTarget(args.base_url, model, args.api_key), vocab, tokenizer, max_len
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
 
     # no prompt-logprob steps to compile: the sweep asks for none (not a recommendation, so
     # not written to the config)

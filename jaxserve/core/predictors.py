@@ -3,7 +3,7 @@
     oracle      the request's own max_tokens (exact when a workload runs with ignore_eos)
     prompt      a proxy: proportional to the prompt's length
     MLP         a small learned model over prompt features, numpy at inference; trained with
-                optax by `jaxserve.train_predictor` and saved as JSON
+                optax by `jaxserve.tools.train_predictor` and saved as JSON
 
 `resolve_predictor("oracle" | "prompt" | path)` returns one.
 """

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.kv_manager import KVCacheManager
 from jaxserve.core.page_pool import PagePool
 from jaxserve.core.policies import Policy, make_policy
@@ -458,7 +458,7 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, int] | None = None) -> None:
         """A dispatched iteration was read: the tokens it sampled are pending no more. The
-        output processor (outputs.py) appends those each request keeps, applies the stops and
+        output processor (engine/outputs.py) appends those each request keeps, applies the stops and
         calls `finish` for the requests they end. `sampled`: by request id, the tokens each
         verification row got (1 + the proposed tokens it kept); the positions of the rest are
         computed no more."""

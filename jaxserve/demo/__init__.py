@@ -1,6 +1,11 @@
 """The built-in demo model: a small byte-level Llama trained by `jaxserve.demo.train` on the
 Python standard library's source, shipped in the package so `LLM()` and `jaxserve serve` work
-offline with no model download."""
+offline with no model download.
+
+Imports nothing here (the checkpoint's paths); train.py imports the model, the backends and
+text. Must never import the engine or anything above it: the engine and the simulator find
+the checkpoint here.
+"""
 
 from pathlib import Path
 

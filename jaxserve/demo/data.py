@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.tokenizer import ByteTokenizer
+from jaxserve.text.tokenizer import ByteTokenizer
 
 VALIDATION_FRACTION = 0.05
 # Third-party packages are not the standard library; the test suites are mostly fixtures.

@@ -31,6 +31,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxserve.backends import REFERENCE
+from jaxserve.config.model import ModelConfig
 from jaxserve.demo import CHECKPOINT_DIR, DRAFT_DIR
 from jaxserve.demo.data import (
     Corpus,
@@ -41,8 +42,7 @@ from jaxserve.demo.data import (
 )
 from jaxserve.model.llama import LlamaForCausalLM, apply_rope, rope_tables
 from jaxserve.model.loader import load_orbax_state, save_orbax
-from jaxserve.model_config import ModelConfig
-from jaxserve.tokenizer import ByteTokenizer
+from jaxserve.text.tokenizer import ByteTokenizer
 
 REPORT_FILE = "training_report.json"
 

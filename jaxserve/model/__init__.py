@@ -1,5 +1,7 @@
-"""Device side: the Llama-family model, KV pages, sampling, the jitted steps, weight loading.
+"""Device side: the Llama-family model, KV pages, sampling, the jitted steps, weight loading, and
+the columns of a decode call's one host array (decode_rows.py, numpy only, the host's too).
 
-Never imports the host side (core, engine, server) nor names a platform: the backend object
-(jaxserve/backends) it is handed does the kernels.
+Imports jaxserve.config only (and jax, flax, qwix). Must never import the host side (core,
+runner, engine, server) nor name a platform: the backend object (jaxserve/backends) it is
+handed does the kernels.
 """

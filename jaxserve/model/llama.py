@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.config.model import ModelConfig
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.moe import SparseMoeBlock
 from jaxserve.model.quant import QuantizedLinear
-from jaxserve.model_config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [rotary_dim // 2] float32

@@ -16,10 +16,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxserve.config.model import ModelConfig
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.quant import array_bytes, quantize_weight
 from jaxserve.model.quantized_tensors import checkpoint_scales, load_packed, narrow, unpack_int32
-from jaxserve.model_config import ModelConfig
 
 ORBAX_DIR = "params"
 # Tensors some checkpoints carry that the model derives itself.
@@ -65,7 +65,7 @@ def _nest(flat: dict[tuple, jax.Array]) -> dict:
 def random_state(cfg: ModelConfig, dtype, seed: int,
                  place=None) -> tuple[nnx.GraphDef, nnx.State]:
     """load_format="dummy": norms at 1, biases at 0, the rest N(0, 0.02), made on the device;
-    with `place` (jaxserve/sharding.py's ShardPlacement) each made on its shards, the same
+    with `place` (jaxserve/parallel/sharding.py's ShardPlacement) each made on its shards, the same
     values (jax's random bits do not depend on the sharding)."""
     graphdef, abstract = abstract_model(cfg, dtype)
     flat = _flat(abstract)
@@ -246,7 +246,7 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                   place=None) -> tuple[nnx.GraphDef, nnx.State]:
     """Read a local Hugging Face directory's safetensors (single or sharded) into the state.
     `place(path, tensor)`: the array a checkpoint tensor (host memory, the model's layout)
-    becomes, e.g. put straight onto its shards (jaxserve/sharding.py); else on the device."""
+    becomes, e.g. put straight onto its shards (jaxserve/parallel/sharding.py); else on the device."""
     from safetensors import safe_open
 
     path = Path(path)

@@ -11,7 +11,7 @@ expert's weights (`backend.ops.grouped_linear`: `jax.lax.ragged_dot`, on the CPU
 invariant C++ kernel). Each token's k results are gathered back to it and summed in a fixed
 order, so its output does not depend on the other tokens of the step.
 
-Under a mesh the experts split one of two ways (jaxserve/sharding.py): tensor parallelism
+Under a mesh the experts split one of two ways (jaxserve/parallel/sharding.py): tensor parallelism
 inside each expert (its intermediate columns split like a dense MLP's) or expert parallelism
 (each shard holds num_experts / shards whole experts). Either way every shard holds every
 token (the attention's all-reduce left them there), routes them all the same way, computes the
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.model_config import ModelConfig
+from jaxserve.config.model import ModelConfig
 
 
 class ExpertLinear(nnx.Module):

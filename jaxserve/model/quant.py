@@ -10,7 +10,7 @@ dtype, as vLLM keeps them.
 qwix's model rewriting (`quantize_model`, which intercepts the ops a module calls) does not fit
 this engine: its linear layers run through the backend seam (`backend.ops.linear`), where a
 backend may call a kernel XLA cannot look into, and the weights must keep their state paths for
-the tensor-parallel split (jaxserve/sharding.py). So a `QuantizedLinear` holds the arrays under
+the tensor-parallel split (jaxserve/parallel/sharding.py). So a `QuantizedLinear` holds the arrays under
 those paths, and each backend's `Ops.linear` multiplies by them its own way; called directly,
 it is plain XLA through qwix's dot (the dequantisation fused into the matmul).
 """
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.model_config import QUANTIZATIONS
+from jaxserve.config.model import QUANTIZATIONS
 
 _QTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn),
            "int4": jnp.dtype(jnp.int4)}

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model_config import ModelConfig
+from jaxserve.config.model import ModelConfig
 
 # AutoAWQ packs eight 4-bit values a word in this column order: word bits 4k hold column
 # _AWQ_ORDER[k] of the word's eight

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.decode_rows import (
+from jaxserve.model.decode_rows import (
     HOST_TOKEN,
     LOGPROBS,
     PAGES,
@@ -134,7 +134,7 @@ def make_step_fns(graphdef: nnx.GraphDef, state_treedef, backend, num_top: int,
                   carry_size: int, shards=None) -> StepFns:
     """The functions take `weights` as (the state's flat list of arrays, rope_tables' cos and
     sin); `state_treedef` rebuilds the state from the list: flattening NNX variables on every
-    call would cost the host a millisecond per step. `shards` (jaxserve/sharding.py): the
+    call would cost the host a millisecond per step. `shards` (jaxserve/parallel/sharding.py): the
     model runs per shard of its mesh under shard_map, the weights and the KV pool split as
     its specs say, every other array whole on each shard."""
     def pad(tokens):  # [B] -> [M]

@@ -32,17 +32,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from jaxserve import distributed
-from jaxserve.async_engine import (
+from jaxserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineStoppedError,
     QueueFullError,
     RequestTimeoutError,
 )
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.request_stream import RequestStream
+from jaxserve.parallel import distributed
 from jaxserve.request import RequestOutput
-from jaxserve.request_stream import RequestStream
 from jaxserve.server import protocol
 from jaxserve.server.body import SafeJSONResponse, read_json
 from jaxserve.server.config import ServerConfig

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from jaxserve.checks import show
+from jaxserve.config.checks import show
 from jaxserve.server.fields import APIError
 
 

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from jaxserve.checks import is_finite, is_int, show
+from jaxserve.config.checks import is_finite, is_int, show
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ structured.py, body.py and the middleware import it."""
 
 from typing import Any
 
-from jaxserve.checks import show
+from jaxserve.config.checks import show
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 408: "RequestTimeoutError",

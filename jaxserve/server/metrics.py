@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.request_stream import RequestStream
 from jaxserve.request import RequestOutput
-from jaxserve.request_stream import RequestStream
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's buckets, as its PrometheusStatLogger has them

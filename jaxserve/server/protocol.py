@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxserve.checks import is_finite, is_int, show
+from jaxserve.config.checks import is_finite, is_int, show
 from jaxserve.request import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxserve.server.fields import APIError, get_field, is_bool, is_str, is_text, same
 from jaxserve.server.structured import parse_structured

@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.request import Logprob, RequestOutput
 from jaxserve.server.protocol import GenerateRequest
-from jaxserve.tokenizer import token_text
+from jaxserve.text.detokenizer import IncrementalDetokenizer
+from jaxserve.text.tokenizer import token_text
 
 
 def _finite(x: float) -> float:

@@ -9,8 +9,8 @@ from typing import Any
 
 from starlette.requests import Request
 
+from jaxserve.engine.request_stream import RequestStream
 from jaxserve.request import RequestOutput
-from jaxserve.request_stream import RequestStream
 
 
 def sse_event(body: dict[str, Any]) -> str:

@@ -5,7 +5,7 @@ StructuredOutputsParams checks the constraint itself; protocol.py builds it."""
 
 from typing import Any
 
-from jaxserve.checks import show
+from jaxserve.config.checks import show
 from jaxserve.server.fields import APIError, get_field, is_bool, is_str, is_text, same
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

@@ -1,5 +1,5 @@
 import sys
 
-from jaxserve.sim.cli import main
+from jaxserve.tools.simulate import main
 
 sys.exit(main())

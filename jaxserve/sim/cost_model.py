@@ -10,7 +10,7 @@ attention walks the pages of the longest sequence in the call (L) for every row,
     where each table entry is  a + b * L,  fitted by least squares per shape
 
 to timings of the real runner over decode rows x prefill tokens x context
-(`jaxserve.calibrate`), measured pipelined as the engine runs. A shape the profile missed takes
+(`jaxserve.tools.calibrate`), measured pipelined as the engine runs. A shape the profile missed takes
 the nearest profiled one, scaled by its padded rows (and chunk length). Inside the engine a step
 also pays for scheduling and outputs, and its calls meet other work (scattered pages, the host
 thread on the same cores), so the iteration is
@@ -62,7 +62,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.buckets import prefill_calls, prefill_row_buckets
 from jaxserve.core.scheduler import SchedulerOutput
 

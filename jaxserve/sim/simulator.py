@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.policies import Policy
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput, make_scheduler
-from jaxserve.engine_core import EngineCore, Samples
-from jaxserve.request import Request, SamplingParams
+from jaxserve.engine.loop import EngineCore
+from jaxserve.request import Request, Samples, SamplingParams
 from jaxserve.sim.cost_model import StepCostModel, correlated_draws
 from jaxserve.sim.metrics import RequestRecord, compute_metrics
 from jaxserve.sim.workload import RequestSpec

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.checks import is_finite, is_int
+from jaxserve.config.checks import is_finite, is_int
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,10 @@
 """Speculative decoding's host half: the proposers the scheduler asks (the verification is the
 sampler's: model/sampler.py `verify`; a draft model's proposals are made on the device,
-draft_runner.py). Host only: no jax here."""
+runner/draft_runner.py). Host only: no jax here.
+
+Imports jaxserve.request only. Must never import the runner or the model: the scheduler asks it
+for proposals on the host.
+"""
 
 from typing import Protocol
 

@@ -1,6 +1,6 @@
 """The draft model's side of the scheduler: how many tokens a row proposes. The tokens
 themselves are the draft model's, made on the device when the verification call is dispatched
-(draft_runner.py): the host never sees them before the verification's results."""
+(runner/draft_runner.py): the host never sees them before the verification's results."""
 
 from jaxserve.request import Request
 

@@ -3,8 +3,8 @@ call's head.
 
 A call holding a row with controls (penalties, logit_bias, min_p, a token mask) runs the model
 without its head at dispatch and leaves a `Head`; the runner's `finish` hands each to
-`SamplerControls.sample`, which makes the rows' token bitmasks on the host (token_masks.py,
-structured_output.py) and dispatches the head (model/step.py), keeping the device state
+`SamplerControls.sample`, which makes the rows' token bitmasks on the host (structured/token_masks.py,
+structured/grammar.py) and dispatches the head (model/step.py), keeping the device state
 (model/sampler.py: SamplerState: per slot, output-token counts, prompt tokens, logit_bias)
 current. A controlled request's slot state is written when it takes the slot (`write`).
 """
@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.scheduler import ScheduledChunk
-from jaxserve.input_batch import InputBatch
 from jaxserve.model.sampler import Controls, SamplerState, SamplingMetadata
 from jaxserve.request import MAX_LOGIT_BIAS
-from jaxserve.token_masks import bitmask_width
+from jaxserve.runner.input_batch import InputBatch
+from jaxserve.structured.bitmask import bitmask_width
 
 
 @dataclass
@@ -105,7 +105,7 @@ class SamplerControls:
         # the grammars' masks (structured_output.fill_rows), then each row's own limits
         grammars = [(m.grammar, i) for i, m in masks if m.grammar is not None]
         if grammars:
-            from jaxserve.structured_output import fill_rows  # llguidance: only when one is used
+            from jaxserve.structured.grammar import fill_rows  # llguidance: only when one is used
             fill_rows(grammars, bitmask)
         for i, mask in masks:
             mask.restrict(bitmask[i])

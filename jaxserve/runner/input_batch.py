@@ -1,13 +1,13 @@
 """The runner's host arrays, kept across steps (vLLM V1's persistent batch): numpy only.
 
-The runner (runner.py) updates it once per dispatch with the step's chunks and gathers each
+The runner (model_runner.py) updates it once per dispatch with the step's chunks and gathers each
 call's padded arrays from it; nothing here touches the device.
 """
 
 import numpy as np
 
 from jaxserve.core.scheduler import ScheduledChunk
-from jaxserve.decode_rows import (
+from jaxserve.model.decode_rows import (
     LOGPROBS,
     PAGES,
     QUERY_LEN,

@@ -10,7 +10,7 @@ token sampled before (`accept`). The definitions are vLLM's:
 - bad_words: each word is encoded alone and after a space (vLLM's two forms); a one-token word
   is never sampled, a longer one's last token is masked while the output ends with the rest;
 - min_tokens: EOS and the stop ids are masked until the output holds min_tokens tokens;
-- structured output: the grammar matcher's next tokens (structured_output.py).
+- structured output: the grammar matcher's next tokens (grammar.py).
 """
 
 from typing import TYPE_CHECKING
@@ -18,23 +18,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.request import SamplingParams
-from jaxserve.tokenizer import BaseTokenizer
+from jaxserve.structured.bitmask import bitmask_width, pack_bits
+from jaxserve.text.tokenizer import BaseTokenizer
 
 if TYPE_CHECKING:
-    from jaxserve.structured_output import GrammarCompiler, GrammarMatcher
-
-
-def bitmask_width(vocab_size: int) -> int:
-    """int32 words of a bitmask over `vocab_size` tokens."""
-    return -(-vocab_size // 32)
-
-
-def pack_bits(allowed: np.ndarray) -> np.ndarray:
-    """[V] bool -> [ceil(V / 32)] int32 bitmask."""
-    words = np.zeros((bitmask_width(allowed.shape[0]) * 32,), bool)
-    words[:allowed.shape[0]] = allowed
-    bits = np.packbits(words.reshape(-1, 32)[:, ::-1], axis=1)  # big-endian bytes, bit 31 first
-    return bits.view(">u4")[:, 0].astype(np.uint32).view(np.int32)
+    from jaxserve.structured.grammar import GrammarCompiler, GrammarMatcher
 
 
 def bad_word_ids(words: tuple[str, ...], tokenizer: BaseTokenizer | None,

@@ -416,28 +416,3 @@ def setup_of(model_path, config) -> dict[str, Any]:
     return {"model config.json (sha256)": hashlib.sha256(text).hexdigest()[:16],
             "engine options": dataclasses.asdict(config),
             "num_processes": _state.processes.num_processes if _state else 1}
-
-
-def run_follower(model: str | None, config, group: Group) -> int:
-    """A follower process: the leader's model runner, replayed until the leader stops."""
-    import jax
-
-    from jaxserve.engine import resolve_model
-    from jaxserve.model_config import ModelConfig
-    from jaxserve.runner import ModelRunner
-
-    try:
-        path = resolve_model(model)
-        group.agree(setup_of(path, config))
-        check_group(config)
-        model_config = config.served_model(ModelConfig.from_hf_dir(path))
-        runner = ModelRunner(path, model_config, config, None,
-                             jax.devices()[:config.tensor_parallel_size])
-        log.info("process %d: compiled every step shape in %.1f s; following process 0",
-                 group.processes.process_id, runner.warmup())
-        code = follow(runner, group)
-    except BaseException as error:
-        group.fail(error)
-        raise
-    group.shutdown()
-    return code

@@ -14,13 +14,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxserve.config import (
+from jaxserve.config.engine import (
     EngineConfig,
     compute_dtype,
     host_memory_bytes,  # the cgroup's limit when lower: what the engine sizes itself by
     kv_cache_dtype,
 )
-from jaxserve.model_config import SUPPORTED_DTYPES, ModelConfig
+from jaxserve.config.model import SUPPORTED_DTYPES, ModelConfig
 from jaxserve.request import MAX_LOGIT_BIAS
 
 
@@ -43,21 +43,21 @@ def this_device() -> Device:
 
 def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
     from jaxserve.model.loader import abstract_model, state_bytes
-    from jaxserve.runner import DTYPES
+    from jaxserve.runner.model_runner import DTYPES
 
     return state_bytes(abstract_model(cfg, DTYPES[dtype])[1])
 
 
 def weight_bytes_per_device(cfg: ModelConfig, dtype: str, tp: int) -> int:
-    """One device's weights under tensor_parallel_size `tp` (jaxserve/sharding.py): each split
+    """One device's weights under tensor_parallel_size `tp` (jaxserve/parallel/sharding.py): each split
     weight's 1/tp (k_proj and v_proj with their heads repeated where fewer than tp), the
     norms whole."""
     import jax
 
     from jaxserve.model.loader import abstract_model
     from jaxserve.model.quant import array_bytes
-    from jaxserve.runner import DTYPES
-    from jaxserve.sharding import path_names, weight_spec
+    from jaxserve.parallel.sharding import path_names, weight_spec
+    from jaxserve.runner.model_runner import DTYPES
 
     repeats = max(tp // cfg.num_kv_heads, 1)
     total = 0
@@ -75,7 +75,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: str, tp: int = 1) -> int:
     """All devices' shares together (KV heads repeated to one a device where fewer than tp)."""
     from jaxserve.backends import REFERENCE
     from jaxserve.model.kv_cache import KVCache
-    from jaxserve.sharding import kv_heads_per_device
+    from jaxserve.parallel.sharding import kv_heads_per_device
 
     heads = cfg.num_kv_heads if tp == 1 else kv_heads_per_device(cfg, tp) * tp
     return KVCache.bytes_per_page(cfg.num_layers, 1, heads, cfg.head_dim,
@@ -92,13 +92,13 @@ def sampler_state_bytes(vocab_size: int, max_num_seqs: int) -> int:
 def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | None = None,
          device: Device | None = None) -> dict:
     """The numbers `jaxserve plan` prints, as a dict."""
-    from jaxserve.engine import resolve_model
+    from jaxserve.engine.llm_engine import resolve_model
 
     path = resolve_model(model)
     cfg = config.served_model(ModelConfig.from_hf_dir(path))
     device = device or this_device()
     from jaxserve.backends import resolve_attention_impl
-    from jaxserve.sharding import check_tensor_parallel
+    from jaxserve.parallel.sharding import check_tensor_parallel
 
     dtype = compute_dtype(config.dtype, cfg.dtype, device.backend, cfg.num_params,
                           config.kv_cache_bytes_cpu)

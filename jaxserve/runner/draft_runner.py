@@ -18,6 +18,7 @@ both and there is no second allocator. How far a request's draft K/V is valid:
 import jax
 import numpy as np
 
+from jaxserve.config.model import ModelConfig
 from jaxserve.core.buckets import bucket
 from jaxserve.core.scheduler import ScheduledChunk
 from jaxserve.model.kv_cache import AttentionMetadata
@@ -25,7 +26,6 @@ from jaxserve.model.llama import rope_tables, stack_layers
 from jaxserve.model.loader import load_state
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns
-from jaxserve.model_config import ModelConfig
 from jaxserve.request import Request
 
 

@@ -1,13 +1,13 @@
 """What a config.json says family by family, read as transformers reads each: RoPE (scaling
 types, Phi-3's LongRoPE, Gemma 3's local base), sliding windows and layer types, Gemma's own
-keys, the mixture-of-experts fields. Each refusal names the field. model_config.py's
+keys, the mixture-of-experts fields. Each refusal names the field. model.py's
 ModelConfig reads the rest and calls these."""
 
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from jaxserve.checks import is_finite, is_int, show
+from jaxserve.config.checks import is_finite, is_int, show
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -1,6 +1,6 @@
 """Train the learned output-length predictor for sjf (jax + optax; inference is numpy).
 
-    python -m jaxserve.train_predictor TRACE.jsonl OUT.json      # pairs from a trace's rows
+    python -m jaxserve.tools.train_predictor TRACE.jsonl OUT.json      # pairs from a trace's rows
     jaxserve serve --policy sjf --sjf-predictor OUT.json
 
 The model is `core.predictors.MLPPredictor`: one hidden ReLU layer over standardised prompt

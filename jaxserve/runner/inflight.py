@@ -5,7 +5,7 @@ results.
 device ([rows, W] int32 per sampled token: the token, its logprob's bits and rank, the top-K
 ids and logprobs' bits; model/sampler.py). `ModelRunner.collect` copies them to the host (the
 runner alone moves arrays between the worlds) and `read_results` turns them into each
-request's `Samples` (engine_core.py), what the engine loop hands the output processor: numpy
+request's `Samples` (request.py), what the engine loop hands the output processor: numpy
 only here.
 """
 
@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from jaxserve.core.scheduler import ScheduledChunk
-from jaxserve.engine_core import Samples, TokenLogprobs
-from jaxserve.sampler_controls import Head
+from jaxserve.request import Samples, TokenLogprobs
+from jaxserve.runner.sampler_controls import Head
 
 
 @dataclass

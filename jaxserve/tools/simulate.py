@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import EngineConfig, read_config_file
+from jaxserve.config.engine import EngineConfig, read_config_file
 from jaxserve.sim.cost_model import StepCostModel, default_fit_path, fit_mismatches
 from jaxserve.sim.metrics import format_table, parse_slos
 from jaxserve.sim.simulator import Simulator
@@ -203,7 +203,7 @@ def load_fit(model: str, config: EngineConfig, path: Path | None) -> StepCostMod
     if path.is_file():
         return StepCostModel.load(path)
     print(f"no step-cost fit at {path}: calibrating {model} on this device", file=sys.stderr)
-    from jaxserve.calibrate import calibrate  # the real engine: imports jax
+    from jaxserve.tools.calibrate import calibrate  # the real engine: imports jax
 
     return calibrate(model, config, path)
 
@@ -242,7 +242,7 @@ def run(args) -> int:
     if args.validate:
         return _validate(args, config)
     if args.calibrate:
-        from jaxserve.calibrate import calibrate
+        from jaxserve.tools.calibrate import calibrate
 
         fit = calibrate(args.model, config, args.fit, freeze=True)
         print(json.dumps(fit.info, indent=1))
@@ -293,7 +293,7 @@ def run(args) -> int:
 
 
 def _validate(args, config: EngineConfig) -> int:
-    from jaxserve.calibrate import VALIDATED, validate
+    from jaxserve.tools.calibrate import VALIDATED, validate
 
     report = validate(args.model, config, lambda max_model_len: workload(args, max_model_len),
                       args.fit, recalibrate=args.calibrate, repeats=args.repeats, freeze=True)

@@ -4,12 +4,17 @@ them; the engine thread hands outputs to them with `call_soon_threadsafe`)."""
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from jaxserve.request import RequestOutput
 
-if TYPE_CHECKING:
-    from jaxserve.async_engine import AsyncEngine
+
+class StreamOwner(Protocol):
+    """What a stream asks of the engine that made it (`AsyncEngine`)."""
+
+    def _forget(self, stream: "RequestStream") -> None: ...
+
+    def abort_streams(self, streams: list["RequestStream"]) -> None: ...
 
 
 class RequestStream:
@@ -21,7 +26,7 @@ class RequestStream:
     finished output, raises the error that ended the request, or ends at once after `abort()`.
     """
 
-    def __init__(self, request_id: str, owner: "AsyncEngine", loop: asyncio.AbstractEventLoop,
+    def __init__(self, request_id: str, owner: StreamOwner, loop: asyncio.AbstractEventLoop,
                  delta: bool = False):
         self.request_id = request_id
         self.loop = loop

@@ -17,11 +17,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.core.buckets import prefill_shapes
 from jaxserve.core.page_pool import PagePool
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
-from jaxserve.engine import LLMEngine, freeze_gc
+from jaxserve.engine.llm_engine import LLMEngine, freeze_gc
 from jaxserve.request import Request, SamplingParams
 from jaxserve.sim.cost_model import (
     WAKE_STEPS,

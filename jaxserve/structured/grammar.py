@@ -27,8 +27,8 @@ import llguidance as llg
 import numpy as np
 
 from jaxserve.request import StructuredOutputsParams
-from jaxserve.token_masks import bitmask_width
-from jaxserve.tokenizer import BaseTokenizer, ByteTokenizer
+from jaxserve.structured.bitmask import bitmask_width
+from jaxserve.text.tokenizer import BaseTokenizer, ByteTokenizer
 
 CACHE_SIZE = 1024  # compiled grammars kept (least recently used dropped first)
 # llguidance's defaults bound a compile (lexer fuel, grammar size) to tens of ms at worst;

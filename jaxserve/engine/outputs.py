@@ -27,7 +27,6 @@ per step; the text searched for stop strings is what is held back plus the new t
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from jaxserve.detokenizer import make_detokenizer
 from jaxserve.request import (
     CompletionOutput,
     Logprob,
@@ -36,11 +35,12 @@ from jaxserve.request import (
     RequestOutputKind,
     RequestStatus,
 )
-from jaxserve.tokenizer import BaseTokenizer, token_text
+from jaxserve.text.detokenizer import make_detokenizer
+from jaxserve.text.tokenizer import BaseTokenizer, token_text
 
 if TYPE_CHECKING:
     from jaxserve.core.scheduler import Scheduler, SchedulerOutput
-    from jaxserve.engine_core import Samples, TokenLogprobs
+    from jaxserve.request import Samples, TokenLogprobs
 
 DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
@@ -104,7 +104,7 @@ class OutputProcessor:
 
     @staticmethod
     def feed_masks(done: "SchedulerOutput", results: Mapping[str, "Samples"]) -> None:
-        """Give the token masks of a read iteration's requests (token_masks.py) their new
+        """Give the token masks of a read iteration's requests (structured/token_masks.py) their new
         tokens, before `update`: the engine loop then makes their next masks at once. A
         request with a mask samples one token a step and keeps it (a stop ends it there)."""
         for chunk in done.chunks:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxserve.family_config import (
+from jaxserve.config.family import (
     GEMMA_ARCHITECTURES,
     RopeScaling,
     positive_int,
@@ -21,7 +21,7 @@ from jaxserve.family_config import (
     read_rope,
     read_sliding_window,
 )
-from jaxserve.quant_config import read_quantization
+from jaxserve.config.quant import read_quantization
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",

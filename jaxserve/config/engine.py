@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from jaxserve.checks import is_finite, is_int, show
-from jaxserve.model_config import QUANTIZATIONS, SUPPORTED_DTYPES, ModelConfig
+from jaxserve.config.checks import is_finite, is_int, show
+from jaxserve.config.model import QUANTIZATIONS, SUPPORTED_DTYPES, ModelConfig
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")  # the kv_cache_dtype option's values
 
@@ -241,7 +241,7 @@ class EngineConfig:
     # except the CPU's matmul kernels, which run faster unrolled)
     scan_layers: bool | None = None
     # tensor parallelism (vLLM's name, -tp): the model's heads, MLP columns, vocabulary and KV
-    # pool split over this many devices of one mesh (jaxserve/sharding.py)
+    # pool split over this many devices of one mesh (jaxserve/parallel/sharding.py)
     tensor_parallel_size: int = 1
     # data parallelism (vLLM's name, -dp): this many replicas of the model, each on its own
     # tensor_parallel_size devices with its own scheduler and KV pool; each request goes to the

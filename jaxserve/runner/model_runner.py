@@ -49,7 +49,8 @@ from jax import monitoring
 from jax.sharding import NamedSharding
 
 from jaxserve.backends import select_backend
-from jaxserve.config import EngineConfig, compute_dtype, kv_cache_dtype
+from jaxserve.config.engine import EngineConfig, compute_dtype, kv_cache_dtype
+from jaxserve.config.model import ModelConfig
 from jaxserve.core.buckets import (
     bucket,
     prefill_calls,
@@ -59,20 +60,13 @@ from jaxserve.core.buckets import (
     ragged_token_buckets,
 )
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
-from jaxserve.decode_rows import HOST_TOKEN, LOGPROBS, SRC
-from jaxserve.draft_runner import DraftRunner
-from jaxserve.engine_core import Samples
-from jaxserve.inflight import Inflight, PrefillCall, read_results
-from jaxserve.input_batch import InputBatch
+from jaxserve.model.decode_rows import HOST_TOKEN, LOGPROBS, SRC
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.llama import rope_tables, stack_layers
 from jaxserve.model.loader import load_state, state_bytes
 from jaxserve.model.sampler import SamplingMetadata
 from jaxserve.model.step import make_step_fns, pack_decode_rows
-from jaxserve.model_config import ModelConfig
-from jaxserve.request import Request
-from jaxserve.sampler_controls import Head, SamplerControls
-from jaxserve.sharding import (
+from jaxserve.parallel.sharding import (
     MODEL_AXIS,
     ShardPlacement,
     Shards,
@@ -83,6 +77,11 @@ from jaxserve.sharding import (
     repeat_kv_heads,
     shard_state,
 )
+from jaxserve.request import Request, Samples
+from jaxserve.runner.draft_runner import DraftRunner
+from jaxserve.runner.inflight import Inflight, PrefillCall, read_results
+from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.sampler_controls import Head, SamplerControls
 
 log = logging.getLogger("jaxserve")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -126,7 +125,7 @@ class ModelRunner:
                              f"{len(self.devices)} devices")
         # whatever is made without a placement (the weights of one device, the backend's
         # packed panels) is made on this runner's first device of this process (a mesh may
-        # span several processes: jaxserve/distributed.py)
+        # span several processes: jaxserve/parallel/distributed.py)
         self.local_device = next(d for d in self.devices
                                  if d.process_index == jax.process_index())
         with jax.default_device(self.local_device):
@@ -177,7 +176,7 @@ class ModelRunner:
         if self.scan_layers:  # one layer compiled, whatever the depth
             self.graphdef, self.state = stack_layers(self.graphdef, self.state, consume=True)
         self.shards = None
-        if tp > 1:  # each device its part of every split weight (jaxserve/sharding.py)
+        if tp > 1:  # each device its part of every split weight (jaxserve/parallel/sharding.py)
             self.backend = replace(self.backend, model_axis=MODEL_AXIS)
             self.state, weight_specs = shard_state(
                 repeat_kv_heads(self.state, model_config, tp), mesh, experts)
@@ -407,7 +406,7 @@ class ModelRunner:
         every token sampled before it (the engine loop calls it after reading the previous
         iteration), so each row's mask is current. The device ran their model meanwhile.
         Returns each call's token bitmask; `bitmasks`: use these (what process 0's runner
-        used, jaxserve/distributed.py) instead of the requests' own masks."""
+        used, jaxserve/parallel/distributed.py) instead of the requests' own masks."""
         if not flight.heads:
             return []
         carries = list(self._carries)

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from jaxserve.tokenizer import BaseTokenizer, Tokenizer
+from jaxserve.text.tokenizer import BaseTokenizer, Tokenizer
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first generated one (as vLLM)
 

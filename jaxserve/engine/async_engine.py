@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.engine import LLMEngine, PromptType
+from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.engine.request_stream import RequestStream
 from jaxserve.request import RequestOutput, RequestOutputKind, SamplingParams
-from jaxserve.request_stream import RequestStream
 
 log = logging.getLogger("jaxserve")
 

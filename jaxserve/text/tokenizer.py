@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from jaxserve.chat_template import (
+from jaxserve.text.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     TEMPLATE_TOKENS,
     check_messages,

@@ -24,8 +24,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.config.model import ModelConfig
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.model_config import ModelConfig
 
 MODEL_AXIS = "model"
 # a weight's split by the last part of its name: the mesh axis of each of its trailing dims

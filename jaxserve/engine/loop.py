@@ -21,31 +21,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
-from jaxserve.outputs import OutputProcessor
-from jaxserve.request import Request
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """A sampled (or prompt) token's logprob and rank, and the top-K ids and logprobs."""
-
-    logprob: float
-    rank: int
-    top_ids: np.ndarray  # [K] int32
-    top_logprobs: np.ndarray  # [K] float32
-
-
-@dataclass(slots=True)
-class Samples:
-    """What one request got from one iteration."""
-
-    tokens: list[int]
-    logprobs: list[TokenLogprobs] | None = None  # when the request asked for logprobs
-    prompt_start: int = 0  # prompt_logprobs[j] is for the prompt token at prompt_start + 1 + j
-    prompt_logprobs: list[TokenLogprobs] | None = None
+from jaxserve.engine.outputs import OutputProcessor
+from jaxserve.request import Request, Samples
 
 
 class Runner(Protocol):

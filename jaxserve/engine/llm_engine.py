@@ -1,4 +1,4 @@
-"""The engine: `LLMEngine.step()` = the engine loop's step (engine_core.py: schedule ->
+"""The engine: `LLMEngine.step()` = the engine loop's step (loop.py: schedule ->
 dispatch -> read the previous step -> stops) + the step's `RequestOutput`s (outputs.py). The
 offline API over it, `LLM`, is llm.py's.
 
@@ -17,19 +17,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaxserve import distributed
-from jaxserve.checks import is_int, show
-from jaxserve.config import EngineConfig
+from jaxserve.config.checks import is_int, show
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.model import ModelConfig
 from jaxserve.core.scheduler import Scheduler, make_scheduler
-from jaxserve.engine_core import RUNNER_MEMBERS, EngineCore, Runner, Step
-from jaxserve.model_config import ModelConfig
-from jaxserve.outputs import OutputProcessor
+from jaxserve.engine.loop import RUNNER_MEMBERS, EngineCore, Runner, Step
+from jaxserve.engine.outputs import OutputProcessor
+from jaxserve.parallel import distributed
 from jaxserve.request import Request, RequestOutput, SamplingParams
-from jaxserve.token_masks import TokenMask
-from jaxserve.tokenizer import load_tokenizer, same_vocabulary
+from jaxserve.structured.token_masks import TokenMask
+from jaxserve.text.tokenizer import load_tokenizer, same_vocabulary
 
 if TYPE_CHECKING:
-    from jaxserve.structured_output import GrammarCompiler
+    from jaxserve.structured.grammar import GrammarCompiler
 
 log = logging.getLogger("jaxserve")
 PromptType = str | dict[str, Any]
@@ -111,7 +111,7 @@ class LLMEngine:
 
     def __init__(self, model: str | Path | None, config: EngineConfig, progress: bool = False,
                  runner: Runner | Sequence[Runner] | None = None):
-        """`runner`: what runs the steps (engine_core.Runner), or one per data-parallel
+        """`runner`: what runs the steps (loop.Runner), or one per data-parallel
         replica; None builds the model runners for `model` (the tests pass fake ones: no model
         is compiled then, and `model` gives only its config.json and tokenizer)."""
         self.model_path = resolve_model(model)
@@ -136,7 +136,7 @@ class LLMEngine:
             missing = [name for name in RUNNER_MEMBERS if not hasattr(r, name)]
             if missing:
                 raise TypeError(f"runner {type(r).__name__} lacks {', '.join(missing)} of the "
-                                "engine's runner interface (engine_core.Runner)")
+                                "engine's runner interface (loop.Runner)")
         self.runners = runners
         self.max_model_len = runners[0].max_model_len
         # one processor for every replica: a request's text and stops, wherever it runs
@@ -165,8 +165,8 @@ class LLMEngine:
 
     def _model_runners(self) -> list[Runner]:
         """A model runner per data-parallel replica, each on its own devices."""
-        from jaxserve.runner import ModelRunner  # jax: only when a model runs here
-        from jaxserve.sharding import replica_devices
+        from jaxserve.parallel.sharding import replica_devices
+        from jaxserve.runner.model_runner import ModelRunner  # jax: only when a model runs here
 
         config = self.config
         group = distributed.group()
@@ -285,7 +285,7 @@ class LLMEngine:
         """The grammar compiler of structured output (made when first asked for: the first
         structured request); None without a tokenizer."""
         if self._grammar_compiler is None and self.tokenizer is not None:
-            from jaxserve.structured_output import GrammarCompiler
+            from jaxserve.structured.grammar import GrammarCompiler
 
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                                      self.eos_token_ids)
