@@ -21,7 +21,7 @@ from pathlib import Path
 from jaxserve.text.tokenizer import Tokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-STORIES_DIR = Path("/work/shared/models/stories260K")
+STORIES_DIR = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 
 # ---------------------------------------------------------------------------------------------
 # Grammars
