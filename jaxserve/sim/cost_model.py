@@ -61,6 +61,7 @@ from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
+from scipy.optimize import nnls
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.core.buckets import prefill_calls, prefill_row_buckets
@@ -150,14 +151,19 @@ def step_shape(out: SchedulerOutput, row_buckets: tuple[int, ...],
 
 
 def _line(lengths: list[float], seconds: list[float]) -> tuple[float, float]:
-    """(a, b) of seconds = a + b * length, b >= 0; least squares on relative error."""
+    """(a, b) of seconds = a + b * length with a, b >= 0, least squares on relative error.
+
+    The constraint is physics, not tidiness: a call never costs less than nothing, and a
+    longer context never makes it faster. An unconstrained fit of noisy times can give either
+    a negative (a busy machine once gave b = -0.00055), and the simulator would run on it.
+    SciPy's non-negative least squares (Lawson-Hanson) solves the constrained problem exactly."""
     x, y = np.asarray(lengths, np.float64), np.asarray(seconds, np.float64)
+    if np.any(~np.isfinite(y)) or np.any(y <= 0):
+        raise ValueError(f"measured seconds must be positive and finite, got {y.tolist()}")
     if len(set(x.tolist())) < 2:
         return float(y.mean()), 0.0
     w = 1.0 / y
-    (a, b), *_ = np.linalg.lstsq(np.stack([w, w * x], axis=1), np.ones_like(y), rcond=None)
-    if b < 0:  # longer context never makes a step faster: noise, use the mean
-        return float(y.mean()), 0.0
+    (a, b), _ = nnls(np.stack([w, w * x], axis=1), np.ones_like(y))
     return float(a), float(b)
 
 
