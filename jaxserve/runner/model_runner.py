@@ -29,7 +29,8 @@ The host arrays persist across steps (InputBatch): each running request holds a 
 in full when it joins and then only where it changed (pages appended); a call's padded arrays are
 gathered from the slots. `dispatch` returns at once (the device runs on, the packed results start
 copying to the host); `collect` waits for them. The engine dispatches iteration t+1 before
-collecting iteration t.
+collecting iteration t. Each kind of call's arrays and dispatch are calls.py's; the start-up
+compile of every shape is warmup.py's.
 """
 
 import contextlib
@@ -52,20 +53,16 @@ from jaxserve.backends import select_backend
 from jaxserve.config.engine import EngineConfig, compute_dtype, kv_cache_dtype
 from jaxserve.config.model import ModelConfig
 from jaxserve.core.buckets import (
-    bucket,
     prefill_calls,
     prefill_row_buckets,
-    prefill_shapes,
     ragged_calls,
     ragged_token_buckets,
 )
 from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
-from jaxserve.model.decode_rows import HOST_TOKEN, LOGPROBS, SRC
-from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
+from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import rope_tables, stack_layers
 from jaxserve.model.loader import load_state, state_bytes
-from jaxserve.model.sampler import SamplingMetadata
-from jaxserve.model.step import make_step_fns, pack_decode_rows
+from jaxserve.model.step import make_step_fns
 from jaxserve.parallel.sharding import (
     MODEL_AXIS,
     ShardPlacement,
@@ -78,10 +75,12 @@ from jaxserve.parallel.sharding import (
     shard_state,
 )
 from jaxserve.request import Request, Samples
+from jaxserve.runner.calls import StepCalls
 from jaxserve.runner.draft_runner import DraftRunner
-from jaxserve.runner.inflight import Inflight, PrefillCall, read_results
+from jaxserve.runner.inflight import Inflight, read_results
 from jaxserve.runner.input_batch import InputBatch
-from jaxserve.runner.sampler_controls import Head, SamplerControls
+from jaxserve.runner.sampler_controls import SamplerControls
+from jaxserve.runner.warmup import Warmup
 
 log = logging.getLogger("jaxserve")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -108,7 +107,7 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-class ModelRunner:
+class ModelRunner(StepCalls, Warmup):
     """Owns the weights, the KV pages and the jitted step functions."""
 
     def __init__(self, model_path: str | Path | None, model_config: ModelConfig,
@@ -434,248 +433,3 @@ class ModelRunner:
         return read_results(flight, host(flight.decode_packed), host(flight.verify_packed),
                             [(np.asarray(call.packed), host(call.prompt))
                              for call in flight.prefills])
-
-    @property
-    def _carry_rows(self) -> dict[str, int]:
-        """By request id, the carry row (into the two carries, one after the other) that holds
-        the token the last iteration sampled for it (built when a step first asks: a step
-        that repeats the last decode rows never does)."""
-        if self._carry_map is None:
-            ids, order = self._carried
-            self._carry_map = dict(zip(ids, range(len(ids)), strict=True))
-            self._carry_map |= {c.request.request_id: self.carry_size + i
-                                for i, c in enumerate(order) if c.num_samples}
-        return self._carry_map
-
-    @staticmethod
-    def _on_device(chunk: ScheduledChunk) -> bool:
-        """Whether a row's input token was sampled by the previous iteration and is still on
-        the device (only a decode row's can be: a prompt chunk's tokens are all known)."""
-        request = chunk.request
-        return chunk.start >= len(request.prompt_ids) + len(request.output_ids)
-
-    def _dispatch_decode(self, chunks: list[ScheduledChunk], again: bool, num_rows: int,
-                         steps: int, flight: Inflight):
-        """`again`: the chunks' requests are the last decode call's, in order. One array
-        crosses to the device (its rows: decode_rows.py)."""
-        b, n = bucket(num_rows, self.row_buckets, "decode rows"), len(chunks)
-        rows, slots = self.input_batch.decode_rows(chunks, b)  # [b, PAGES + pages_per_seq]
-        host, src = rows[:, HOST_TOKEN], rows[:, SRC]  # (views: written into rows)
-        if again:  # each row's input token is the one the last call sampled for it, on the
-            # device at its own row of the carry (the same token as on the host, if it was
-            # read since)
-            src[:n] = np.arange(n, dtype=np.int32)
-        else:  # the carry row of each input token still on the device (-1: read on the host)
-            carry_rows = self._carry_rows  # (_on_device inline: per row per step)
-            src[:n] = [
-                carry_rows[c.request.request_id]
-                if c.start >= len(c.request.prompt_ids) + len(c.request.output_ids) else -1
-                for c in chunks]
-            for i in np.flatnonzero(src[:n] < 0).tolist():
-                chunk = chunks[i]
-                host[i] = chunk.request.token_ids(chunk.start, chunk.start + 1)[0]
-        flight.decode_logprobs = bool(rows[:, LOGPROBS].any())
-        if self.input_batch.controlled[slots].any():  # one step (the scheduler's rule);
-            # sampled at finish
-            md, sm, _ = self._metadata(chunks, b, 1)
-            last, self.kv = self.fns.decode_hidden(self.weights, self.kv, host.copy(),
-                                                   src.copy(), *self._carries, md)
-            flight.heads.append(Head(chunks, last, sm, slots,
-                                     0, np.arange(b, dtype=np.int32), None))
-            return None, self._zeros
-        packed, carry, self.kv = self.fns.decode(self.weights, self.kv, rows, *self._carries,
-                                                 steps=steps)
-        return packed, carry
-
-    def _dispatch_verify(self, chunks: list[ScheduledChunk]) -> jax.Array:
-        """Speculative decoding's verification call: each row its newest token and its draft
-        (the host holds both: the iteration before was read), K + 1 tokens a row."""
-        b = bucket(len(chunks), self.row_buckets, "verification rows")
-        k = bucket(max(len(c.draft) for c in chunks) + 1, self.verify_widths, "drafts") - 1
-        first = np.zeros((b,), np.int32)
-        drafts = np.zeros((b, k), np.int32)
-        num_drafts = np.zeros((b,), np.int32)
-        for i, chunk in enumerate(chunks):
-            n = len(chunk.draft)
-            first[i] = chunk.request.token_ids(chunk.start, chunk.start + 1)[0]
-            drafts[i, :n] = chunk.draft
-            num_drafts[i] = n
-        md, _, slots = self._metadata(chunks, b, k + 1)
-        sm = self._sampling(slots, md.seq_lens - md.query_lens + 1)  # the first sampled token's
-        probs = None
-        if self.draft is not None:  # the drafts are the draft model's, on the device
-            drafts, probs = self.draft.propose(chunks, md.page_table, sm)
-        packed, self.kv = self.fns.verify(self.weights, self.kv, first, drafts, num_drafts, md,
-                                          sm, probs)
-        return packed
-
-    def _dispatch_prefill(self, chunks: list[ScheduledChunk], carry_rows: list[int],
-                          carry: jax.Array, flight: Inflight) -> tuple[PrefillCall, jax.Array]:
-        """One prefill call; row i's sampled token goes to carry[carry_rows[i]]."""
-        b = bucket(len(chunks), self.prefill_row_buckets, "prefill rows")
-        c = bucket(max(ch.num_tokens for ch in chunks), self.chunk_buckets, "chunk length")
-        tokens = np.zeros((b, c), np.int32)
-        targets = np.zeros((b, c), np.int32)
-        carry_index = np.full((b,), self.carry_size, np.int32)  # out of range: dropped
-        carry_index[:len(chunks)] = carry_rows
-        with_prompt = False
-        for i, chunk in enumerate(chunks):
-            start, n = chunk.start, chunk.num_tokens
-            tokens[i, :n] = chunk.request.token_ids(start, start + n)
-            if chunk.request.params.prompt_logprobs is not None:
-                with_prompt = True
-                nxt = chunk.request.token_ids(start + 1, start + n + 1)
-                targets[i, :len(nxt)] = nxt
-        md, sm, slots = self._metadata(chunks, b, c)
-        controlled = self.input_batch.controlled[slots].any()
-        if with_prompt:  # a controlled row's token is sampled again at finish
-            packed, prompt, carry, last, self.kv = self.fns.prefill_with_prompt_logprobs(
-                self.weights, self.kv, tokens, md, sm, carry, carry_index, targets)
-            call = PrefillCall(chunks, packed, prompt)
-        elif controlled:
-            last, self.kv = self.fns.prefill_hidden(self.weights, self.kv, tokens, md)
-            call = PrefillCall(chunks, None)
-        else:
-            packed, carry, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md, sm,
-                                                      carry, carry_index)
-            return PrefillCall(chunks, packed), carry
-        if controlled:
-            flight.heads.append(Head(chunks, last, sm, slots, 1, carry_index, call))
-        return call, carry
-
-    def _dispatch_ragged(self, chunks: list[ScheduledChunk], carry_rows: list[int], t: int,
-                         carry: jax.Array, flight: Inflight | None = None,
-                         rows: int = 0) -> tuple[PrefillCall, jax.Array]:
-        """One ragged call of `t` tokens (a token bucket): the chunks one after another, prompt
-        chunks and decode rows alike; row i's sampled token goes to carry[carry_rows[i]]. Its
-        head samples `rows` rows (0: the row bucket of the chunks)."""
-        m = self.carry_size  # the metadata's rows, whatever the call holds
-        b = rows or bucket(max(len(chunks), 1), self.prefill_row_buckets, "ragged rows")
-        slots, starts, lens = self.input_batch.columns(chunks, m)  # [m] each
-        seq_lens = starts + lens
-        query_starts = np.zeros((m + 1,), np.int32)  # row i's tokens: [q[i], q[i + 1])
-        np.cumsum(lens, out=query_starts[1:])
-        n = int(query_starts[-1])
-        token_rows = np.full((t,), m, np.int32)  # padding: no row
-        token_rows[:n] = np.repeat(np.arange(m, dtype=np.int32), lens)
-        positions = np.zeros((1, t), np.int32)
-        positions[0, :n] = (starts[token_rows[:n]] + np.arange(n, dtype=np.int32)
-                            - query_starts[token_rows[:n]])
-        page_table = self.input_batch.page_table[slots]  # [m, pages_per_seq]
-        carry_index = np.full((b,), self.carry_size, np.int32)  # out of range: dropped
-        carry_index[:len(chunks)] = carry_rows
-        tokens = np.zeros((1, t), np.int32)
-        src = np.full((t,), -1, np.int32)
-        for chunk, at in zip(chunks, query_starts.tolist(), strict=False):
-            if self._on_device(chunk):  # a decode row
-                src[at] = self._carry_rows[chunk.request.request_id]
-            else:
-                tokens[0, at:at + chunk.num_tokens] = chunk.request.token_ids(chunk.start,
-                                                           chunk.start + chunk.num_tokens)
-        md = RaggedMetadata(positions=positions, token_rows=token_rows,
-                            query_starts=query_starts, seq_lens=seq_lens, page_table=page_table)
-        last, self.kv = self.fns.ragged(self.weights, self.kv, tokens, src, *self._carries, md)
-        sm = self._sampling(slots[:b], seq_lens[:b])
-        if flight is not None and self.input_batch.controlled[slots].any():  # sampled at finish
-            call = PrefillCall(chunks, None)
-            flight.heads.append(Head(chunks, last, sm, slots[:b], 1, carry_index, call))
-            return call, carry
-        packed, carry = self.fns.ragged_head(self.weights, last, sm, carry, carry_index, rows=b)
-        return PrefillCall(chunks, packed), carry
-
-    def _metadata(self, chunks: list[ScheduledChunk], b: int, c: int):
-        """A call's attention and sampling arrays, b rows of c tokens (padding rows empty),
-        and each row's slot in the input batch."""
-        slots, starts, query_lens = self.input_batch.columns(chunks, b)  # [b] each
-        positions = starts[:, None] + np.arange(c, dtype=np.int32)
-        positions[len(chunks):] = 0
-        seq_lens = starts + query_lens
-        md = AttentionMetadata(positions=positions, query_lens=query_lens, seq_lens=seq_lens,
-                               page_table=self.input_batch.page_table[slots])
-        return md, self._sampling(slots, seq_lens), slots
-
-    def _sampling(self, slots: np.ndarray, positions: np.ndarray) -> SamplingMetadata:
-        """The sampling arrays of the rows in `slots` [B], sampling at `positions` [B]."""
-        batch = self.input_batch
-        return SamplingMetadata(temperature=batch.temperature[slots], top_k=batch.top_k[slots],
-                                top_p=batch.top_p[slots], seeds=batch.seeds[slots],
-                                positions=positions, logprobs=batch.logprobs[slots] != 0)
-
-    # -- start-up ----------------------------------------------------------------------------
-
-    def warmup(self, progress: bool = False) -> float:
-        """Compile every bucket the engine can use; returns the seconds it took."""
-        from tqdm import tqdm
-
-        start = time.perf_counter()
-        prefill = prefill_shapes(self.chunk_buckets, self.prefill_row_buckets,
-                                 self.config.max_num_batched_tokens)
-        shapes = [("decode", b, 1, k) for b in self.row_buckets
-                  for k in sorted({1, self.config.decode_steps})]
-        if self.ragged:  # the model per token bucket, the head per row bucket
-            shapes += [("ragged", 1, t, 1) for t in self.token_buckets]
-            shapes += [("ragged", b, self.token_buckets[0], 1)
-                       for b in self.prefill_row_buckets[1:]]
-        else:
-            shapes += [("prefill", b, c, 1) for b, c in prefill]
-        if self.config.enable_prompt_logprobs:  # one row: see core.buckets.prefill_calls
-            shapes += [("prompt", 1, c, 1) for c in self.chunk_buckets]
-        # controlled calls: the model without its head, then the head per row bucket
-        shapes += [("decode_hidden", b, 1, 1) for b in self.row_buckets]
-        if not self.ragged:
-            shapes += [("prefill_hidden", b, c, 1) for b, c in prefill]
-        shapes += [("head", b, 1, 1)
-                   for b in sorted(set(self.row_buckets) | set(self.prefill_row_buckets))]
-        shapes += [("verify", b, w, 1) for b in self.row_buckets for w in self.verify_widths]
-        with self._counting():
-            for kind, b, c, steps in tqdm(shapes, desc="compiling", disable=not progress):
-                self._warm(kind, b, c, steps)
-        jax.block_until_ready(self.kv)
-        self._compiles_at_warmup = self.num_compilations
-        return time.perf_counter() - start
-
-    def _warm(self, kind: str, b: int, c: int, steps: int) -> None:
-        if kind == "ragged":  # a call of c tokens and no rows: every token padding
-            self._dispatch_ragged([], [], c, self._zeros, rows=b)
-            return
-        if kind == "head":  # a controlled call's sampling, its b rows all padding
-            slots = np.zeros((b,), np.int32)
-            last = jax.device_put(jnp.zeros((self.carry_size, self.model_config.hidden_size),
-                                            self.dtype), self.placement)  # committed
-            self.finish(Inflight(heads=[Head([], last, self._sampling(slots, slots), slots, 1,
-                                             np.full((b,), self.carry_size, np.int32),
-                                             PrefillCall([], None))]))
-            self._carries = (self._zeros, self._zeros)
-            if b == self.row_buckets[0]:  # and the write of a slot's state, once
-                self.controls.warm(self.fns)
-            return
-        md = AttentionMetadata(positions=np.zeros((b, c), np.int32), query_lens=np.zeros((b,), np.int32),
-                               seq_lens=np.zeros((b,), np.int32),
-                               page_table=np.zeros((b, self.pages_per_seq), np.int32))
-        sm = SamplingMetadata(np.zeros((b,), np.float32), np.ones((b,), np.int32),
-                              np.ones((b,), np.float32), np.zeros((b,), np.uint32),
-                              np.zeros((b,), np.int32), np.zeros((b,), bool))
-        tokens = np.zeros((b, c), np.int32)
-        if kind == "verify":
-            drafts, probs = np.zeros((b, c - 1), np.int32), None
-            if self.draft is not None:  # on the device, as they come when serving
-                drafts, probs = self.draft.warm(b, md.page_table, sm)
-            _, self.kv = self.fns.verify(self.weights, self.kv, tokens[:, 0], drafts,
-                                         np.zeros((b,), np.int32), md, sm, probs)
-        elif kind == "decode_hidden":
-            src = np.full((b,), -1, np.int32)
-            _, self.kv = self.fns.decode_hidden(self.weights, self.kv, tokens[:, 0], src,
-                                                self._zeros, self._zeros, md)
-        elif kind == "prefill_hidden":
-            _, self.kv = self.fns.prefill_hidden(self.weights, self.kv, tokens, md)
-        elif kind == "decode":
-            rows = pack_decode_rows(tokens[:, 0], np.full((b,), -1, np.int32), md, sm)
-            _, _, self.kv = self.fns.decode(self.weights, self.kv, rows, self._zeros,
-                                            self._zeros, steps=steps)
-        elif kind == "prefill":
-            _, _, self.kv = self.fns.prefill(self.weights, self.kv, tokens, md, sm, self._zeros,
-                                             np.zeros((b,), np.int32))
-        else:
-            *_, self.kv = self.fns.prefill_with_prompt_logprobs(
-                self.weights, self.kv, tokens, md, sm, self._zeros, np.zeros((b,), np.int32),
-                tokens)
