@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.core.window import BatchingWindow
 from jaxserve.engine.loop import EngineCore
 from jaxserve.request import Request, RequestStatus, Samples, SamplingParams, TokenLogprobs

@@ -14,7 +14,7 @@ from bpe_tokenizer import byte_level_bpe_hf
 from fake_runner import FakeRunner, expected_output, fake_logprob, token_after
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import OutputProcessor
 from jaxserve.llm import LLM

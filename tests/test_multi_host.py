@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from jaxserve.cli import main
-from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from jaxserve.parallel.distributed import Decoder, Encoder, Processes
 from jaxserve.request import Request, SamplingParams
 

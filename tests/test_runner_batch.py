@@ -10,7 +10,7 @@ import pytest
 from conftest import HF_FIXTURES
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.core.scheduler import ScheduledChunk
+from jaxserve.core.scheduler_output import ScheduledChunk
 from jaxserve.model.decode_rows import PAGES as PAGES_COLUMN
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.sampler import SamplingMetadata

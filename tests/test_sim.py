@@ -230,7 +230,7 @@ def test_cost_model_fit_recovers_per_shape_lines_and_round_trips(tmp_path):
 def test_step_shape_pads_as_the_runner_does():
     from fake_runner import make_request
 
-    from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+    from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
 
     a, b, c = make_request("a", 40), make_request("b", 3), make_request("c", 70)
     d, e = make_request("d", 300), make_request("e", 300)

@@ -21,18 +21,18 @@ rolls the rest back (their K/V is overwritten by the tokens that follow).
 """
 
 import bisect
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from jaxserve.config.engine import EngineConfig
+from jaxserve.core.admission import Admission
 from jaxserve.core.kv_manager import KVCacheManager
 from jaxserve.core.page_pool import PagePool
 from jaxserve.core.policies import Policy, make_policy
 from jaxserve.core.predictors import resolve_predictor
+from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from jaxserve.core.waiting import WaitingQueue
 from jaxserve.core.window import AdaptiveWindow, BatchingWindow
 from jaxserve.request import Request, RequestStatus
@@ -43,40 +43,7 @@ if TYPE_CHECKING:
 BATCHING_MODES = ("static", "dynamic", "continuous")
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass costs 3x as much to build, per row per step
-class ScheduledChunk:
-    """One request's row in a step: `num_tokens` fed from position `start`."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    num_samples: int  # tokens the row samples: 0 mid-prompt, else 1 (or decode_steps)
-    # a verification row: the proposed tokens fed after its newest one (maybe none); it
-    # samples up to num_samples = 1 + len(draft). None: not one
-    draft: list[int] | None = None
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    decode_steps: int = 1  # decode rows run this many steps in one dispatch
-    # static/dynamic: the running batch's size. A batch that runs to completion keeps its shape
-    # (finished rows are padding until the last one ends), as a static batcher's fixed-shape
-    # batch does: the runner pads decode rows to at least this many.
-    batch_rows: int = 0
-    preempted: list[Request] = field(default_factory=list)
-    # proposals are verified this iteration (Scheduler.speculates): its rows with a draft
-    # must be read before the next iteration is scheduled
-    speculative: bool = False
-    # every chunk is a one-token decode row (most iterations): the runner need not sort them
-    decode_only: bool = False
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-
-class Scheduler:
+class Scheduler(Admission):
     def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_chunk_tokens: int,
                  batching: str = "continuous", policy: str | Policy = "fcfs",
@@ -409,52 +376,6 @@ class Scheduler:
         self.waiting.add(request)
         self.num_preemptions += 1
         out.preempted.append(request)
-
-    def _admissible(self, now: float) -> list[Request]:
-        """Waiting requests that may join now, in policy order: the first few, enough for the
-        free slots, the requests whose tokens are still in flight, and length bucketing."""
-        if self._batch:  # static/dynamic: only the running batch's own (preempted) requests
-            mine = [r for r in self.waiting if r.request_id in self._batch]
-            return [r for r in self.policy.order(mine, now) if r.num_pending == 0]
-        limit = self.max_num_seqs - len(self.running) + 2 * self.max_num_seqs
-        ranked = self.policy.order(self.waiting, now, limit, presorted=self.policy.static_order)
-        # a request whose sampled tokens are still on the device cannot be recomputed yet
-        ready = [r for r in ranked if r.num_pending == 0]
-        if not ready:
-            return []
-        if self.batching == "continuous":
-            if self._window_open(now, idle=not self.running):
-                return ready
-            # the window gates arrivals; a preempted request was admitted once already
-            return [r for r in ready if r.metrics.num_preemptions]
-        if self.batching == "dynamic" and not self._window_open(now, idle=True):
-            return []
-        batch = ready[:self.window.max_batch_size]
-        self._batch = {r.request_id for r in batch}
-        self._batch_rows = len(batch)
-        return batch
-
-    def _arrivals(self, limit: int | None = None) -> list[Request]:
-        """The waiting requests the window judges: new arrivals (a preempted request was
-        admitted once already, and its old arrival would hold the window open for the rest);
-        the first `limit` of them (the window needs no more: a long queue is not walked)."""
-        arrivals = (r for r in self.waiting if not r.metrics.num_preemptions)
-        return list(itertools.islice(arrivals, limit))
-
-    def _window_open(self, now: float, idle: bool) -> bool:
-        arrivals = self._arrivals(self.window.max_batch_size)
-        n = len(arrivals)
-        if n == 0 or n >= self.window.max_batch_size:  # open whatever the oldest
-            return True
-        return self.window.is_open(n, min(r.arrival_time for r in arrivals), now, idle)
-
-    def next_wakeup(self) -> float | None:
-        """When admission may open for requests that wait on the window (None: not waiting)."""
-        arrivals = (self._arrivals(self.window.max_batch_size)
-                    if self.waiting and not self.running else [])
-        if not arrivals:
-            return None
-        return self.window.opens_at(min(r.arrival_time for r in arrivals))
 
     def update(self, out: SchedulerOutput, sampled: Mapping[str, int] | None = None) -> None:
         """A dispatched iteration was read: the tokens it sampled are pending no more. The

@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.outputs import OutputProcessor
 from jaxserve.request import Request, Samples
 

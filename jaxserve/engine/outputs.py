@@ -39,7 +39,8 @@ from jaxserve.text.detokenizer import make_detokenizer
 from jaxserve.text.tokenizer import BaseTokenizer, token_text
 
 if TYPE_CHECKING:
-    from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+    from jaxserve.core.scheduler import Scheduler
+    from jaxserve.core.scheduler_output import SchedulerOutput
     from jaxserve.request import Samples, TokenLogprobs
 
 DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from jaxserve.request import Request, SamplingParams
 
 log = logging.getLogger("jaxserve")

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxserve.core.buckets import bucket
-from jaxserve.core.scheduler import ScheduledChunk
+from jaxserve.core.scheduler_output import ScheduledChunk
 from jaxserve.model.decode_rows import HOST_TOKEN, LOGPROBS, SRC
 from jaxserve.model.kv_cache import AttentionMetadata, RaggedMetadata
 from jaxserve.model.sampler import SamplingMetadata

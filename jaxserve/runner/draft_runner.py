@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxserve.config.model import ModelConfig
 from jaxserve.core.buckets import bucket
-from jaxserve.core.scheduler import ScheduledChunk
+from jaxserve.core.scheduler_output import ScheduledChunk
 from jaxserve.model.kv_cache import AttentionMetadata
 from jaxserve.model.llama import rope_tables, stack_layers
 from jaxserve.model.loader import load_state

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from jaxserve.core.scheduler import ScheduledChunk
+from jaxserve.core.scheduler_output import ScheduledChunk
 from jaxserve.request import Samples, TokenLogprobs
 from jaxserve.runner.sampler_controls import Head
 

@@ -6,7 +6,7 @@ call's padded arrays from it; nothing here touches the device.
 
 import numpy as np
 
-from jaxserve.core.scheduler import ScheduledChunk
+from jaxserve.core.scheduler_output import ScheduledChunk
 from jaxserve.model.decode_rows import (
     LOGPROBS,
     PAGES,

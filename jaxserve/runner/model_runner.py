@@ -58,7 +58,7 @@ from jaxserve.core.buckets import (
     ragged_calls,
     ragged_token_buckets,
 )
-from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import rope_tables, stack_layers
 from jaxserve.model.loader import load_state, state_bytes

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.scheduler import ScheduledChunk
+from jaxserve.core.scheduler_output import ScheduledChunk
 from jaxserve.model.sampler import Controls, SamplerState, SamplingMetadata
 from jaxserve.request import MAX_LOGIT_BIAS
 from jaxserve.runner.input_batch import InputBatch

@@ -65,7 +65,7 @@ from scipy.optimize import nnls
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.core.buckets import prefill_calls, prefill_row_buckets
-from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 
 # 2: several prefill calls per iteration; 3: one-row prefill calls; 4: factors from steady
 # iterations, with the wake factor and the spreads; 5: wake factors and spreads per kind;

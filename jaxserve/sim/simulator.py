@@ -23,7 +23,8 @@ import numpy as np
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.core.policies import Policy
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput, make_scheduler
+from jaxserve.core.scheduler import Scheduler, make_scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.loop import EngineCore
 from jaxserve.request import Request, Samples, SamplingParams
 from jaxserve.sim.cost_model import StepCostModel, correlated_draws

@@ -20,7 +20,7 @@ import numpy as np
 from jaxserve.config.engine import EngineConfig
 from jaxserve.core.buckets import prefill_shapes
 from jaxserve.core.page_pool import PagePool
-from jaxserve.core.scheduler import ScheduledChunk, SchedulerOutput
+from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from jaxserve.engine.llm_engine import LLMEngine, freeze_gc
 from jaxserve.request import Request, SamplingParams
 from jaxserve.sim.cost_model import (
