@@ -84,7 +84,7 @@ def compile_seconds(cfg: ModelConfig, dtype, backend, scan: bool) -> dict:
     weights, md, sm = step_args(cfg, dtype, backend, state, kv, ROWS, 1)
     carry = _spec((ROWS,), jnp.int32)
     start = time.perf_counter()
-    rows = _spec((ROWS, PAGES + PAGES_PER_SEQ), jnp.int32)  # decode_rows.py's columns
+    rows = _spec((ROWS, PAGES + PAGES_PER_SEQ), jnp.int32)  # model/decode_rows.py's columns
     fns.decode.lower(weights, kv, rows, carry, carry, steps=1).compile()
     out["decode_s"] = time.perf_counter() - start
     weights, md, sm = step_args(cfg, dtype, backend, state, kv, PREFILL_ROWS, CHUNK)

@@ -80,7 +80,7 @@ def assert_fields(got, want: dict, what: str):
 
 def test_a_decode_calls_one_array_unpacks_to_its_arrays():
     """pack_decode_rows (the host) and unpack_decode_rows (the device, model/step.py) agree on
-    every column of decode_rows.py: float and uint32 bits (seeds past 2**31), the page table."""
+    every column of model/decode_rows.py: float and uint32 bits (seeds past 2**31), the page table."""
     rng = np.random.default_rng(0)
     b, pages = 5, 7
     starts = rng.integers(0, 4000, b).astype(np.int32)

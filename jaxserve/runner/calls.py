@@ -46,7 +46,7 @@ class StepCalls:
     def _dispatch_decode(self, chunks: list[ScheduledChunk], again: bool, num_rows: int,
                          steps: int, flight: Inflight):
         """`again`: the chunks' requests are the last decode call's, in order. One array
-        crosses to the device (its rows: decode_rows.py)."""
+        crosses to the device (its rows: model/decode_rows.py)."""
         b, n = bucket(num_rows, self.row_buckets, "decode rows"), len(chunks)
         rows, slots = self.input_batch.decode_rows(chunks, b)  # [b, PAGES + pages_per_seq]
         host, src = rows[:, HOST_TOKEN], rows[:, SRC]  # (views: written into rows)

@@ -36,7 +36,7 @@ class InputBatch:
     pages its requests appended. A step's padded arrays are gathered from the slots in one
     indexing op per array (slot 0 is padding: the null page, greedy, no logprobs). The page
     table and the sampling parameters a decode call takes are views of one table whose rows
-    are a decode call's (decode_rows.py): a decode call gathers them in one op.
+    are a decode call's (model/decode_rows.py): a decode call gathers them in one op.
 
     A request keeps its slot while every step schedules it; one that a step leaves out
     (finished, aborted, preempted, or waiting for budget) gives it up, and takes a slot afresh,
@@ -103,7 +103,7 @@ class InputBatch:
         self._row_slots = [slots[request] for request in requests]
 
     def decode_rows(self, chunks: list[ScheduledChunk], b: int) -> tuple[np.ndarray, np.ndarray]:
-        """A decode call's rows [b, PAGES + pages_per_seq] (decode_rows.py: the per-slot
+        """A decode call's rows [b, PAGES + pages_per_seq] (model/decode_rows.py: the per-slot
         columns gathered, START and QUERY_LEN written; HOST_TOKEN 0 and SRC -1, for the runner
         to fill) and each row's slot [b]."""
         slots, starts, query_lens = self.columns(chunks, b)
