@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from test_cpu_attention import _case, _chunks, _free_before, _packed
+from cpu_attention_cases import _case, _chunks, _free_before, _packed
 
 from cpu_kernels.attention import (
     FP8_BITS,

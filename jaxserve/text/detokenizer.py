@@ -165,7 +165,7 @@ class StreamDetokenizer(_Detokenizer):
     """`IncrementalDetokenizer`'s interface over `tokenizers.decoders.DecodeStream` (Rust: one
     call per token), for Hugging Face tokenizers whose decoder is byte-level BPE alone (GPT-2,
     Llama 3, Qwen, ...): their text is the UTF-8 of the tokens' bytes, with no context, and
-    DecodeStream gives the same text as ours (tests/test_tokenizer.py checks it). It returns
+    DecodeStream gives the same text as ours (tests/test_detokenizer.py checks it). It returns
     text once it does not end in U+FFFD; `peek` and `finish` decode the ids it still holds.
     The prompt's last ids are stepped only where they begin a character they do not finish
     (as ours: the generated ids that complete it make it output text)."""
