@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from served import AUTH, BODY_LIMIT, KEY, MODEL, uvicorn_url
+from served import AUTH, BODY_LIMIT, KEEPALIVE, KEY, MODEL, uvicorn_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,12 +69,13 @@ def demo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
+                         http_client=openai.DefaultHttpxClient(limits=KEEPALIVE))
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as c:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30, limits=KEEPALIVE) as c:
         yield c
 
 

@@ -105,7 +105,9 @@ def bad_request(call, param: str | None) -> str:
     return info.value.body["message"]
 
 
-def wait_idle(http, timeout: float = 5.0) -> dict[str, float]:
+def wait_idle(http, timeout: float = 60.0) -> dict[str, float]:
+    """/metrics once no request runs or waits and no page is used (aborts take their time on a
+    busy machine: `timeout` only bounds a hang)."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics_of(http)

@@ -343,32 +343,48 @@ def test_the_text_held_back_stays_short_whatever_the_output_length(model_dir, ki
 def test_cumulative_outputs_through_the_async_engine_are_snapshots(model_dir):
     """A cumulative output's lists are the request's own, which the engine thread goes on
     appending to; AsyncEngine hands the caller's event loop copies, so an output read late
-    still matches its text."""
+    still matches its text. The engine reads no third step before the first output is read,
+    so the request cannot finish before it (however the threads are scheduled), and two more
+    steps are read (tokens appended) before that output is checked."""
     import asyncio
+    import threading
     import time
 
     from jaxserve.engine.async_engine import AsyncEngine
 
     engine = make_engine(model_dir)
-    collect = engine.runner.collect
-    engine.runner.collect = lambda flight: (time.sleep(0.003), collect(flight))[1]
+    collect, collected, first_read = engine.runner.collect, [], threading.Event()
+
+    def gated(flight):  # on the engine thread
+        if len(collected) >= 2:
+            assert first_read.wait(60)
+        result = collect(flight)
+        collected.append(flight)
+        return result
+
+    engine.runner.collect = gated
 
     async def main():
         async_engine = AsyncEngine(engine)
         stream = await async_engine.add_request("a", prompt_for("A"),
                                                 SamplingParams(max_tokens=40))
-        mismatched = seen = 0
+        held = []  # each output read, with its text and length as read
         async for out in stream:
             completion = out.outputs[0]
-            text, ids = completion.text, len(completion.token_ids)
-            await asyncio.sleep(0.01)  # the engine runs on meanwhile
-            mismatched += (len(completion.token_ids) != ids
-                           or bytes(completion.token_ids).decode() != text)
-            seen += 1
+            held.append((completion, completion.text, len(completion.token_ids), out.finished))
+            if len(held) == 1:
+                read_at = len(collected)
+                first_read.set()
+                deadline = time.monotonic() + 60
+                while len(collected) < read_at + 2:  # the engine appends to the request
+                    assert time.monotonic() < deadline, len(collected)
+                    await asyncio.sleep(0.001)
             if out.finished:
                 break
         await async_engine.shutdown()
-        return mismatched, seen
+        return held
 
-    mismatched, seen = asyncio.run(main())
-    assert seen > 1 and mismatched == 0
+    held = asyncio.run(main())
+    assert len(held) > 1 and not held[0][3]
+    assert all(len(c.token_ids) == n and bytes(c.token_ids).decode() == text
+               for c, text, n, _ in held)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from served import metrics_of
 
 from jaxserve.cli import main
 from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -102,7 +103,11 @@ def test_two_processes_serve_the_reference_then_a_lost_follower_stops_the_server
 
         thread = threading.Thread(target=long_request)
         thread.start()
-        time.sleep(0.5)
+        with httpx.Client(base_url=url) as http:  # process 1 goes once the request runs
+            deadline = time.monotonic() + 60
+            while metrics_of(http)["jaxserve:num_requests_running"] < 1:
+                assert time.monotonic() < deadline and thread.is_alive(), answers
+                time.sleep(0.01)
         follower.send_signal(signal.SIGKILL)
         code = exit_within(leader, 30)  # the bound: nothing hangs
         thread.join(30)

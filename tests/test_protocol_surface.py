@@ -9,7 +9,7 @@ import math
 import httpx
 import pytest
 from conftest import SERVER_ENGINE
-from served import AUTH, KEY, MODEL, PROMPT, assert_error, succeeds, uvicorn_url
+from served import AUTH, KEEPALIVE, KEY, MODEL, PROMPT, assert_error, succeeds, uvicorn_url
 
 from jaxserve import SamplingParams
 from jaxserve.server import protocol
@@ -334,7 +334,7 @@ def whole_vocabulary(stories_dir):
     config = EngineConfig.from_overrides(**SERVER_ENGINE, max_top_logprobs=512)
     engine = AsyncEngine(LLMEngine(stories_dir, config))
     with (uvicorn_url(build_app(engine, ServerConfig(api_key=KEY), MODEL)) as url,
-          httpx.Client(base_url=url, headers=AUTH, timeout=60) as c):
+          httpx.Client(base_url=url, headers=AUTH, timeout=60, limits=KEEPALIVE) as c):
         yield c
 
 

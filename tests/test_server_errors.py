@@ -17,6 +17,7 @@ from served import (
     MODEL,
     PROMPT,
     assert_error,
+    held,
     succeeds,
     uvicorn_url,
     wait_idle,
@@ -157,15 +158,18 @@ def test_full_waiting_queue_is_429_with_retry_after(server, http):
     try:
         succeeds(http)
         with ThreadPoolExecutor(8) as pool:
-            busy = [pool.submit(httpx.post, server.url + "/v1/completions", json=body,
-                                headers=AUTH, timeout=60) for _ in range(8)]
-            deadline = time.monotonic() + 30
-            while server.engine.stats()["num_requests_running"] < 8:
-                assert time.monotonic() < deadline, server.engine.stats()
-                time.sleep(0.002)
-            r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
-            assert_error(r, 429)
-            assert int(r.headers["Retry-After"]) >= 1
+            # held: none of the 8 advances before all 8 came, nor finishes before the 9th's
+            # answer, however the machine staggers them
+            with held(server, 8):
+                busy = [pool.submit(httpx.post, server.url + "/v1/completions", json=body,
+                                    headers=AUTH, timeout=60) for _ in range(8)]
+                deadline = time.monotonic() + 60
+                while server.engine.stats()["num_requests_running"] < 8:
+                    assert time.monotonic() < deadline, server.engine.stats()
+                    time.sleep(0.002)
+                r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+                assert_error(r, 429)
+                assert int(r.headers["Retry-After"]) >= 1
             assert [f.result().status_code for f in busy] == [200] * 8
     finally:
         server.engine.max_waiting_requests = limit
@@ -229,6 +233,10 @@ def test_dead_engine_is_503_and_touches_no_other_server(http):
         assert_error(httpx.post(url + "/v1/completions", json=body), 503, None, "dead")
         assert_error(httpx.get(url + "/health"), 503, None, "device lost")
         assert_error(httpx.post(url + "/v1/completions", json=body | {"stream": True}), 503)
+    deadline = time.monotonic() + 60  # the engine thread hears of it last, after every client
+    while not deaths:
+        assert time.monotonic() < deadline, "on_death was not called"
+        time.sleep(0.01)
     assert [str(e) for e in deaths] == ["device lost"]
     assert engine.stats()["num_requests_running"] == 0
     succeeds(http)

@@ -71,23 +71,26 @@ def test_a_body_that_is_no_json_object_is_400(http, body):
 def test_cancelled_requests_leave_the_server_responsive(server, client, http):
     """Requests whose clients time out are aborted: the server answers the next one at once."""
     story = dict(model=MODEL, messages=[{"role": "user", "content": "Write a long story"}])
+    before = wait_idle(http)
     start = time.monotonic()
     client.chat.completions.create(**story, max_tokens=200, extra_body={"ignore_eos": True})
-    # a quarter of what one request takes alone (32 together take longer): none can finish,
-    # whatever this machine's speed
+    # a quarter of what 200 tokens take alone; the flood asks 900 each, 32 for 8 slots: none
+    # can finish, whatever this machine's speed, unless it runs 18 times faster meanwhile
     timeout = max(0.05, (time.monotonic() - start) / 4)
 
     async def flood() -> list[BaseException | None]:
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
                                       timeout=timeout) as hasty:
             return await asyncio.gather(*(hasty.chat.completions.create(
-                **story, max_tokens=200, extra_body={"ignore_eos": True}) for _ in range(32)),
+                **story, max_tokens=900, extra_body={"ignore_eos": True}) for _ in range(32)),
                 return_exceptions=True)
 
     results = asyncio.run(flood())
     assert all(isinstance(r, openai.APITimeoutError) for r in results), results
-    wait_idle(http)
-    patient = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=5)
+    after = wait_idle(http)
+    length = 'jaxserve:request_success_total{finished_reason="length"}'
+    assert after[length] == before.get(length, 0) + 1  # the measured one: the flood's aborted
+    patient = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     assert len(patient.chat.completions.create(**story, max_tokens=10).choices) == 1
 
 
