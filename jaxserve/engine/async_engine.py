@@ -111,6 +111,7 @@ class AsyncEngine:
         self._error: BaseException | None = None  # guarded by _cond: the engine died of it
         self._idle = False  # guarded by _cond: the thread sleeps for want of work
         self._heartbeat = time.monotonic()  # the thread's last sign of progress
+        self._working = False  # commands taken, their iteration not over
         # requests added and not yet ended, by id: the callers' side fails them itself when a
         # shutdown finds the engine thread stuck
         self._live: dict[str, _Add] = {}
@@ -148,8 +149,10 @@ class AsyncEngine:
                 return None
             heartbeat = self._heartbeat
             pending = bool(self._commands)
-        busy = pending or self._stats.get("num_requests_running", 0) or self._stats.get(
-            "num_requests_waiting", 0)
+        # `_working`: commands taken and their iteration not over (the stats, made before them,
+        # may show no request: the first iteration after idle)
+        busy = pending or self._working or self._stats.get(
+            "num_requests_running", 0) or self._stats.get("num_requests_waiting", 0)
         age = time.monotonic() - heartbeat
         return age if busy and age > self.stall_timeout_s else None
 
@@ -296,6 +299,7 @@ class AsyncEngine:
             self._idle = False
             taken = _commands_within(self._commands, _COMMANDS_PER_ITERATION)
             commands, self._commands = self._commands[:taken], self._commands[taken:]
+            self._working = bool(commands)
             stop_at = self._stop_at
         for i, command in enumerate(commands):
             if isinstance(command, str):
@@ -326,6 +330,7 @@ class AsyncEngine:
                         self._cond.wait(_IDLE_POLL_S)
         self._stats = engine.stats()
         self._heartbeat = time.monotonic()
+        self._working = False
         return True
 
     def _add(self, command: _Add) -> None:
