@@ -160,9 +160,19 @@ def _plan(args) -> int:
     from jaxserve.tools.plan import format_plan, plan
 
     engine_options, _ = _options(args)
-    result = plan(args.model, EngineConfig.from_overrides(**engine_options), args.context)
-    print(json.dumps(result, indent=2) if args.json else format_plan(result))
-    return 0
+    config = EngineConfig.from_overrides(**engine_options)
+    if args.target is None:
+        if args.compile:
+            raise ValueError("--compile compiles for a --target (e.g. h100, v5e-8)")
+        result = plan(args.model, config, args.context)
+        print(json.dumps(result, indent=2) if args.json else format_plan(result))
+        return 0
+    from jaxserve.tools.compile_plan import format_target_plan, target_plan
+
+    result = target_plan(args.model, config, args.target, compile=args.compile)
+    print(json.dumps(result, indent=2) if args.json
+          else format_plan(result) + "\n" + format_target_plan(result))
+    return 0 if not args.compile or result["fits"] else 1
 
 
 def _add_bench_parser(sub, logs: argparse.ArgumentParser) -> None:
@@ -320,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--context", type=int, nargs="+", help="contexts to size sequences for "
                       "(default: up to max_model_len)")
     plan.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    plan.add_argument("--target", help="an accelerator to plan for without it: h100, h200, "
+                      "a100, v5e-N, v6e-N, v5p-N (N chips)")
+    plan.add_argument("--compile", action="store_true", help="compile every step for --target "
+                      "(needs the aot-gpu or aot-tpu extra) and report what XLA says")
     plan.add_argument("--config", type=Path, help="YAML file of engine options")
     _add_option_flags(plan, EngineConfig, "engine options")
     plan.set_defaults(func=_plan)

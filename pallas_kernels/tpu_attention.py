@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tuned
 
 from pallas_kernels.reference import check_options
 
@@ -94,6 +95,26 @@ def write_kv(
     n, num_kv_heads, head_dim = k.shape
     kv = jnp.stack([k, v], axis=2).reshape(n, 2 * num_kv_heads, head_dim)
     return kv_pages.at[page, offset].set(kv.astype(kv_pages.dtype))
+
+
+def _tuned_block_sizes(q: jax.Array, kv_pages: jax.Array, pages_per_seq: int) -> tuple[int, int]:
+    """(kv pages, queries) per block from JAX's tuned table, for the chip the call compiles
+    for: the default device where one is set (a compile-only target's), else the first. The
+    kernel's own lookup reads jax.devices()[0], which on a machine compiling for a TPU it does
+    not have is a CPU. The rule is the kernel's: untuned shapes (128, 32); v4 (32, 32)."""
+    device = jax.config.jax_default_device
+    kind = getattr(device if isinstance(device, jax.Device) else jax.devices()[0],
+                   "device_kind", "")
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, combined, _ = kv_pages.shape
+    heads_q, combined_per_block = rpa.get_min_heads_per_blk(num_heads, combined, q.dtype,
+                                                           kv_pages.dtype)
+    key = tuned.simplify_key((q.dtype, kv_pages.dtype, heads_q, combined_per_block // 2,
+                              head_dim, page_size, num_tokens, pages_per_seq))
+    name = " ".join(kind.split()[:2])  # "TPU v5 lite" -> "TPU v5", the table's names
+    pages, queries = (32, 32) if name == "TPU v4" else (
+        tuned.TUNED_BLOCK_SIZES.get(name, {}).get(key, (128, 32)))
+    return min(pages_per_seq, pages), min(num_tokens, queries)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_sizes",
@@ -169,7 +190,7 @@ def ragged_attention(
     if interpret:
         out = _interpret_call(*args, options=options, block_sizes=block_sizes)
     else:
-        pages, queries = block_sizes or (None, None)
+        pages, queries = block_sizes or _tuned_block_sizes(q, kv_pages, table.shape[1])
         out = rpa.ragged_paged_attention(*args, **options, num_kv_pages_per_block=pages,
                                          num_queries_per_block=queries)
     # the kernel leaves tokens past the last row's queries as its scratch held them

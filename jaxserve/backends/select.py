@@ -113,8 +113,10 @@ def fp8_matmul_capable(compute_capability: str | None) -> bool:
 
 def select_backend(attention_impl: str, matmul_impl: str, dtype: str, head_dim: int,
                    page_size: int, platform: str | None = None, num_heads: int = 1,
-                   num_kv_heads: int = 1) -> Backend:
-    """The backend for this platform (jax.default_backend() unless given) and options."""
+                   num_kv_heads: int = 1, device: jax.Device | None = None) -> Backend:
+    """The backend for this platform (jax.default_backend() unless given) and options;
+    `device`: one the runner's arrays live on (a compile-only target's too), whose chip
+    chooses what depends on it (default: this machine's first)."""
     platform = platform or jax.default_backend()
     attention_name = resolve_attention_impl(attention_impl, platform, head_dim, page_size,
                                             num_heads, num_kv_heads, dtype)
@@ -130,7 +132,7 @@ def select_backend(attention_impl: str, matmul_impl: str, dtype: str, head_dim: 
     # Llama-3-8B shape's bf16 decode step (2 rows) took 12.8 ms scanned against 5.8 ms
     # unrolled, where compiling it unrolled took no longer (7 s; bench/RESULTS.md)
     native_fp8 = platform == "gpu" and fp8_matmul_capable(
-        getattr(jax.devices()[0], "compute_capability", None))
+        getattr(device or jax.devices()[0], "compute_capability", None))
     ops = (Ops(scan_layers=platform != "gpu", native_fp8=native_fp8) if matmul_name == "xla"
            else CpuOps(amx=matmul_name == "amx"))
     if attention_name in ("pallas", "tpu"):

@@ -62,8 +62,8 @@ def _nest(flat: dict[tuple, jax.Array]) -> dict:
     return root
 
 
-def random_state(cfg: ModelConfig, dtype, seed: int,
-                 place=None) -> tuple[nnx.GraphDef, nnx.State]:
+def random_state(cfg: ModelConfig, dtype, seed: int, place=None,
+                 shapes_only: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
     """load_format="dummy": norms at 1, biases at 0, the rest N(0, 0.02), made on the device;
     with `place` (jaxserve/parallel/sharding.py's ShardPlacement) each made on its shards, the same
     values (jax's random bits do not depend on the sharding)."""
@@ -96,7 +96,8 @@ def random_state(cfg: ModelConfig, dtype, seed: int,
             values = {path: place.transform(path, value) for path, value in values.items()}
         return values
 
-    values = init(jax.random.key(seed))
+    values = init(jax.random.key(seed)) if not shapes_only else jax.eval_shape(
+        init, jax.random.key(seed))
     nnx.replace_by_pure_dict(abstract, _nest(values))
     return graphdef, abstract
 
@@ -447,6 +448,13 @@ def _quantize_values(values: dict[tuple, jax.Array], cfg: ModelConfig,
         full.delete()
     nnx.replace_by_pure_dict(abstract, _nest(values))
     return graphdef, abstract
+
+
+def abstract_state(cfg: ModelConfig, dtype, place=None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The weights a checkpoint would load, as ShapeDtypeStructs (on their shards, with
+    `place`): quantised layers as they are held, nothing allocated. What a compile for a device
+    this machine lacks takes (jaxserve/runner/compile_only.py)."""
+    return random_state(cfg, dtype, 0, place, shapes_only=True)
 
 
 def load_state(path: str | Path, cfg: ModelConfig, dtype, load_format: str = "auto",

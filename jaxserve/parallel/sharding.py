@@ -173,14 +173,16 @@ class ShardPlacement:
         return jax.device_put(x, self.sharding(path, x.ndim))
 
 
-def shard_state(state, mesh: Mesh, expert_parallel: bool = False) -> tuple[object, list]:
-    """The state's arrays placed on their shards, and their specs in leaf order."""
+def shard_state(state, mesh: Mesh, expert_parallel: bool = False,
+                put=jax.device_put) -> tuple[object, list]:
+    """The state's arrays placed on their shards, and their specs in leaf order (`put`: how
+    an array goes to its sharding; compile-only runners place shapes)."""
     specs = []
 
     def place(path, x):
         spec = weight_spec(path_names(path), x.ndim, expert_parallel)
         specs.append(spec)
-        return jax.device_put(x, NamedSharding(mesh, spec))
+        return put(x, NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(place, state), specs
 

@@ -61,7 +61,8 @@ from jaxserve.core.buckets import (
 from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import rope_tables, stack_layers
-from jaxserve.model.loader import load_state, state_bytes
+from jaxserve.model.loader import abstract_state, load_state, state_bytes
+from jaxserve.model.quant import array_bytes
 from jaxserve.model.step import make_step_fns
 from jaxserve.parallel.sharding import (
     MODEL_AXIS,
@@ -76,6 +77,7 @@ from jaxserve.parallel.sharding import (
 )
 from jaxserve.request import Request, Samples
 from jaxserve.runner.calls import StepCalls
+from jaxserve.runner.compile_only import CompilingFns, abstractly, placed
 from jaxserve.runner.draft_runner import DraftRunner
 from jaxserve.runner.inflight import Inflight, read_results
 from jaxserve.runner.input_batch import InputBatch
@@ -112,11 +114,14 @@ class ModelRunner(StepCalls, Warmup):
 
     def __init__(self, model_path: str | Path | None, model_config: ModelConfig,
                  config: EngineConfig, draft_path: Path | None = None,
-                 devices: Sequence[jax.Device] | None = None):
+                 devices: Sequence[jax.Device] | None = None, compile_only: bool = False):
         """`draft_path`: the draft model of speculative_config's draft_model (checked by the
         engine to share the model's vocabulary). `devices`: the tensor_parallel_size devices
         this runner's arrays live on (a data-parallel replica's, see replica_devices); None:
-        the first ones."""
+        the first ones. `compile_only`: the devices are a target's compile-only ones
+        (compile_only.py): nothing is read or allocated, `warmup` compiles every step and
+        `fns.compiled` holds what XLA said of each."""
+        self.compile_only = compile_only
         tp = config.tensor_parallel_size
         self.devices = tuple(jax.devices()[:tp] if devices is None else devices)
         if len(self.devices) != tp:
@@ -127,18 +132,20 @@ class ModelRunner(StepCalls, Warmup):
         # span several processes: jaxserve/parallel/distributed.py)
         self.local_device = next(d for d in self.devices
                                  if d.process_index == jax.process_index())
-        with jax.default_device(self.local_device):
+        # (a compile-only device runs nothing: it is never the default device)
+        with contextlib.nullcontext() if compile_only else jax.default_device(self.local_device):
             self._build(model_path, model_config, config, draft_path)
 
     def _build(self, model_path: str | Path | None, model_config: ModelConfig,
                config: EngineConfig, draft_path: Path | None) -> None:
+        compile_only = self.compile_only
         self.model_config = model_config
         self.config = config
         if config.max_top_logprobs > model_config.vocab_size:  # before loading: top_k fails
             raise ValueError(f"max_top_logprobs {config.max_top_logprobs} exceeds the model's "
                              f"vocabulary of {model_config.vocab_size}")
         self.max_model_len = config.resolve_max_model_len(model_config)
-        self.platform = jax.default_backend()
+        self.platform = self.devices[0].platform  # the target's, where not this machine's
         dtype = compute_dtype(config.dtype, model_config.dtype, self.platform,
                               model_config.num_params, config.kv_cache_bytes_cpu)
         if dtype != model_config.dtype and config.dtype == "auto":
@@ -149,22 +156,31 @@ class ModelRunner(StepCalls, Warmup):
         # the backend: chosen once, handed to the jitted steps as a static argument
         self.backend = select_backend(config.attention_impl, config.matmul_impl, dtype,
                                       model_config.head_dim, config.page_size, self.platform,
-                                      model_config.num_heads, model_config.num_kv_heads)
+                                      model_config.num_heads, model_config.num_kv_heads,
+                                      self.devices[0])
         self.kv_dtype_name = kv_cache_dtype(dtype, self.platform, self.attention_impl,
                                             config.kv_cache_dtype)
         # the pool's array dtype: a bfloat16 pool on the CPU is held as its bits (uint16)
         self.kv_dtype = self.backend.attention.pool_dtype(self.kv_dtype_name)
-        enable_compilation_cache(config.compilation_cache_dir)
+        if not compile_only:  # (a compile-only executable cannot be stored and loaded here)
+            enable_compilation_cache(config.compilation_cache_dir)
         start = time.perf_counter()
         tp = self.tensor_parallel_size = config.tensor_parallel_size
         experts = config.enable_expert_parallel
-        check_tensor_parallel(model_config, tp, len(jax.devices()), experts)
+        check_tensor_parallel(model_config, tp, len(self.devices) if compile_only
+                              else len(jax.devices()), experts)
         mesh = make_mesh(self.devices) if tp > 1 else None
-        self.graphdef, self.state = load_state(
-            model_path, model_config, self.dtype, config.load_format, config.seed,
-            ShardPlacement(mesh, model_config, tp, experts) if mesh else None)
+        place = ShardPlacement(mesh, model_config, tp, experts) if mesh else None
+        if compile_only:  # the weights' shapes where they would live: nothing read
+            self.graphdef, self.state = abstract_state(model_config, self.dtype, place)
+        else:
+            self.graphdef, self.state = load_state(
+                model_path, model_config, self.dtype, config.load_format, config.seed, place)
+        # weight transforms: run, or traced for their shapes only
+        transform = abstractly if compile_only else lambda fn, g, s: fn(g, s)
         if tp == 1:  # split, the kernels take each shard's weights as they are
-            self.graphdef, self.state = self.backend.ops.pack_weights(self.graphdef, self.state)
+            self.graphdef, self.state = transform(self.backend.ops.pack_weights, self.graphdef,
+                                                  self.state)
         self.scan_layers = (self.backend.ops.scan_layers if config.scan_layers is None
                             else config.scan_layers)
         if not model_config.uniform_layers:  # sliding-window and full layers: unrolled
@@ -173,12 +189,21 @@ class ModelRunner(StepCalls, Warmup):
                                  "full attention), so they cannot be stacked; leave it unset")
             self.scan_layers = False
         if self.scan_layers:  # one layer compiled, whatever the depth
-            self.graphdef, self.state = stack_layers(self.graphdef, self.state, consume=True)
+            self.graphdef, self.state = transform(
+                functools.partial(stack_layers, consume=not compile_only), self.graphdef,
+                self.state)
+        if compile_only and mesh is None:  # (traced transforms give shapes without a place)
+            self.state = jax.tree.map(lambda x: placed(x, self.devices[0]), self.state)
         self.shards = None
         if tp > 1:  # each device its part of every split weight (jaxserve/parallel/sharding.py)
             self.backend = replace(self.backend, model_axis=MODEL_AXIS)
-            self.state, weight_specs = shard_state(
-                repeat_kv_heads(self.state, model_config, tp), mesh, experts)
+            if compile_only:
+                self.state = jax.eval_shape(lambda s: repeat_kv_heads(s, model_config, tp),
+                                            self.state)
+            else:
+                self.state = repeat_kv_heads(self.state, model_config, tp)
+            self.state, weight_specs = shard_state(self.state, mesh, experts,
+                                                   placed if compile_only else jax.device_put)
         log.info("weights: %.1f MiB (%s%s) in %.1f s; backend %s (attention %s, matmul %s, "
                  "layers %s)", state_bytes(self.state) / 2**20, jnp.dtype(self.dtype).name,
                  "" if model_config.quantization is None else
@@ -207,12 +232,15 @@ class ModelRunner(StepCalls, Warmup):
         if tp > 1:  # made in place, each device its KV heads
             spec = kv_spec(jax.eval_shape(make_kv))
             self.shards = Shards(mesh, weight_specs, spec)
-            self.kv = jax.jit(make_kv, out_shardings=jax.tree.map(
-                lambda p: NamedSharding(mesh, p), spec))()
+            make_kv = jax.jit(make_kv, out_shardings=jax.tree.map(
+                lambda p: NamedSharding(mesh, p), spec))
+            self.kv = jax.eval_shape(make_kv) if compile_only else make_kv()
         else:  # committed, like the caches the steps return (see _zeros below)
-            self.kv = jax.device_put(make_kv(), self.devices[0])
+            self.kv = self._put(jax.eval_shape(make_kv) if compile_only else make_kv(),
+                                self.devices[0])
         if tp > 1:
-            weights, pages = (sum(a.addressable_shards[0].data.nbytes for a in arrays)
+            weights, pages = (sum(array_bytes(a.sharding.shard_shape(a.shape), a.dtype)
+                                  for a in arrays)
                               for arrays in (jax.tree.leaves(self.state), self.kv.pools))
             log.info("tensor parallel over %d devices: %.1f MiB of weights and %.1f MiB of KV "
                      "pages on each", tp, weights / 2**20, pages / 2**20)
@@ -235,13 +263,13 @@ class ModelRunner(StepCalls, Warmup):
         self.mixed_calls = self.ragged  # decode rows ride in a mixed iteration's ragged call
         # what the jitted steps take: the state's arrays and the RoPE tables
         self.weights = (jax.tree.leaves(self.state),
-                        jax.device_put(rope_tables(model_config, self.max_model_len, self.dtype),
-                                       self.placement))
+                        self._put(rope_tables(model_config, self.max_model_len, self.dtype),
+                                  self.placement))
         self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state), self.backend,
                                  config.max_top_logprobs, self.carry_size, self.shards)
         # committed to the device like the step outputs that replace it: jit keys its cache on
         # committedness, so an uncommitted zeros would compile every step a second time
-        self._zeros = jax.device_put(jnp.zeros((self.carry_size,), jnp.int32), self.placement)
+        self._zeros = self._put(jnp.zeros((self.carry_size,), jnp.int32), self.placement)
         self._carries = (self._zeros, self._zeros)
         # the last iteration's rows that sampled into the carries: its decode call's request
         # ids (carry 0, row i) and its other calls' chunks (carry 1, row i); `_carry_rows`
@@ -254,6 +282,9 @@ class ModelRunner(StepCalls, Warmup):
                                       config.max_num_seqs)
         self.draft = None
         if draft_path is not None:
+            if compile_only:
+                raise ValueError("speculative_config's draft_model: compiling for a target "
+                                 "without its device takes the model alone (ngram works)")
             if tp > 1:
                 raise ValueError("speculative_config's draft_model runs on one device: leave "
                                  "tensor_parallel_size 1 with it (ngram works on a mesh)")
@@ -270,9 +301,17 @@ class ModelRunner(StepCalls, Warmup):
                 k=self.num_spec_tokens, placement=self.placement)
         # per slot: the controlled requests' token counts, prompt tokens and logit_bias
         self.controls = SamplerControls(model_config.vocab_size, self.input_batch.num_slots,
-                                        self.placement)
+                                        self.placement, self._put)
+        if compile_only:  # each step compiles when the warm-up calls it
+            self.fns = CompilingFns(self.fns, self.platform, self.devices[0])
         self.num_compilations = 0  # XLA compiles while this runner dispatched
         self._compiles_at_warmup = 0
+
+    def _put(self, tree, where):
+        """jax.device_put, or (compile only) the arrays' shapes where they would be."""
+        if self.compile_only:
+            return jax.tree.map(lambda x: placed(x, where), tree)
+        return jax.device_put(tree, where)
 
     @property
     def attention_impl(self) -> str:  # what reports call the backend's kernels
@@ -292,7 +331,8 @@ class ModelRunner(StepCalls, Warmup):
     def _counting(self):
         _dispatching.runner = self
         try:
-            with jax.default_device(self.local_device):  # a replica's arrays on its devices
+            with (contextlib.nullcontext() if self.compile_only  # (CompilingFns sets it)
+                  else jax.default_device(self.local_device)):  # a replica's arrays on its devices
                 yield
         finally:
             _dispatching.runner = None

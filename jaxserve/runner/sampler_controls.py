@@ -39,10 +39,12 @@ class Head:
 class SamplerControls:
     """The device state of the controlled requests' slots, and the sampling of their calls."""
 
-    def __init__(self, vocab_size: int, num_slots: int, placement=None):
-        """`placement`: the device or sharding the state lives on (None: the first device)."""
+    def __init__(self, vocab_size: int, num_slots: int, placement=None, put=jax.device_put):
+        """`placement`: the device or sharding the state lives on (None: the first device);
+        `put`: how arrays get there (the runner's: compile only, their shapes)."""
         self.vocab_size = vocab_size
         self.placement = placement or jax.devices()[0]
+        self._put = put
         self.state = self._zeros(num_slots)
 
     @property
@@ -55,7 +57,7 @@ class SamplerControls:
                              prompt=jnp.zeros((slots, vocab), bool),
                              bias_ids=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.int32),
                              bias_values=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.float32))
-        return jax.device_put(state, self.placement)
+        return self._put(state, self.placement)
 
     def write(self, fns, batch: InputBatch) -> None:
         """Write the state of the controlled requests the batch's latest update gave a slot:
@@ -89,7 +91,8 @@ class SamplerControls:
         packed, carry, self.state = fns.head(weights, head.last, head.sm,
                                              self._controls(head, batch, bitmask), self.state,
                                              carry, head.carry_index, rows=len(head.slots))
-        packed.copy_to_host_async()
+        if isinstance(packed, jax.Array):  # (compile only: a shape)
+            packed.copy_to_host_async()
         return packed, carry
 
     def bitmask(self, head: Head) -> np.ndarray:

@@ -58,8 +58,8 @@ class Warmup:
             return
         if kind == "head":  # a controlled call's sampling, its b rows all padding
             slots = np.zeros((b,), np.int32)
-            last = jax.device_put(jnp.zeros((self.carry_size, self.model_config.hidden_size),
-                                            self.dtype), self.placement)  # committed
+            last = self._put(jnp.zeros((self.carry_size, self.model_config.hidden_size),
+                                       self.dtype), self.placement)  # committed
             self.finish(Inflight(heads=[Head([], last, self._sampling(slots, slots), slots, 1,
                                              np.full((b,), self.carry_size, np.int32),
                                              PrefillCall([], None))]))

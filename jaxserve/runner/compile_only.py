@@ -1,0 +1,112 @@
+"""Compile-only: the runner built for devices this machine does not have (an H100, a TPU slice:
+XLA's compile-only devices, jaxserve/tools/targets.py), its every step compiled ahead of time
+and nothing run.
+
+`ModelRunner(..., compile_only=True)` builds exactly as it would to serve (the target's backend
+and kernels, its mesh, the KV pool, the buckets), with every array a `jax.ShapeDtypeStruct`
+carrying its sharding instead of memory: no weight is read, no page allocated. Its jitted steps
+are wrapped (`CompilingFns`): a call lowers and compiles the step for the arguments' shapes and
+shardings, records what XLA says of it (`Compiled`), and returns its outputs' shapes, so the
+runner's own warm-up walks every bucket and feeds each step the abstract KV pool the one before
+returned, as it does when serving.
+"""
+
+import time
+from dataclasses import dataclass, fields
+
+import jax
+from jax.sharding import Sharding, SingleDeviceSharding
+
+# the custom calls that are our kernels, by platform: Pallas through Triton or Mosaic GPU, JAX's
+# Pallas TPU kernel through Mosaic, the C++ kernels through XLA's FFI
+KERNEL_CALLS = {"gpu": ('custom_call_target="__gpu$xla.gpu.triton"',
+                        'custom_call_target="mosaic_gpu'),
+                "tpu": ('custom_call_target="tpu_custom_call"',),
+                "cpu": ('custom_call_target="jaxserve_',)}
+HOST_CALLS = ("xla_python_cpu_callback", "xla_python_gpu_callback", "xla_ffi_python_cpu_callback",
+              "xla_ffi_python_gpu_callback", "SendToHost", "RecvFromHost")
+
+
+def placed(x, sharding) -> jax.ShapeDtypeStruct:
+    """An array's shape and dtype where it would live: `sharding`, or a device's."""
+    if not isinstance(sharding, Sharding):
+        sharding = SingleDeviceSharding(sharding)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def abstractly(fn, graphdef, state):
+    """(graphdef, state) -> fn(graphdef, state) on a state of ShapeDtypeStructs, traced: the
+    graph fn returns and its state's shapes (a weight transform that never runs)."""
+    out = {}
+
+    def run(s):
+        out["graphdef"], s = fn(graphdef, s)
+        return s
+
+    state = jax.eval_shape(run, state)
+    return out["graphdef"], state
+
+
+@dataclass
+class Compiled:
+    """One step shape compiled for the target: what XLA said of it, per device."""
+
+    name: str  # the step and its shape, e.g. decode[b=8,steps=1]
+    seconds: float  # lowering and compiling
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int  # the donated inputs' bytes the outputs reuse
+    generated_code_bytes: int
+    kernels: int  # our kernels' custom calls in the compiled program
+    host_calls: int  # host callbacks or transfers inside the step (none belong there)
+    all_reduces: int
+    flops: float | None  # XLA's cost analysis, where the platform gives one
+    bytes_accessed: float | None
+
+
+def _count(text: str, needles) -> int:
+    return sum(text.count(n) for n in needles)
+
+
+class CompilingFns:
+    """A StepFns whose every step, called, compiles instead of running (see the module)."""
+
+    def __init__(self, fns, platform: str, default_device):
+        self._fns = fns
+        self._platform = platform
+        self._device = default_device  # Pallas reads the chip's generation from it
+        self.compiled: list[Compiled] = []
+        for f in fields(fns):
+            setattr(self, f.name, self._compiling(f.name, getattr(fns, f.name)))
+
+    def _compiling(self, name: str, fn):
+        def call(*args, **static):
+            start = time.perf_counter()
+            with jax.default_device(self._device):
+                lowered = fn.lower(*args, **static)
+            compiled = lowered.compile()
+            seconds = time.perf_counter() - start
+            memory = compiled.memory_analysis()
+            text = compiled.as_text()
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list) and cost else cost
+            shape = ",".join(f"{k}={v}" for k, v in static.items())
+            self.compiled.append(Compiled(
+                f"{name}[{_shape_name(args)}{',' if shape else ''}{shape}]", seconds,
+                memory.argument_size_in_bytes, memory.output_size_in_bytes,
+                memory.temp_size_in_bytes, memory.alias_size_in_bytes,
+                memory.generated_code_size_in_bytes,
+                _count(text, KERNEL_CALLS.get(self._platform, ())), _count(text, HOST_CALLS),
+                text.count(" all-reduce(") + text.count(" all-reduce-start("),
+                cost.get("flops") if cost else None,
+                cost.get("bytes accessed") if cost else None))
+            return jax.tree.map(placed, lowered.out_info, compiled.output_shardings)
+        return call
+
+
+def _shape_name(args) -> str:
+    """The leading array's shape, what tells the buckets apart (tokens or rows, the first
+    argument after the weights and the KV pool)."""
+    leaves = [x for x in jax.tree.leaves(args[2:3] or args) if hasattr(x, "shape")]
+    return "x".join(str(d) for d in leaves[0].shape) if leaves else ""
