@@ -355,7 +355,7 @@ class ModelRunner(StepCalls, Warmup):
                                       self.kv_dtype)
 
     def _pages_that_fit(self) -> int:
-        stats = self.devices[0].memory_stats() if self.platform == "gpu" else None
+        stats = self.devices[0].memory_stats() if self.platform in ("gpu", "tpu") else None
         # a device's free memory holds its share of each page: tp of them, a whole page
         free = (stats["bytes_limit"] - stats["bytes_in_use"]) * self.tensor_parallel_size if (
             stats) else self.config.kv_cache_bytes_cpu

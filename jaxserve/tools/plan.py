@@ -36,7 +36,7 @@ def this_device() -> Device:
     import jax
 
     device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform == "gpu" else None
+    stats = device.memory_stats() if device.platform in ("gpu", "tpu") else None
     return Device(device.platform, getattr(device, "device_kind", str(device)),
                   stats["bytes_limit"] if stats else None, stats["bytes_in_use"] if stats else None)
 
