@@ -2,8 +2,15 @@
 (module-scoped: a module that asks for it gets its own)."""
 
 import gc
+import os
 from pathlib import Path
 from types import SimpleNamespace
+
+# The suite runs on this machine's CPU whatever else is installed: the accelerator compilers of
+# the aot extras (libtpu, the CUDA plugin: tests/test_compile_targets.py) are then neither
+# initialised nor heard (each logs at start-up otherwise), here and in the subprocesses
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 import httpx
 import openai

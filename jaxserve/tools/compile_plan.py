@@ -79,6 +79,7 @@ def target_plan(model: str | Path | None, config: EngineConfig, target_name: str
     result |= {
         "devices": [str(d) for d in devices],
         "backend": runner.backend.name, "attention_impl": runner.attention_impl,
+        "scan_layers": runner.scan_layers,
         "compiled": [{"name": c.name, "seconds": round(c.seconds, 3),
                       "temp_bytes": c.temp_bytes, "alias_bytes": c.alias_bytes,
                       "kernels": c.kernels, "all_reduces": c.all_reduces,
@@ -92,6 +93,10 @@ def target_plan(model: str | Path | None, config: EngineConfig, target_name: str
                     "steps_with_kernels": sum(1 for c in kv_steps if c.kernels),
                     "kv_steps": len(kv_steps)},
         "all_reduces_per_decode_step": max((c.all_reduces for c in decode), default=0),
+        # the model's forward alone (a decode call without its head): the sums the design
+        # puts in each layer, and the embedding's
+        "all_reduces_per_forward": max((c.all_reduces for c in compiled
+                                        if c.name.startswith("decode_hidden[")), default=0),
     }
     return result
 
@@ -141,8 +146,9 @@ def format_target_plan(p: dict) -> str:
         lines.append(f"compiled   {len(p['compiled'])} step shapes in {p['compile_seconds']:.1f} s; "
                      f"backend {p['backend']} (attention {p['attention_impl']}), kernels in "
                      f"{p['kernels']['steps_with_kernels']} of {p['kernels']['kv_steps']} "
-                     f"steps that attend; {p['all_reduces_per_decode_step']} all-reduces a "
-                     "decode step")
+                     f"steps that attend; all-reduces: {p['all_reduces_per_forward']} in the "
+                     f"model's forward, {p['all_reduces_per_decode_step']} in a decode step "
+                     "with sampling")
         lines.append("per device " + ", ".join(
             f"{k} {v / 2**30:.2f} GiB" for k, v in b.items()) + (
             " (fits)" if p["fits"] else " (does not fit)"))

@@ -111,6 +111,9 @@ def target_devices(target: Target, count: int) -> list:
         except ImportError as error:
             raise ValueError(f"compiling for {target.name} needs libtpu: pip install "
                              "'jaxserve[aot-tpu]'") from error
+        # libtpu takes a machine-wide lock when it loads, for the chips it drives; topologies
+        # drive none, so a compile here must not wait on (or block) a process that has them
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         if count > target.count:
             raise ValueError(f"tensor_parallel_size {count}: {target.name} has {target.count} "
                              "chips")
