@@ -62,11 +62,10 @@ def test_the_warm_up_compiles_every_step_shape_with_the_kernels_in_place(runner)
 
 
 def test_a_compiled_shape_is_compiled_once(runner):
-    before = len(runner.fns.compiled)
-    call = next(c for c in runner.fns.compiled if c.name.startswith("decode["))
-    runner.warmup()  # every shape again: jit's cache answers
-    again = [c for c in runner.fns.compiled[before:] if c.name == call.name]
-    assert again and all(c.seconds < 5 * max(call.seconds, 0.05) for c in again)
+    compiles, records = runner.num_compilations, len(runner.fns.compiled)
+    runner.warmup()  # every shape again: each lowered again, compiled by XLA no more
+    assert len(runner.fns.compiled) == 2 * records
+    assert runner.num_compilations == compiles > 0
 
 
 def test_tensor_parallel_compiles_with_two_all_reduces_a_layer():
