@@ -172,7 +172,7 @@ def _plan(args) -> int:
     result = target_plan(args.model, config, args.target, compile=args.compile)
     print(json.dumps(result, indent=2) if args.json
           else format_plan(result) + "\n" + format_target_plan(result))
-    return 0 if not args.compile or result["fits"] else 1
+    return 0 if not args.compile or (result["fits"] and not result["failed"]) else 1
 
 
 def _add_bench_parser(sub, logs: argparse.ArgumentParser) -> None:

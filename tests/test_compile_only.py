@@ -149,3 +149,28 @@ def test_plan_for_a_target_without_compiling(capsys):
     assert "--target" in capsys.readouterr().err
     assert main(["plan", str(MODEL), "--target", "tpu9"]) == 2
     assert "expected one of h100" in capsys.readouterr().err
+
+
+def test_a_step_xla_refuses_is_reported_and_the_warm_up_goes_on():
+    from dataclasses import dataclass
+
+    from jaxserve.runner.compile_only import CompilingFns
+
+    class Refused:  # a jitted step whose compile XLA refuses
+        def lower(self, *args, **static):
+            return self
+
+        out_info = (jax.ShapeDtypeStruct((2, 3), jax.numpy.int32),)
+
+        def compile(self, **options):
+            raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: no\nmore lines")
+
+    @dataclass(frozen=True)
+    class Fns:
+        head: object
+
+    device = jax.devices()[0]
+    fns = CompilingFns(Fns(Refused()), "gpu", device, device)
+    out, = fns.head(None, None, jax.ShapeDtypeStruct((2,), jax.numpy.float32), rows=2)
+    assert out.shape == (2, 3) and out.sharding.device_set == {device}
+    assert fns.failed == {"head[2,rows=2]": "INVALID_ARGUMENT: no"} and not fns.compiled

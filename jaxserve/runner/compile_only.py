@@ -23,6 +23,10 @@ KERNEL_CALLS = {"gpu": ('custom_call_target="__gpu$xla.gpu.triton"',
                         'custom_call_target="mosaic_gpu'),
                 "tpu": ('custom_call_target="tpu_custom_call"',),
                 "cpu": ('custom_call_target="jaxserve_',)}
+# XLA options a compile without the device needs: on a GPU, XLA's own sort for the sampler's
+# top-k / top-p (CUB's needs scratch sizes measured on a live device; deviceless, XLA's rewrite
+# of a large sort fails: "Reshape input and output shapes must be the same")
+COMPILER_OPTIONS = {"gpu": {"xla_gpu_enable_cub_radix_sort": False}}
 HOST_CALLS = ("xla_python_cpu_callback", "xla_python_gpu_callback", "xla_ffi_python_cpu_callback",
               "xla_ffi_python_gpu_callback", "SendToHost", "RecvFromHost")
 
@@ -72,28 +76,36 @@ def _count(text: str, needles) -> int:
 class CompilingFns:
     """A StepFns whose every step, called, compiles instead of running (see the module)."""
 
-    def __init__(self, fns, platform: str, default_device):
+    def __init__(self, fns, platform: str, default_device, placement):
         self._fns = fns
         self._platform = platform
         self._device = default_device  # Pallas reads the chip's generation from it
+        self._placement = placement  # where a step that failed to compile leaves its outputs
         self.compiled: list[Compiled] = []
+        self.failed: dict[str, str] = {}  # step -> XLA's refusal
         for f in fields(fns):
             setattr(self, f.name, self._compiling(f.name, getattr(fns, f.name)))
 
-    def _compiling(self, name: str, fn):
+    def _compiling(self, name_: str, fn):
         def call(*args, **static):
             start = time.perf_counter()
             with jax.default_device(self._device):
                 lowered = fn.lower(*args, **static)
-            compiled = lowered.compile()
+            shape = ",".join(f"{k}={v}" for k, v in static.items())
+            name = f"{name_}[{_shape_name(args)}{',' if shape else ''}{shape}]"
+            try:
+                compiled = lowered.compile(
+                    compiler_options=COMPILER_OPTIONS.get(self._platform))
+            except jax.errors.JaxRuntimeError as error:  # the report says which and why
+                self.failed[name] = str(error).splitlines()[0]
+                return jax.tree.map(lambda x: placed(x, self._placement), lowered.out_info)
             seconds = time.perf_counter() - start
             memory = compiled.memory_analysis()
             text = compiled.as_text()
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, list) and cost else cost
-            shape = ",".join(f"{k}={v}" for k, v in static.items())
             self.compiled.append(Compiled(
-                f"{name}[{_shape_name(args)}{',' if shape else ''}{shape}]", seconds,
+                name, seconds,
                 memory.argument_size_in_bytes, memory.output_size_in_bytes,
                 memory.temp_size_in_bytes, memory.alias_size_in_bytes,
                 memory.generated_code_size_in_bytes,

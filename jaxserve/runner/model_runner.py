@@ -303,7 +303,7 @@ class ModelRunner(StepCalls, Warmup):
         self.controls = SamplerControls(model_config.vocab_size, self.input_batch.num_slots,
                                         self.placement, self._put)
         if compile_only:  # each step compiles when the warm-up calls it
-            self.fns = CompilingFns(self.fns, self.platform, self.devices[0])
+            self.fns = CompilingFns(self.fns, self.platform, self.devices[0], self.placement)
         self.num_compilations = 0  # XLA compiles while this runner dispatched
         self._compiles_at_warmup = 0
 

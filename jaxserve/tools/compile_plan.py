@@ -69,6 +69,8 @@ def target_plan(model: str | Path | None, config: EngineConfig, target_name: str
     if undonated:
         problems.append(f"steps that copy the KV pool instead of updating it in place: "
                         f"{undonated}")
+    for name, error in runner.fns.failed.items():
+        problems.append(f"{name} does not compile for {target.name}: {error}")
     if any(c.host_calls for c in compiled):
         problems.append("host transfers inside a step: "
                         f"{[c.name for c in compiled if c.host_calls]}")
@@ -88,7 +90,7 @@ def target_plan(model: str | Path | None, config: EngineConfig, target_name: str
         "per_device_bytes": {"weights": weights, "kv": kv_bytes, "temp": temp,
                              "sampler": sampler, "total": total,
                              "capacity": target.usable_bytes},
-        "fits": fits,
+        "fits": fits, "failed": runner.fns.failed,
         "kernels": {"attention": runner.attention_impl,
                     "steps_with_kernels": sum(1 for c in kv_steps if c.kernels),
                     "kv_steps": len(kv_steps)},
@@ -159,5 +161,4 @@ def format_target_plan(p: dict) -> str:
     lines.append(f"estimate   decode {e['decode_tok_s_batch1']:.1f} tok/s at batch 1, "
                  f"{e['decode_tok_s_max']:.1f} at batch {e['max_batch']} ({e['context']} "
                  "tokens of context; the roofline of the chip's bandwidth and bf16 peak)")
-    lines += [f"problem    {msg}" for msg in p["problems"]]
-    return "\n".join(lines)
+    return "\n".join(lines)  # (the problems: format_plan's lines)
