@@ -31,6 +31,12 @@ engine_args=(--model bench/models/llama3-8b --dtype bfloat16 --max-num-seqs 32
              --max-num-batched-tokens 1024 --prefill-chunk-sizes 256 --row-buckets 8,32
              --num-pages 4096 --max-model-len 2048)
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+# the planner's prediction first, for the engine's shapes on this GPU (JAXSERVE_TARGET: h100 or
+# h200 by the device's memory), so each lent minute also checks jaxserve plan --target
+target=${JAXSERVE_TARGET:-$(python3 -c "import jax; print('h200' if jax.devices()[0].memory_stats()['bytes_limit'] > 100e9 else 'h100')" 2>/dev/null || echo h200)}
+echo "== plan --target $target (the prediction for the shapes below)"
+timeout 60 python3 -m jaxserve.cli plan bench/models/llama3-8b --target "$target" --dtype bfloat16 \
+  --max-num-seqs 32 --max-model-len 2048 --num-pages 4096 2>&1 | grep -E "^(target|estimate|problem)"
 if [[ $parts == *engine* ]]; then
   echo "== engine: Llama-3-8B shape, bf16, continuous vs static, device idle, batch-1 roofline"
   # rows padded to 8 or 32 (prefill calls to 1, 8 or 32): a memory-bound 8B decode step costs
