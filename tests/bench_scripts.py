@@ -1,4 +1,5 @@
-"""The scripts under bench/, loaded as modules by test_benchmarks.py and test_bench_scripts.py."""
+"""The scripts under bench/, loaded as modules by the tests that run them (test_benchmarks.py,
+test_bench_scripts.py, test_bench_yardsticks.py)."""
 
 import importlib.util
 from pathlib import Path

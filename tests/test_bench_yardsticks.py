@@ -2,17 +2,7 @@
 scanned and unrolled) and bench/host_overhead.py (the host's cost per engine iteration), issue
 31's bench/prefix_caching.py (cache on against off)."""
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import ROOT, _load
 
 
 def test_compile_time_bench_lowers_from_abstract_shapes_and_times_both_layer_forms(capsys):
