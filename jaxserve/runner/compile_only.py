@@ -77,7 +77,6 @@ class CompilingFns:
     """A StepFns whose every step, called, compiles instead of running (see the module)."""
 
     def __init__(self, fns, platform: str, default_device, placement):
-        self._fns = fns
         self._platform = platform
         self._device = default_device  # Pallas reads the chip's generation from it
         self._placement = placement  # where a step that failed to compile leaves its outputs
@@ -86,13 +85,13 @@ class CompilingFns:
         for f in fields(fns):
             setattr(self, f.name, self._compiling(f.name, getattr(fns, f.name)))
 
-    def _compiling(self, name_: str, fn):
+    def _compiling(self, step: str, fn):
         def call(*args, **static):
             start = time.perf_counter()
             with jax.default_device(self._device):
                 lowered = fn.lower(*args, **static)
             shape = ",".join(f"{k}={v}" for k, v in static.items())
-            name = f"{name_}[{_shape_name(args)}{',' if shape else ''}{shape}]"
+            name = f"{step}[{_shape_name(args)}{',' if shape else ''}{shape}]"
             try:
                 compiled = lowered.compile(
                     compiler_options=COMPILER_OPTIONS.get(self._platform))

@@ -47,7 +47,7 @@ def target_plan(model: str | Path | None, config: EngineConfig, target_name: str
     devices = target_devices(target, tp)
     path = resolve_model(model)
     cfg = config.served_model(ModelConfig.from_hf_dir(path))
-    sized = dataclasses.replace(config, num_pages=max(result["num_pages"], 2), load_format="dummy")
+    sized = dataclasses.replace(config, num_pages=max(result["num_pages"], 2))
     runner = ModelRunner(path, cfg, sized, devices=devices, compile_only=True)
     runner.warmup()
     compiled = {c.name: c for c in runner.fns.compiled}.values()  # a shape compiles once
@@ -85,7 +85,8 @@ def target_plan(model: str | Path | None, config: EngineConfig, target_name: str
         "compiled": [{"name": c.name, "seconds": round(c.seconds, 3),
                       "temp_bytes": c.temp_bytes, "alias_bytes": c.alias_bytes,
                       "kernels": c.kernels, "all_reduces": c.all_reduces,
-                      "host_calls": c.host_calls} for c in compiled],
+                      "host_calls": c.host_calls, "flops": c.flops,
+                      "bytes_accessed": c.bytes_accessed} for c in compiled],
         "compile_seconds": round(sum(c.seconds for c in compiled), 3),
         "per_device_bytes": {"weights": weights, "kv": kv_bytes, "temp": temp,
                              "sampler": sampler, "total": total,
