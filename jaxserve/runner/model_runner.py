@@ -193,7 +193,7 @@ class ModelRunner(StepCalls, Warmup):
                 functools.partial(stack_layers, consume=not compile_only), self.graphdef,
                 self.state)
         if compile_only and mesh is None:  # (traced transforms give shapes without a place)
-            self.state = jax.tree.map(lambda x: placed(x, self.devices[0]), self.state)
+            self.state = self._put(self.state, self.devices[0])
         self.shards = None
         if tp > 1:  # each device its part of every split weight (jaxserve/parallel/sharding.py)
             self.backend = replace(self.backend, model_axis=MODEL_AXIS)
@@ -202,8 +202,7 @@ class ModelRunner(StepCalls, Warmup):
                                             self.state)
             else:
                 self.state = repeat_kv_heads(self.state, model_config, tp)
-            self.state, weight_specs = shard_state(self.state, mesh, experts,
-                                                   placed if compile_only else jax.device_put)
+            self.state, weight_specs = shard_state(self.state, mesh, experts, self._put)
         log.info("weights: %.1f MiB (%s%s) in %.1f s; backend %s (attention %s, matmul %s, "
                  "layers %s)", state_bytes(self.state) / 2**20, jnp.dtype(self.dtype).name,
                  "" if model_config.quantization is None else
