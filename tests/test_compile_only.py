@@ -138,6 +138,25 @@ def test_the_estimate_is_the_roofline_of_bytes_read_and_flops():
     assert e["decode_tok_s_max"] > e["decode_tok_s_batch1"]
 
 
+def test_a_moe_step_reads_the_experts_its_rows_route_to():
+    """30B parameters of which 29B are 128 experts, 8 a token: one row reads 1/16 of them;
+    16 rows touch 1 - (15/16)^16 of them, expected; with every expert touched, all weights."""
+    target = parse_target("h200")
+    p = {"tensor_parallel_size": 1, "max_model_len": 1, "page_size": 16,
+         "concurrency": [{"context": 1, "sequences_that_fit": 100}], "usable_pages": 0,
+         "max_num_seqs": 16, "weight_bytes_per_device": 60e9, "kv_bytes_per_token": 0,
+         "num_params": 30e9, "expert_params": 29e9, "num_experts": 128,
+         "experts_per_token": 8}
+    e = estimate(p, target)
+    read = 2e9 + 58e9 / 16  # the dense part, and 8 of 128 experts
+    assert e["decode_tok_s_batch1"] == pytest.approx(target.bandwidth / read, rel=1e-3)
+    touched = 1 - (15 / 16) ** 16
+    assert e["decode_tok_s_max"] == pytest.approx(
+        16 * target.bandwidth / (2e9 + 58e9 * touched), rel=1e-3)
+    dense = estimate(p | {"num_experts": 0, "expert_params": 0}, target)
+    assert dense["decode_tok_s_batch1"] == pytest.approx(target.bandwidth / 60e9, rel=1e-3)
+
+
 def test_plan_for_a_target_without_compiling(capsys):
     from jaxserve.cli import main
 

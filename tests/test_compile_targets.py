@@ -72,3 +72,35 @@ def test_every_step_compiles_for_the_target_with_our_kernels(fixture, target, tp
     assert result["all_reduces_per_forward"] == (0 if tp == 1 else 2 * layers + 1)
     assert result["all_reduces_per_decode_step"] >= result["all_reduces_per_forward"]
     assert result["estimate"]["decode_tok_s_batch1"] > 0
+
+
+ONE_ROW_HEAD = """
+import json
+from dataclasses import dataclass
+import jax, jax.numpy as jnp
+from jaxserve.runner.compile_only import CompilingFns
+from jaxserve.tools.targets import parse_target, target_devices
+device = target_devices(parse_target("h100"), 1)[0]
+put = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
+                                         sharding=jax.sharding.SingleDeviceSharding(device))
+@dataclass
+class Fns:  # a step like the runner's head: one row of the carry times a large lm_head
+    head: object
+fns = CompilingFns(Fns(jax.jit(lambda last, w: (last[:1] @ w).astype(jnp.float32))), "gpu",
+                   device, device)
+out = fns.head(put((6, 512)), put((512, 128256)))
+print(json.dumps({"failed": fns.failed, "notes": [c.note for c in fns.compiled],
+                  "shape": list(out.shape)}))
+"""
+
+
+def test_a_step_xla_refuses_untuned_is_compiled_with_cublas_and_says_so():
+    """Deviceless, XLA cannot autotune its Triton GEMM, and the untuned tile of a one-row
+    matmul with a large output fails to emit: the compile is retried with cuBLAS's GEMMs (as a
+    live GPU's autotuner may choose) and the step's report says so."""
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "1"}
+    out = subprocess.run([sys.executable, "-c", ONE_ROW_HEAD], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result == {"failed": {}, "notes": ["cuBLAS GEMMs"], "shape": [1, 128256]}

@@ -24,9 +24,14 @@ KERNEL_CALLS = {"gpu": ('custom_call_target="__gpu$xla.gpu.triton"',
                 "tpu": ('custom_call_target="tpu_custom_call"',),
                 "cpu": ('custom_call_target="jaxserve_',)}
 # XLA options a compile without the device needs: on a GPU, XLA's own sort for the sampler's
-# top-k / top-p (CUB's needs scratch sizes measured on a live device; deviceless, XLA's rewrite
-# of a large sort fails: "Reshape input and output shapes must be the same")
+# top-k / top-p (CUB's needs scratch sizes measured on a live device)
 COMPILER_OPTIONS = {"gpu": {"xla_gpu_enable_cub_radix_sort": False}}
+# ... and where XLA refuses a step anyway, the options of a second try, and what they change.
+# On a GPU: without a device XLA cannot autotune, and the Triton GEMM's untuned tile for a
+# one-row matmul (the lm_head at one row, 8 x 16 output tiles) fails to emit ("Reshape input
+# and output shapes must be the same, got 1x16 -> 16x8"); a live GPU's autotuner measures the
+# tiles and skips those. The retry gives that step cuBLAS's GEMMs, as the autotuner may too.
+RETRY_OPTIONS = {"gpu": ({"xla_gpu_enable_triton_gemm": False}, "cuBLAS GEMMs")}
 HOST_CALLS = ("xla_python_cpu_callback", "xla_python_gpu_callback", "xla_ffi_python_cpu_callback",
               "xla_ffi_python_gpu_callback", "SendToHost", "RecvFromHost")
 
@@ -67,6 +72,7 @@ class Compiled:
     all_reduces: int
     flops: float | None  # XLA's cost analysis, where the platform gives one
     bytes_accessed: float | None
+    note: str = ""  # what a second try changed (RETRY_OPTIONS), "" if none
 
 
 def _count(text: str, needles) -> int:
@@ -92,12 +98,21 @@ class CompilingFns:
                 lowered = fn.lower(*args, **static)
             shape = ",".join(f"{k}={v}" for k, v in static.items())
             name = f"{step}[{_shape_name(args)}{',' if shape else ''}{shape}]"
+            options = COMPILER_OPTIONS.get(self._platform, {})
+            retry, note = RETRY_OPTIONS.get(self._platform, (None, ""))
             try:
-                compiled = lowered.compile(
-                    compiler_options=COMPILER_OPTIONS.get(self._platform))
+                compiled = lowered.compile(compiler_options=options)
+                note = ""
             except jax.errors.JaxRuntimeError as error:  # the report says which and why
-                self.failed[name] = str(error).splitlines()[0]
-                return jax.tree.map(lambda x: placed(x, self._placement), lowered.out_info)
+                compiled = None
+                if retry is not None:
+                    try:
+                        compiled = lowered.compile(compiler_options={**options, **retry})
+                    except jax.errors.JaxRuntimeError:
+                        pass
+                if compiled is None:
+                    self.failed[name] = str(error).splitlines()[0]
+                    return jax.tree.map(lambda x: placed(x, self._placement), lowered.out_info)
             seconds = time.perf_counter() - start
             memory = compiled.memory_analysis()
             text = compiled.as_text()
@@ -111,7 +126,7 @@ class CompilingFns:
                 _count(text, KERNEL_CALLS.get(self._platform, ())), _count(text, HOST_CALLS),
                 text.count(" all-reduce(") + text.count(" all-reduce-start("),
                 cost.get("flops") if cost else None,
-                cost.get("bytes accessed") if cost else None))
+                cost.get("bytes accessed") if cost else None, note))
             return jax.tree.map(placed, lowered.out_info, compiled.output_shardings)
         return call
 

@@ -86,7 +86,8 @@ def target_plan(model: str | Path | None, config: EngineConfig, target_name: str
                       "temp_bytes": c.temp_bytes, "alias_bytes": c.alias_bytes,
                       "kernels": c.kernels, "all_reduces": c.all_reduces,
                       "host_calls": c.host_calls, "flops": c.flops,
-                      "bytes_accessed": c.bytes_accessed} for c in compiled],
+                      "bytes_accessed": c.bytes_accessed, "note": c.note}
+                     for c in compiled],
         "compile_seconds": round(sum(c.seconds for c in compiled), 3),
         "per_device_bytes": {"weights": weights, "kv": kv_bytes, "temp": temp,
                              "sampler": sampler, "total": total,
@@ -107,19 +108,27 @@ def target_plan(model: str | Path | None, config: EngineConfig, target_name: str
 def estimate(p: dict, target: Target) -> dict:
     """Decode tokens/s by the roofline: a step of b rows reads the device's weights once and
     each row's KV of `context` tokens, at the chip's bandwidth; or takes 2 flops a parameter
-    a row at its bf16 peak, whichever is longer. At batch 1, and at the largest batch whose
-    KV fits at min(8,192, max_model_len) tokens (and max_num_seqs)."""
+    a row at its bf16 peak, whichever is longer. A MoE step reads only the experts its rows
+    route to (b rows choosing k of E each touch E * (1 - (1 - k/E)^b) of them, expected) and
+    a row multiplies by k of them. At batch 1, and at the largest batch whose KV fits at
+    min(8,192, max_model_len) tokens (and max_num_seqs)."""
     tp = p["tensor_parallel_size"]
     context = min(ESTIMATE_CONTEXT, p["max_model_len"])
     fit = next((r["sequences_that_fit"] for r in p["concurrency"] if r["context"] == context),
                p["usable_pages"] // max(math.ceil(context / p["page_size"]), 1))
     max_batch = max(min(fit, p["max_num_seqs"]), 0)
+    experts, k = p.get("num_experts", 0), p.get("experts_per_token", 0)
+    share = p.get("expert_params", 0) / p["num_params"] if experts else 0.0
+    expert_bytes = p["weight_bytes_per_device"] * share  # (the weights' bytes a parameter alike)
 
     def tok_s(batch: int) -> float:
         if batch <= 0:
             return 0.0
-        read = p["weight_bytes_per_device"] + batch * context * p["kv_bytes_per_token"] / tp
-        flops = 2 * p["num_params"] * batch / tp
+        touched = 1 - (1 - k / experts) ** batch if experts else 1.0
+        read = (p["weight_bytes_per_device"] - expert_bytes * (1 - touched)
+                + batch * context * p["kv_bytes_per_token"] / tp)
+        active = p["num_params"] - p.get("expert_params", 0) * (1 - k / experts if experts else 0)
+        flops = 2 * active * batch / tp
         return batch / max(read / target.bandwidth, flops / target.peak_flops)
 
     return {"context": context, "decode_tok_s_batch1": round(tok_s(1), 1),
@@ -157,7 +166,8 @@ def format_target_plan(p: dict) -> str:
             " (fits)" if p["fits"] else " (does not fit)"))
         for c in p["compiled"]:
             lines.append(f"  {c['name']:<44} {c['seconds']:7.2f} s  temp "
-                         f"{c['temp_bytes'] / 2**20:8.1f} MiB  kernels {c['kernels']}")
+                         f"{c['temp_bytes'] / 2**20:8.1f} MiB  kernels {c['kernels']}"
+                         + (f"  ({c['note']})" if c["note"] else ""))
     e = p["estimate"]
     lines.append(f"estimate   decode {e['decode_tok_s_batch1']:.1f} tok/s at batch 1, "
                  f"{e['decode_tok_s_max']:.1f} at batch {e['max_batch']} ({e['context']} "

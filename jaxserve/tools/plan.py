@@ -158,6 +158,10 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
                         "to start")
     return {
         "model": str(path), "architecture": cfg.architecture, "num_params": cfg.num_params,
+        # the routed experts' parameters, of which a token reads experts_per_token of num_experts
+        "expert_params": cfg.num_layers * cfg.hidden_size * 3 * cfg.num_experts
+        * cfg.moe_intermediate_size,
+        "num_experts": cfg.num_experts, "experts_per_token": cfg.num_experts_per_tok,
         "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "dtype": dtype, "checkpoint_dtype": cfg.dtype, "kv_dtype": kv_dtype,
         "quantization": cfg.quantization, "weight_bytes": weights, "tensor_parallel_size": tp,
