@@ -21,6 +21,7 @@ from jaxserve.config.family import (
     read_rope,
     read_sliding_window,
 )
+from jaxserve.config.gguf import gguf_file, hf_config, metadata, read_gguf
 from jaxserve.config.quant import read_quantization
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -126,6 +127,11 @@ class ModelConfig:
     # the checkpoint's per-layer scales of an fp8 KV cache (compressed-tensors' kv_cache_scheme:
     # self_attn.k_scale / v_scale): stored = k / k_scale, read back times it
     kv_cache_scales: bool = False
+    # GGUF's Q4_1 layers: a float minimum a group added to the scaled values (QuantizedLinear's
+    # group_min); its token embedding held narrow too (quant.QuantizedEmbed), None: in dtype
+    quantization_offsets: bool = False
+    embedding_quantization: str | None = None
+    embedding_offsets: bool = False
     # mixture of experts (0: a dense MLP): each token's MLP is the weighted sum of its top
     # num_experts_per_tok of num_experts experts (each a SwiGLU MLP of moe_intermediate_size),
     # the weights the router's softmax over all experts at the chosen ones, renormalised to sum
@@ -201,7 +207,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+        """A model directory's config.json, or a GGUF file's metadata (config/gguf.py)."""
         path = Path(path)
+        if (gguf := gguf_file(path)) is not None:
+            reader = read_gguf(gguf)
+            tensors = {t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape))
+                       for t in reader.tensors}
+            hf = hf_config(metadata(reader), tensors, gguf)
+            try:
+                return cls.from_hf_dict(hf)
+            except ValueError as error:
+                raise ValueError(f"{gguf}: {error}") from None
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path}")
@@ -312,6 +328,9 @@ class ModelConfig:
             quantization_zero_points=quant.zero_points,
             quantization_act_order=quant.act_order,
             kv_cache_scales=quant.kv_cache_scales,
+            quantization_offsets=quant.offsets,
+            embedding_quantization=quant.embedding,
+            embedding_offsets=quant.embedding_offsets,
             **moe,
             **gemma,
         )

@@ -17,6 +17,27 @@ class CheckpointQuantization(NamedTuple):
     # compressed-tensors' kv_cache_scheme: each attention layer's per-tensor scales of an fp8
     # KV cache (k_scale, v_scale), used when kv_cache_dtype is fp8
     kv_cache_scales: bool = False
+    offsets: bool = False  # GGUF's Q4_1: a minimum a group added (w = q * scale + min)
+    embedding: str | None = None  # GGUF: the token embedding's narrow type (None: float)
+    embedding_offsets: bool = False
+
+
+# GGUF's block types the model holds as they are (config/gguf.py decides which a file uses)
+GGUF_METHODS = ("int8", "int4")
+
+
+def _read_gguf(quant: dict) -> CheckpointQuantization:
+    """config/gguf.py's quantization_config for a GGUF file whose blocks stay quantised:
+    {"quant_method": "gguf", "weights": int8|int4|null, "offsets": bool,
+    "embedding": int8|int4|null, "embedding_offsets": bool}, groups of 32."""
+    weights, embedding = quant.get("weights"), quant.get("embedding")
+    for key, value in (("weights", weights), ("embedding", embedding)):
+        if value not in (None, *GGUF_METHODS):
+            raise ValueError(f"quantization_config {key} {value!r}: GGUF blocks are held as "
+                             f"{' or '.join(GGUF_METHODS)}")
+    return CheckpointQuantization(weights, 32, "gguf", None, False, False, False,
+                                  bool(quant.get("offsets")), embedding,
+                                  bool(quant.get("embedding_offsets")))
 
 
 def _read_kv_cache_scheme(scheme: Any) -> bool:
@@ -93,6 +114,8 @@ def read_quantization(quant: Any) -> CheckpointQuantization:
         return CheckpointQuantization()
     if isinstance(quant, dict) and quant.get("quant_method") in ("gptq", "awq"):
         return _read_packed(quant)
+    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
+        return _read_gguf(quant)
     supported = ("supported: compressed-tensors checkpoints with fp8, int8 or int4 weights "
                  "per channel or per tensor (int4 also per group), symmetric; GPTQ and AWQ "
                  "checkpoints (see their errors); or float weights with the quantization "

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxserve.config.checks import is_int, show
 from jaxserve.config.engine import EngineConfig
+from jaxserve.config.gguf import gguf_file
 from jaxserve.config.model import ModelConfig
 from jaxserve.core.scheduler import Scheduler, make_scheduler
 from jaxserve.engine.loop import RUNNER_MEMBERS, EngineCore, Runner, Step
@@ -66,9 +67,10 @@ def resolve_model(model: str | Path | None) -> Path:
 
         return demo_model_dir()
     path = Path(model)
-    if not path.is_dir():
-        raise ValueError(f"model {str(model)!r} is not a local model directory (nothing is "
-                         f"downloaded; pass a Hugging Face directory or {DEMO!r})")
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        raise ValueError(f"model {str(model)!r} is not a local model directory or GGUF file "
+                         f"(nothing is downloaded; pass a Hugging Face directory, a .gguf file "
+                         f"or {DEMO!r})")
     return path
 
 
@@ -117,8 +119,8 @@ class LLMEngine:
         self.model_path = resolve_model(model)
         self.config = config
         self.model_config = config.served_model(ModelConfig.from_hf_dir(self.model_path))
-        has_tokenizer = any((self.model_path / f).is_file()
-                            for f in ("tokenizer.json", "byte_tokenizer.json"))
+        has_tokenizer = gguf_file(self.model_path) is not None or any(
+            (self.model_path / f).is_file() for f in ("tokenizer.json", "byte_tokenizer.json"))
         self.tokenizer = load_tokenizer(self.model_path) if has_tokenizer else None
         # the model's default sampling params (generation_config.json), for requests that
         # leave them out: LLM.generate without params, the server's temperature/top_p/top_k

@@ -23,7 +23,12 @@ from flax import nnx
 from jaxserve.config.model import ModelConfig
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.moe import SparseMoeBlock
-from jaxserve.model.quant import QuantizedLinear
+from jaxserve.model.quant import (
+    QuantizedEmbed,
+    QuantizedLinear,
+    embedding_rows,
+    embedding_table,
+)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [rotary_dim // 2] float32
@@ -105,7 +110,10 @@ def _linear(cfg_in: int, cfg_out: int, bias: bool, dtype, rngs: nnx.Rngs,
     if cfg is not None and cfg.quantization is not None:  # weights from the loader (quant.py)
         return QuantizedLinear(cfg_in, cfg_out, bias, dtype, cfg.quantization,
                                cfg.quantization_group_size, cfg.quantization_act_order,
-                               cfg.quantization == "int4" and cfg.quantization_zero_points)
+                               cfg.quantization == "int4" and cfg.quantization_zero_points,
+                               cfg.quantization_offsets,
+                               # GGUF's blocks' scales are float16: held as stored
+                               jnp.float16 if cfg.quantization_format == "gguf" else jnp.float32)
     return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
                       kernel_init=nnx.initializers.normal(0.02))
 
@@ -212,7 +220,10 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs,
-                                      embedding_init=nnx.initializers.normal(0.02))
+                                      embedding_init=nnx.initializers.normal(0.02)) if (
+            cfg.embedding_quantization is None) else QuantizedEmbed(
+            cfg.vocab_size, cfg.hidden_size, dtype, cfg.embedding_quantization,
+            cfg.quantization_group_size, cfg.embedding_offsets)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.gemma_norms)
 
@@ -279,10 +290,11 @@ class LlamaForCausalLM(nnx.Module):
     def _embed_rows(self, tokens: jax.Array, backend) -> jax.Array:
         if backend.model_axis is None:
             return self.model.embed_tokens(tokens)
-        table = self.model.embed_tokens.embedding[...]
-        local = tokens - backend.vocab_offset(table.shape[0])
-        inside = (local >= 0) & (local < table.shape[0])
-        rows = jnp.take(table, jnp.where(inside, local, 0), axis=0)
+        embed = self.model.embed_tokens
+        vocab = embed.embedding[...].shape[0]  # this shard's rows
+        local = tokens - backend.vocab_offset(vocab)
+        inside = (local >= 0) & (local < vocab)
+        rows = embedding_rows(embed, jnp.where(inside, local, 0))
         return backend.sum_shards(jnp.where(inside[..., None], rows, jnp.zeros_like(rows)))
 
     def logits(self, hidden: jax.Array, backend) -> jax.Array:  # [..., vocab]
@@ -295,7 +307,7 @@ class LlamaForCausalLM(nnx.Module):
         if self.lm_head is not None:
             logits = backend.ops.linear(self.lm_head, hidden).astype(jnp.float32)
         else:
-            logits = backend.ops.tied_logits(hidden, self.model.embed_tokens.embedding[...])
+            logits = backend.ops.tied_logits(hidden, embedding_table(self.model.embed_tokens))
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2: c * tanh(x / c), each logit alone
             logits = cap * jnp.tanh(logits / cap)

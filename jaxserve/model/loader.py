@@ -16,7 +16,9 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxserve.config.gguf import gguf_file, read_gguf
 from jaxserve.config.model import ModelConfig
+from jaxserve.model.gguf_tensors import GGUFTensors
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.quant import array_bytes, quantize_weight
 from jaxserve.model.quantized_tensors import checkpoint_scales, load_packed, narrow, unpack_int32
@@ -257,9 +259,14 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
     experts: dict[tuple, tuple[np.ndarray, set[int]]] = {}  # a stack being filled, expert by expert
     # GPTQ's and AWQ's values waiting for their zero points (GPTQ act-order: its g_idx)
     pending: dict[tuple, dict] = {}
-    for file in _safetensor_files(path):
-        # placed: read into host memory, each device then sent its part
-        with _open_safetensors(safe_open, file, "flax" if place is None else "numpy") as f:
+    gguf = gguf_file(path)
+    # placed: read into host memory, each device then sent its part
+    sources = ([(gguf, lambda: _open_gguf(gguf, cfg))] if gguf is not None else [
+        (file, functools.partial(_open_safetensors, safe_open, file,
+                                 "flax" if place is None else "numpy"))
+        for file in _safetensor_files(path)])
+    for file, open_file in sources:
+        with open_file() as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if cfg.num_experts and _load_experts(f, file, name, cfg, expected, experts,
                                                      values, place):
@@ -270,6 +277,9 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                     continue
                 if cfg.kv_cache_scales and (at := _kv_scale_path(name, expected)) is not None:
                     values[at] = _kv_scale(name, _get_tensor(f, file, name), place, at)
+                    continue
+                if isinstance(f, GGUFTensors) and (held := f.held(name)) is not None:
+                    _put_held(name, held, expected, values, place)
                     continue
                 parts = _fused_parts(name, cfg)
                 targets = [_hf_path(part, expected) for part, _ in parts]
@@ -330,6 +340,28 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
 # Mixtral's names for the MoE block and its experts' projections -> the model's (transformers')
 _MIXTRAL_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj",
                   "w2": "down_proj"}
+
+
+def _open_gguf(file: Path, cfg: ModelConfig) -> GGUFTensors:
+    reader = read_gguf(file)
+    return GGUFTensors(reader, cfg, reader.fields["general.architecture"].contents(), file)
+
+
+def _put_held(name: str, held: list, expected: dict, values: dict, place) -> None:
+    """A GGUF tensor's quantised blocks (GGUFTensors.held) into the state as they are."""
+    for stem, leaves in held:
+        key = tuple(int(p) if p.isdigit() else p for p in stem.split("."))
+        for leaf, array in leaves.items():
+            at = (*key, leaf)
+            if at not in expected:
+                raise ValueError(f"GGUF tensor for {name!r} has no place in the model ({stem}."
+                                 f"{leaf})")
+            want = expected[at]
+            if tuple(array.shape) != tuple(want.shape) or jnp.dtype(array.dtype) != want.dtype:
+                raise ValueError(f"GGUF tensor for {name!r}: {stem}.{leaf} is {array.dtype} "
+                                 f"{tuple(array.shape)}, the model expects {want.dtype} "
+                                 f"{tuple(want.shape)}")
+            values[at] = jnp.asarray(array) if place is None else place(at, array)
 
 
 def _load_experts(f, file: Path, name: str, cfg: ModelConfig, expected: dict, experts: dict,

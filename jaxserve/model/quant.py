@@ -78,11 +78,14 @@ class QuantizedLinear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, use_bias: bool, dtype,
                  method: str, group_size: int | None = None, act_order: bool = False,
-                 zero_points: bool = False):
+                 zero_points: bool = False, offsets: bool = False,
+                 scale_dtype=jnp.float32):
         self.in_features, self.out_features = in_features, out_features
         if zero_points and method != "int4":
             raise ValueError(f"zero points are held for int4 weights, not {method}")
-        narrow = jnp.uint4 if zero_points else qtype(method)
+        if offsets and group_size is None:
+            raise ValueError("a minimum a group needs group-wise scales")
+        narrow = jnp.uint4 if zero_points or (offsets and method == "int4") else qtype(method)
         self.kernel = nnx.Param(jnp.zeros((in_features, out_features), narrow))
         if group_size is not None and in_features % group_size:
             raise ValueError(f"quantization group_size {group_size} does not divide a linear "
@@ -90,7 +93,10 @@ class QuantizedLinear(nnx.Module):
         self.scale = (nnx.Param(jnp.ones((out_features,), jnp.float32)) if group_size is None
                       else None)
         self.group_scale = None if group_size is None else nnx.Param(
-            jnp.ones((in_features // group_size, out_features), jnp.float32))
+            jnp.ones((in_features // group_size, out_features), scale_dtype))
+        # with `offsets` (GGUF's Q4_1: w = kernel * scale + min) each group's minimum
+        self.group_min = nnx.Param(jnp.zeros((in_features // group_size, out_features),
+                                             scale_dtype)) if offsets else None
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
         self.input_order = nnx.Param(jnp.arange(in_features, dtype=jnp.int32)) if (
             act_order) else None
@@ -125,7 +131,10 @@ class QuantizedLinear(nnx.Module):
         groups = kernel.reshape(scales.shape[0], -1, kernel.shape[-1])
         if zeros is not None:
             groups = groups - zeros.astype(jnp.float32)[:, None]
-        return (groups * scales[:, None]).reshape(kernel.shape).astype(dtype)
+        groups = groups * scales.astype(jnp.float32)[:, None]
+        if self.group_min is not None:
+            groups = groups + self.group_min[...].astype(jnp.float32)[:, None]
+        return groups.reshape(kernel.shape).astype(dtype)
 
     @property
     def takes_fp8_activations(self) -> bool:
@@ -158,4 +167,60 @@ class QuantizedLinear(nnx.Module):
         weight = qwix.QArray(kernel, self.scales().astype(x.dtype), self.zeros(),
                              qtype=kernel.dtype)
         y = qwix.dot_general(x, weight, (((x.ndim - 1,), (0,)), ((), ())))
+        if self.group_min is not None:  # + each group's inputs' sum times its minimum
+            minima = self.group_min[...]
+            sums = x.reshape(*x.shape[:-1], minima.shape[0], -1).sum(-1, dtype=jnp.float32)
+            y = y + (sums @ minima.astype(jnp.float32)).astype(y.dtype)
         return y if self.bias is None else y + self.bias[...]
+
+
+class QuantizedEmbed(nnx.Module):
+    """nnx.Embed's surface (`__call__(ids)`) over a narrow table [vocab, hidden] whose rows are
+    scaled in groups of `group_size` columns (`group_scale` [vocab, hidden / group_size]; with
+    `offsets` plus a minimum a group, `group_min`): a GGUF file's Q8_0, Q4_0 or Q4_1 token
+    embedding as it is stored. A row is dequantised as it is looked up; `table()` gives them
+    all (a tied LM head's)."""
+
+    def __init__(self, vocab: int, hidden: int, dtype, method: str, group_size: int,
+                 offsets: bool = False, scale_dtype=jnp.float16):
+        if hidden % group_size:
+            raise ValueError(f"quantization group_size {group_size} does not divide the "
+                             f"embedding's {hidden} columns")
+        narrow = jnp.uint4 if offsets and method == "int4" else qtype(method)
+        self.dtype = dtype
+        self.embedding = nnx.Param(jnp.zeros((vocab, hidden), narrow))
+        self.group_scale = nnx.Param(jnp.ones((vocab, hidden // group_size), scale_dtype))
+        self.group_min = nnx.Param(jnp.zeros((vocab, hidden // group_size), scale_dtype)) if (
+            offsets) else None
+
+    def _dequantize(self, q, scale, minimum) -> jax.Array:  # [..., hidden] in self.dtype
+        groups = q.astype(jnp.float32).reshape(*q.shape[:-1], scale.shape[-1], -1)
+        groups = groups * scale.astype(jnp.float32)[..., None]
+        if minimum is not None:
+            groups = groups + minimum.astype(jnp.float32)[..., None]
+        return groups.reshape(q.shape).astype(self.dtype)
+
+    def rows(self, table_rows: jax.Array) -> jax.Array:
+        """[...] indices into this (local) table -> their rows, dequantised."""
+        take = lambda p: jnp.take(p[...], table_rows, axis=0)  # noqa: E731
+        return self._dequantize(take(self.embedding), take(self.group_scale),
+                                None if self.group_min is None else take(self.group_min))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return self.rows(ids)
+
+    def table(self) -> jax.Array:  # [vocab, hidden] in the model's dtype
+        return self._dequantize(self.embedding[...], self.group_scale[...],
+                                None if self.group_min is None else self.group_min[...])
+
+
+def embedding_table(embed) -> jax.Array:
+    """An embedding module's table [vocab, hidden] in the model's dtype (nnx.Embed's own)."""
+    return embed.table() if isinstance(embed, QuantizedEmbed) else embed.embedding[...]
+
+
+def embedding_rows(embed, table_rows: jax.Array) -> jax.Array:
+    """An embedding module's rows at `table_rows` (indices into its local table)."""
+    if isinstance(embed, QuantizedEmbed):
+        return embed.rows(table_rows)
+    return jnp.take(embed.embedding[...], table_rows, axis=0)
