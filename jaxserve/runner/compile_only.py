@@ -11,6 +11,7 @@ runner's own warm-up walks every bucket and feeds each step the abstract KV pool
 returned, as it does when serving.
 """
 
+import contextlib
 import time
 from dataclasses import dataclass, fields
 
@@ -106,10 +107,8 @@ class CompilingFns:
             except jax.errors.JaxRuntimeError as error:  # the report says which and why
                 compiled = None
                 if retry is not None:
-                    try:
+                    with contextlib.suppress(jax.errors.JaxRuntimeError):
                         compiled = lowered.compile(compiler_options={**options, **retry})
-                    except jax.errors.JaxRuntimeError:
-                        pass
                 if compiled is None:
                     self.failed[name] = str(error).splitlines()[0]
                     return jax.tree.map(lambda x: placed(x, self._placement), lowered.out_info)
