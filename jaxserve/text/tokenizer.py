@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from jaxserve.config.gguf import gguf_file, metadata, read_gguf
 from jaxserve.text.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     TEMPLATE_TOKENS,
@@ -24,6 +25,7 @@ from jaxserve.text.chat_template import (
     compile_template,
     pick_template,
 )
+from jaxserve.text.gguf_tokenizer import gguf_tokenizer_parts
 
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
 
@@ -353,9 +355,17 @@ def same_vocabulary(a: BaseTokenizer, b: BaseTokenizer, vocab_size: int) -> bool
                                       for t in range(vocab_size))
 
 
+def gguf_tokenizer(metadata: dict[str, Any], source: str = "GGUF file") -> Tokenizer:
+    """The tokenizer a GGUF file's metadata describes (gguf_tokenizer.py builds it)."""
+    return Tokenizer(*gguf_tokenizer_parts(metadata, source))
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer | ByteTokenizer:
-    """The tokenizer of a model directory: tokenizer.json (Hugging Face) or byte_tokenizer.json."""
+    """The tokenizer of a model directory: tokenizer.json (Hugging Face) or byte_tokenizer.json;
+    or of a GGUF file (or a directory holding one), from its metadata (gguf_tokenizer.py)."""
     path = Path(path)
+    if (gguf := gguf_file(path)) is not None:
+        return gguf_tokenizer(metadata(read_gguf(gguf)), str(gguf))
     if (path / "tokenizer.json").is_file():
         return Tokenizer.from_dir(path)
     if (path / BYTE_TOKENIZER_FILE).is_file():
