@@ -45,7 +45,7 @@ from cpu_kernels.matmul import (
 from jaxserve.backends.base import Attention, Ops
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
 from jaxserve.model.moe import ExpertLinear
-from jaxserve.model.quant import QuantizedLinear
+from jaxserve.model.quant import QuantizedEmbed, QuantizedLinear
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,7 @@ class CpuOps(Ops):
         kernel is freed as its panels are made: the state passed in is the packed one
         afterwards."""
         model = nnx.merge(graphdef, state)  # shares state's variables
+        _dequantize_groups(model)
         for _, module in nnx.iter_modules(model):
             if isinstance(module, ExpertLinear) and module.kernel.get_value().ndim == 3:
                 module.kernel.set_value(pack_expert_panels(module.kernel.get_value()))
@@ -178,3 +179,37 @@ class CpuOps(Ops):
                 packed = pack_amx(w) if amx else pack_panels(w)
                 module.kernel.set_value(packed)
         return nnx.split(model)
+
+
+def _dequantize_groups(model: nnx.Module) -> None:
+    """Layers held in groups (GGUF's blocks, GPTQ's and AWQ's group-wise or zero-pointed
+    weights) and a narrow embedding (quant.QuantizedEmbed) as float ones of the model's dtype,
+    once: the C++ kernels take one scale a column, and dequantising every weight in every step
+    cost SmolLM2-135M's Q4_1 layers 11x its float decode step here (bench/RESULTS.md)."""
+    dtype = model.model.norm.weight.get_value().dtype
+    for path, module in list(nnx.iter_modules(model)):
+        if isinstance(module, QuantizedEmbed):
+            table = module.table()
+            new = nnx.eval_shape(lambda t=table: nnx.Embed(
+                t.shape[0], t.shape[1], dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+            new.embedding.set_value(table.astype(dtype))
+        elif isinstance(module, QuantizedLinear) and (
+                module.group_scale is not None or module.zeros() is not None):
+            new = nnx.eval_shape(lambda m=module: nnx.Linear(
+                m.in_features, m.out_features, use_bias=m.bias is not None, dtype=dtype,
+                param_dtype=dtype, rngs=nnx.Rngs(0)))
+            new.kernel.set_value(module.dequantized(dtype))  # (in the kernel's rows' order)
+            if module.input_order is not None:  # GPTQ act-order: back in the inputs' order
+                new.kernel.set_value(jnp.zeros_like(new.kernel.get_value()).at[
+                    module.input_order.get_value()].set(new.kernel.get_value()))
+            if module.bias is not None:
+                new.bias.set_value(module.bias.get_value())
+        else:
+            continue
+        parent = model
+        for key in path[:-1]:
+            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+        if isinstance(path[-1], int):
+            parent[path[-1]] = new
+        else:
+            setattr(parent, path[-1], new)
