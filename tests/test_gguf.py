@@ -176,3 +176,22 @@ def test_bad_files_are_errors_naming_the_file_and_the_problem(tmp_path):
         ModelConfig.from_hf_dir(two)
     with pytest.raises(ValueError, match="not a local model directory or GGUF file"):
         LLM(str(tmp_path / "missing.gguf"))
+
+
+def test_the_quantization_option_requantises_a_files_blocks(tmp_path):
+    """quantization= on a GGUF: its blocks load as floats and are quantised as for any float
+    checkpoint (a scale a column), the embedding in the model's dtype."""
+    from jaxserve.config.engine import EngineConfig
+
+    file = write_gguf(HF_FIXTURES / "llama", tmp_path / "q.gguf", linear=T.Q4_1,
+                      embedding=T.Q8_0)
+    cfg = EngineConfig(quantization="int8").served_model(ModelConfig.from_hf_dir(file))
+    assert (cfg.quantization, cfg.quantization_group_size, cfg.embedding_quantization) == (
+        "int8", None, None)
+    graphdef, state = load_state(file, cfg, jnp.float32)
+    model = nnx.merge(graphdef, state)
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.kernel[...].dtype == jnp.int8 and layer.scale[...].shape == (64,)
+    t = {t.name: t for t in GGUFReader(str(file)).tensors}["blk.0.ffn_down.weight"]
+    np.testing.assert_allclose(np.asarray(layer.dequantized()), dequantize(t.data, t.tensor_type).T,
+                               atol=float(np.abs(dequantize(t.data, t.tensor_type)).max()) / 100)
