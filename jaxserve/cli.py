@@ -191,7 +191,9 @@ def _add_bench_parser(sub, logs: argparse.ArgumentParser) -> None:
         module.add_arguments(parser)
         if name != "serve":  # a server's engine is its own
             parser.add_argument("--config", type=Path, help="YAML file of engine options")
-            _add_option_flags(parser, EngineConfig, "engine options", skip=("seed",))
+            # (sweep's own --tokenizer, for a server's vocabulary, is the engine's too)
+            _add_option_flags(parser, EngineConfig, "engine options",
+                              skip=("seed", "tokenizer") if name == "sweep" else ("seed",))
         parser.set_defaults(func=_bench)
 
 

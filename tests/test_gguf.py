@@ -195,3 +195,15 @@ def test_the_quantization_option_requantises_a_files_blocks(tmp_path):
     t = {t.name: t for t in GGUFReader(str(file)).tensors}["blk.0.ffn_down.weight"]
     np.testing.assert_allclose(np.asarray(layer.dequantized()), dequantize(t.data, t.tensor_type).T,
                                atol=float(np.abs(dequantize(t.data, t.tensor_type)).max()) / 100)
+
+
+def test_the_tokenizer_option_replaces_the_files_own(tmp_path, stories_dir):
+    from jaxserve.text.tokenizer import load_tokenizer
+
+    file = write_gguf(HF_FIXTURES / "llama", tmp_path / "model.gguf")
+    llm = LLM(str(file), tokenizer=str(stories_dir), max_num_seqs=2, max_model_len=64,
+              page_size=16, max_num_batched_tokens=32, prefill_chunk_sizes=(32,))
+    assert llm.get_tokenizer().encode("Once upon a time") == load_tokenizer(
+        stories_dir).encode("Once upon a time")
+    with pytest.raises(ValueError, match="no tokenizer.json, byte_tokenizer.json or GGUF"):
+        LLM(str(file), tokenizer=str(tmp_path / "none"))

@@ -197,6 +197,8 @@ class EngineConfig:
 
     dtype: str = "auto"  # auto: the checkpoint's (16-bit: float32 on the CPU if memory allows)
     load_format: str = "auto"  # dummy: random weights of the checkpoint's shape
+    # a directory (or GGUF file) whose tokenizer and chat template replace the model's own
+    tokenizer: str | None = None
     seed: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 16

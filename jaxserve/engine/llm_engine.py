@@ -119,9 +119,13 @@ class LLMEngine:
         self.model_path = resolve_model(model)
         self.config = config
         self.model_config = config.served_model(ModelConfig.from_hf_dir(self.model_path))
-        has_tokenizer = gguf_file(self.model_path) is not None or any(
-            (self.model_path / f).is_file() for f in ("tokenizer.json", "byte_tokenizer.json"))
-        self.tokenizer = load_tokenizer(self.model_path) if has_tokenizer else None
+        source = Path(config.tokenizer) if config.tokenizer else self.model_path
+        has_tokenizer = gguf_file(source) is not None or any(
+            (source / f).is_file() for f in ("tokenizer.json", "byte_tokenizer.json"))
+        if config.tokenizer and not has_tokenizer:
+            raise ValueError(f"tokenizer {config.tokenizer!r}: no tokenizer.json, "
+                             "byte_tokenizer.json or GGUF file there")
+        self.tokenizer = load_tokenizer(source) if has_tokenizer else None
         # the model's default sampling params (generation_config.json), for requests that
         # leave them out: LLM.generate without params, the server's temperature/top_p/top_k
         self.sampling_defaults = generation_defaults(self.model_path)
