@@ -205,5 +205,5 @@ def test_the_tokenizer_option_replaces_the_files_own(tmp_path, stories_dir):
               page_size=16, max_num_batched_tokens=32, prefill_chunk_sizes=(32,))
     assert llm.get_tokenizer().encode("Once upon a time") == load_tokenizer(
         stories_dir).encode("Once upon a time")
-    with pytest.raises(ValueError, match="no tokenizer.json, byte_tokenizer.json or GGUF"):
+    with pytest.raises(ValueError, match=r"no tokenizer\.json, byte_tokenizer\.json or GGUF"):
         LLM(str(file), tokenizer=str(tmp_path / "none"))
