@@ -15,6 +15,7 @@ expert_weights_norm, vocab_size; and tokenizer.ggml.{bos,eos,eot}_token_id.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
@@ -48,7 +49,16 @@ def gguf_file(path: str | Path) -> Path | None:
 
 def read_gguf(file: str | Path):
     """The `gguf` package's reader of `file`, or a ValueError naming the file and the problem
-    (not GGUF, truncated, a tensor type the package does not know)."""
+    (not GGUF, truncated, a tensor type the package does not know). One reader a file (its
+    size and time unchanged): opening SmolLM2-135M's takes 3.6 s here (its 49,152 tokens'
+    fields), and the config, the tokenizer and the weights each read it."""
+    path = Path(file).resolve()
+    stat = path.stat() if path.is_file() else None
+    return _reader(path, stat and (stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(file: Path, _version):
     try:
         from gguf import GGUFReader
     except ImportError as error:  # a dependency; an environment may lack it
