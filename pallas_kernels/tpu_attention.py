@@ -47,6 +47,16 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _UNTUNED_PAGES_PER_BLOCK = 128
 
 
+LANES = 128  # the kernel's lane width: head_dim a multiple of it
+
+
+def lane_padded(head_dim: int) -> int:
+    """The head_dim a pool holds for a model's `head_dim` with every head padded with zeros to
+    whole lanes (64 -> 128): queries and keys padded with zeros give the same scores, values
+    padded give outputs whose padding is zero and is cut off."""
+    return -(-head_dim // LANES) * LANES
+
+
 def shape_problem(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                   dtype) -> str | None:
     """Why the kernel cannot take this model / page shape, in plain words, or None.

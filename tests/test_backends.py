@@ -126,13 +126,17 @@ def test_the_engine_gives_the_same_greedy_ids_with_layers_scanned_or_unrolled():
     assert ids[True] == ids[False]
 
 
-def test_the_tpu_backend_in_interpret_mode_gives_the_references_greedy_ids(tmp_path):
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_the_tpu_backend_in_interpret_mode_gives_the_references_greedy_ids(tmp_path,
+                                                                           head_dim):
     """attention_impl="tpu" runs JAX's Pallas TPU kernel (the interpreter on the CPU) inside
     the engine's steps: padded decode, ragged prompt chunks cut by the budget, and mixed
-    iterations; the ids are the reference attention's."""
+    iterations; the ids are the reference attention's. A head_dim of 64 (SmolLM2's) is padded
+    to the kernel's 128 lanes in the pool."""
     config = json.loads((MODEL / "config.json").read_text())
     config |= dict(hidden_size=256, intermediate_size=256, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=128, vocab_size=300, num_hidden_layers=2)
+                   num_key_value_heads=1, head_dim=head_dim, vocab_size=300,
+                   num_hidden_layers=2)
     (tmp_path / "config.json").write_text(json.dumps(config))
     rng = np.random.default_rng(4)
     prompts = [{"prompt_token_ids": rng.integers(3, 300, int(n)).tolist()} for n in (7, 40, 21)]
@@ -143,14 +147,14 @@ def test_the_tpu_backend_in_interpret_mode_gives_the_references_greedy_ids(tmp_p
     tpu = LLM(tmp_path, attention_impl="tpu", matmul_impl="xla", **base)
     runner = tpu.engine.runner
     assert (runner.backend.name, runner.attention_impl, runner.ragged) == ("tpu", "tpu", True)
-    assert runner.kv.pools[0].shape[2] == 2  # K and V interleaved over the head axis
+    assert runner.kv.pools[0].shape[2:] == (2, 128)  # K and V interleaved, whole lanes
     got = [o.outputs[0].token_ids for o in tpu.generate(prompts, params)]
     assert len({t for ids in got for t in ids}) > 3  # the ids say something
     del tpu
     ref = LLM(tmp_path, attention_impl="reference", matmul_impl="xla", **base)
     assert got == [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
-    with pytest.raises(ValueError, match="attention_impl='tpu': head_dim 64"):
-        select_backend("tpu", "xla", "float32", 64, 16, "cpu", 4, 2)
+    with pytest.raises(ValueError, match="attention_impl='tpu': num_kv_heads 6"):
+        select_backend("tpu", "xla", "float32", head_dim, 16, "cpu", 12, 6)
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])

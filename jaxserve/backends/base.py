@@ -43,6 +43,11 @@ class Attention:
     name = "reference"
     ragged_calls = False  # whether `ragged` runs: the runner packs prompt chunks into one row
 
+    def pool_head_dim(self, head_dim: int) -> int:
+        """The head_dim the pool holds for the model's (the TPU kernel's pads to whole
+        lanes)."""
+        return head_dim
+
     def pool_dtype(self, dtype: str):
         """The pool array's dtype for a KV cache of dtype `dtype` ("float32", "bfloat16",
         "fp8": float8_e4m3fn, which the kernels widen as they load)."""

@@ -41,14 +41,15 @@ def resolve_attention_impl(impl: str, platform: str, head_dim: int | None = None
                            page_size: int | None = None, num_heads: int | None = None,
                            num_kv_heads: int | None = None, dtype: str = "float32") -> str:
     """auto -> pallas on GPU, tpu on a TPU, cpu on the CPU, and reference where the kernels
-    cannot take the model's shape (Triton blocks are powers of two; the TPU kernel wants
-    head_dim a multiple of 128) or the CPU kernel cannot be built; an explicit choice that
+    cannot take the model's shape (Triton blocks are powers of two; the TPU kernel's pool
+    tiles) or the CPU kernel cannot be built; an explicit choice that
     cannot run is a ValueError saying why."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if impl == "tpu" or (impl == "auto" and platform == "tpu"):
         tpu_problem = None if head_dim is None else tpu_attention.shape_problem(
-            num_heads or 1, num_kv_heads or 1, head_dim, page_size or 1, dtype)
+            num_heads or 1, num_kv_heads or 1, tpu_attention.lane_padded(head_dim),
+            page_size or 1, dtype)  # (a head_dim short of whole lanes is padded: tpu.py)
         if impl == "tpu" and tpu_problem:
             raise ValueError(f"attention_impl='tpu': {tpu_problem}; use "
                              "attention_impl='reference'")

@@ -350,7 +350,8 @@ class ModelRunner(StepCalls, Warmup):
         device where the model has fewer than tensor_parallel_size)."""
         m, tp = self.model_config, self.tensor_parallel_size
         heads = m.num_kv_heads if tp == 1 else kv_heads_per_device(m, tp) * tp
-        return KVCache.bytes_per_page(m.num_layers, self.page_size, heads, m.head_dim,
+        return KVCache.bytes_per_page(m.num_layers, self.page_size, heads,
+                                      self.backend.attention.pool_head_dim(m.head_dim),
                                       self.kv_dtype)
 
     def _pages_that_fit(self) -> int:

@@ -71,14 +71,16 @@ def weight_bytes_per_device(cfg: ModelConfig, dtype: str, tp: int) -> int:
     return total
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: str, tp: int = 1) -> int:
-    """All devices' shares together (KV heads repeated to one a device where fewer than tp)."""
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str, tp: int = 1,
+                       head_dim: int | None = None) -> int:
+    """All devices' shares together (KV heads repeated to one a device where fewer than tp);
+    `head_dim`: the pool's where it pads the model's."""
     from jaxserve.backends import REFERENCE
     from jaxserve.model.kv_cache import KVCache
     from jaxserve.parallel.sharding import kv_heads_per_device
 
     heads = cfg.num_kv_heads if tp == 1 else kv_heads_per_device(cfg, tp) * tp
-    return KVCache.bytes_per_page(cfg.num_layers, 1, heads, cfg.head_dim,
+    return KVCache.bytes_per_page(cfg.num_layers, 1, heads, head_dim or cfg.head_dim,
                                   REFERENCE.attention.pool_dtype(dtype))
 
 
@@ -99,6 +101,7 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     device = device or this_device()
     from jaxserve.backends import resolve_attention_impl
     from jaxserve.parallel.sharding import check_tensor_parallel
+    from pallas_kernels.tpu_attention import lane_padded
 
     dtype = compute_dtype(config.dtype, cfg.dtype, device.backend, cfg.num_params,
                           config.kv_cache_bytes_cpu)
@@ -114,7 +117,9 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
         problems.append(str(error))
         tp = 1
     weights_per_device = weight_bytes_per_device(cfg, dtype, tp)
-    per_token = kv_bytes_per_token(cfg, kv_dtype, tp)
+    # the TPU kernel's pool pads a head to whole lanes (backends/tpu.py)
+    kv_head_dim = lane_padded(cfg.head_dim) if attention == "tpu" else cfg.head_dim
+    per_token = kv_bytes_per_token(cfg, kv_dtype, tp, kv_head_dim)
     per_page = per_token * config.page_size
     max_len = config.resolve_max_model_len(cfg)
     if device.bytes_limit is not None:  # the runner sizes after loading the weights
@@ -163,6 +168,13 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
         * cfg.moe_intermediate_size,
         "num_experts": cfg.num_experts, "experts_per_token": cfg.num_experts_per_tok,
         "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "kv_head_dim": kv_head_dim,
+        "quantization_scales": (
+            f"float16 scales{' and minima' if cfg.quantization_offsets else ''} a group of "
+            f"{cfg.quantization_group_size} (GGUF blocks; the embedding "
+            f"{cfg.embedding_quantization or 'in the dtype'})"
+            if cfg.quantization_format == "gguf" else
+            "float32 column scales (embedding and LM head in the dtype)"),
         "dtype": dtype, "checkpoint_dtype": cfg.dtype, "kv_dtype": kv_dtype,
         "quantization": cfg.quantization, "weight_bytes": weights, "tensor_parallel_size": tp,
         "weight_bytes_per_device": weights_per_device,
@@ -204,10 +216,12 @@ def format_plan(p: dict) -> str:
         for dt, b in p["weight_bytes"].items())
         + (f"; the checkpoint is {p['checkpoint_dtype']}"
            if p["checkpoint_dtype"] != p["dtype"] else "")
-        + (f"; linear layers {p['quantization']} with float32 column scales (embedding and LM "
-           "head in the dtype)" if p["quantization"] else ""))
+        + (f"; linear layers {p['quantization']} with {p['quantization_scales']}"
+           if p["quantization"] else ""))
+    padded = (f" padded to {p['kv_head_dim']} lanes" if p["kv_head_dim"] != p["head_dim"]
+              else "")
     lines.append(f"KV cache   {_size(p['kv_bytes_per_token'])} per token ({p['kv_dtype']}: 2 x "
-                 f"{p['layers']} layers x {p['kv_heads']} heads x {p['head_dim']}), "
+                 f"{p['layers']} layers x {p['kv_heads']} heads x {p['head_dim']}{padded}), "
                  f"{_size(p['kv_bytes_per_page'])} per page of {p['page_size']} tokens")
     if p["tensor_parallel_size"] > 1:
         lines.append(f"tensor par {p['tensor_parallel_size']} devices, each holding "
