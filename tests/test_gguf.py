@@ -178,23 +178,26 @@ def test_bad_files_are_errors_naming_the_file_and_the_problem(tmp_path):
         LLM(str(tmp_path / "missing.gguf"))
 
 
-def test_the_quantization_option_requantises_a_files_blocks(tmp_path):
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_the_quantization_option_requantises_a_files_blocks(tmp_path, method):
     """quantization= on a GGUF: its blocks load as floats and are quantised as for any float
-    checkpoint (a scale a column), the embedding in the model's dtype."""
+    checkpoint (a scale a column), the embedding in the model's dtype; int4 too, though the
+    file's Q4_1 is held as int4 already."""
     from jaxserve.config.engine import EngineConfig
 
     file = write_gguf(HF_FIXTURES / "llama", tmp_path / "q.gguf", linear=T.Q4_1,
                       embedding=T.Q8_0)
-    cfg = EngineConfig(quantization="int8").served_model(ModelConfig.from_hf_dir(file))
+    cfg = EngineConfig(quantization=method).served_model(ModelConfig.from_hf_dir(file))
     assert (cfg.quantization, cfg.quantization_group_size, cfg.embedding_quantization) == (
-        "int8", None, None)
+        method, None, None)
     graphdef, state = load_state(file, cfg, jnp.float32)
     model = nnx.merge(graphdef, state)
     layer = model.model.layers[0].mlp.down_proj
-    assert layer.kernel[...].dtype == jnp.int8 and layer.scale[...].shape == (64,)
+    assert layer.kernel[...].dtype == jnp.dtype(method) and layer.scale[...].shape == (64,)
     t = {t.name: t for t in GGUFReader(str(file)).tensors}["blk.0.ffn_down.weight"]
-    np.testing.assert_allclose(np.asarray(layer.dequantized()), dequantize(t.data, t.tensor_type).T,
-                               atol=float(np.abs(dequantize(t.data, t.tensor_type)).max()) / 100)
+    w = dequantize(t.data, t.tensor_type).T
+    step = np.abs(w).max(axis=0) / (127.5 if method == "int8" else 7.5)  # a column's
+    assert np.all(np.abs(np.asarray(layer.dequantized()) - w) <= step * 0.51 + 1e-6)
 
 
 def test_the_tokenizer_option_replaces_the_files_own(tmp_path, stories_dir):

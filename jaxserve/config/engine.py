@@ -346,13 +346,15 @@ class EngineConfig:
 
     def served_model(self, model: ModelConfig) -> ModelConfig:
         """The checkpoint's model as this engine serves it: quantised when the option says."""
-        if self.quantization is None or model.quantization == self.quantization:
+        if self.quantization is None:
             return model
         if model.quantization_format == "gguf":  # the file's blocks load as floats, requantised
             return dataclasses.replace(
                 model, quantization=self.quantization, quantization_format=None,
                 quantization_group_size=None, quantization_offsets=False,
                 embedding_quantization=None, embedding_offsets=False)
+        if model.quantization == self.quantization:
+            return model
         if model.quantization is not None:
             raise ValueError(f"quantization={self.quantization!r}, but the checkpoint is already "
                              f"quantised as {model.quantization!r}: leave the option unset")

@@ -221,11 +221,12 @@ def quantization(tensors: dict[str, tuple], experts: bool) -> dict | None:
 
 
 def _dtype(tensors: dict[str, tuple]) -> str:
-    """The model's dtype: the float type its layers' weights are stored in, float32 where they
-    are quantised (their values dequantise to float32, as transformers reads them)."""
+    """The model's dtype: the float type its layers' weights are stored in, bfloat16 where
+    they are quantised (as vLLM serves GGUF; "auto" on the CPU computes in float32 where
+    memory allows, as transformers dequantises them)."""
     kinds = {kind for name, (kind, _) in tensors.items()
              if name.startswith("blk.") and name.endswith(".weight") and "norm" not in name}
-    return _FLOAT_TYPES.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
+    return _FLOAT_TYPES.get(kinds.pop(), "bfloat16") if len(kinds) == 1 else "bfloat16"
 
 
 def _check_positive(hf: dict, file) -> None:
