@@ -25,13 +25,16 @@ CASES = [  # (fixture, target, tensor_parallel_size, extra flags)
     ("llama", "v5e-1", 1, []),
     ("qwen3", "v5e-4", 4, []),
     ("qwen3_moe", "v5e-4", 4, ["--enable-expert-parallel"]),
+    ("llama:64", "v5e-1", 1, []),  # SmolLM2's head_dim: padded to the kernel's 128 lanes
 ]
 
 
 def _head_dim_128(fixture: str, root: Path) -> Path:
-    """The fixture's config.json with 128-wide heads in bfloat16 (only the config is read)."""
+    """The fixture's config.json with 128-wide heads (or "name:64", 64-wide) in bfloat16
+    (only the config is read)."""
+    fixture, _, width = fixture.partition(":")
     config = json.loads((HF_FIXTURES / fixture / "config.json").read_text())
-    config["head_dim"] = 128
+    config["head_dim"] = int(width or 128)
     config.pop("dtype", None)
     config["torch_dtype"] = "bfloat16"
     path = root / fixture
