@@ -14,7 +14,7 @@ from flax import nnx
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from gguf_writer import write_gguf
+from gguf_writer import permute, write_gguf
 from safetensors.numpy import load_file
 from test_model_hf import full_logits
 
@@ -113,8 +113,9 @@ def test_layers_of_two_block_types_are_held_in_one_layout(tmp_path):
             dequantize(t.data, t.tensor_type).T)
 
 
-def test_other_block_types_load_as_floats(tmp_path):
-    """A type the model does not hold (F16 here, as the K-quants) is dequantised at load."""
+def test_other_block_types_load_as_floats(tmp_path, caplog):
+    """Float types load as they are; a block type the model does not hold (Q5_0 here, as the
+    K-quants) is dequantised by the gguf package as it loads, one log line saying so."""
     file = write_gguf(HF_FIXTURES / "llama", tmp_path / "f16.gguf", linear=T.F16)
     cfg = ModelConfig.from_hf_dir(file)
     assert cfg.quantization is None and cfg.dtype == "float16"
@@ -123,6 +124,17 @@ def test_other_block_types_load_as_floats(tmp_path):
     np.testing.assert_array_equal(
         np.asarray(nnx.merge(graphdef, state).model.layers[0].mlp.up_proj.kernel[...]),
         np.asarray(t.data, np.float32).T)
+    file = write_gguf(HF_FIXTURES / "llama", tmp_path / "q5.gguf", linear=T.Q5_0,
+                      embedding=T.Q8_0)
+    cfg = ModelConfig.from_hf_dir(file)
+    assert (cfg.quantization, cfg.embedding_quantization) == (None, "int8")
+    with caplog.at_level("INFO", logger="jaxserve"):
+        graphdef, state = load_state(file, cfg, jnp.float32)
+    assert "q5.gguf: 14 tensors (14 Q5_0) dequantised as they load" in caplog.text
+    t = {t.name: t for t in GGUFReader(str(file)).tensors}["blk.1.attn_q.weight"]
+    want = dequantize(t.data, t.tensor_type)
+    kernel = np.asarray(nnx.merge(graphdef, state).model.layers[1].self_attn.q_proj.kernel[...])
+    np.testing.assert_array_equal(permute(kernel.T, cfg.num_heads), want)
 
 
 def test_served_from_the_file_as_from_its_checkpoint(tmp_path):

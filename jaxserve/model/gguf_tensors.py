@@ -148,6 +148,35 @@ class GGUFTensors:
             out.append((part, held))
         return out
 
+    def dequantised(self) -> str | None:
+        """What loads as floats though the file holds it quantised (a type the model does not
+        hold, as the K-quants): "N tensors (types) of X MB in the file, Y MB as float32";
+        None when nothing does."""
+        kinds: dict[str, int] = {}
+        stored = floats = 0
+        for hf_name, parts in self._names.items():
+            for name in parts:
+                tensor = self._tensors[name]
+                if tensor.tensor_type.name in ("F32", "F16", "BF16") or (
+                        len(parts) == 1 and self._held_here(hf_name)):
+                    continue
+                kinds[tensor.tensor_type.name] = kinds.get(tensor.tensor_type.name, 0) + 1
+                stored += int(tensor.n_bytes)
+                floats += int(tensor.n_elements) * 4
+        if not kinds:
+            return None
+        types = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        return (f"{sum(kinds.values())} tensors ({types}) dequantised as they load: "
+                f"{stored / 2**20:.1f} MiB in the file, {floats / 2**20:.1f} MiB as float32")
+
+    def _held_here(self, hf_name: str) -> bool:
+        cfg = self._cfg
+        if cfg.quantization_format != "gguf" and cfg.embedding_quantization is None:
+            return False
+        if hf_name == "model.embed_tokens.weight":
+            return cfg.embedding_quantization is not None
+        return cfg.quantization is not None and bool(_LINEAR_HF.search(hf_name))
+
     def _float(self, name: str) -> np.ndarray:
         """The tensor dequantised to float32, shaped as the file lists it, slowest axis
         first (a matrix [out, in])."""

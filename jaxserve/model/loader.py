@@ -7,6 +7,7 @@ Nothing is ever downloaded: a model is a local directory. An orbax checkpoint wr
 import dataclasses
 import functools
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.quant import array_bytes, quantize_weight
 from jaxserve.model.quantized_tensors import checkpoint_scales, load_packed, narrow, unpack_int32
 
+log = logging.getLogger("jaxserve")
 ORBAX_DIR = "params"
 # Tensors some checkpoints carry that the model derives itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -344,7 +346,10 @@ _MIXTRAL_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj",
 
 def _open_gguf(file: Path, cfg: ModelConfig) -> GGUFTensors:
     reader = read_gguf(file)
-    return GGUFTensors(reader, cfg, reader.fields["general.architecture"].contents(), file)
+    tensors = GGUFTensors(reader, cfg, reader.fields["general.architecture"].contents(), file)
+    if (dequantised := tensors.dequantised()) is not None:
+        log.info("%s: %s", file.name, dequantised)
+    return tensors
 
 
 def _put_held(name: str, held: list, expected: dict, values: dict, place) -> None:

@@ -115,8 +115,8 @@ def weight_spec(names: list[str], ndim: int, expert_parallel: bool = False) -> P
     """The split of the weight at `names` (its path in the state) with `ndim` dims; experts'
     kernels [num_experts, in, out] by expert with `expert_parallel`, else like a dense MLP's."""
     tail: tuple = ()
-    # a kernel [in, out], and group-wise scales and zero points [in / group, out], split alike
-    matrix = "kernel" in names or "group_scale" in names or "group_zero" in names
+    # a kernel [in, out], and group-wise scales, zero points and minima [in / group, out], alike
+    matrix = any(n in names for n in ("kernel", "group_scale", "group_zero", "group_min"))
     if expert_parallel and "experts" in names:
         tail = (MODEL_AXIS, None, None)
     elif any(n in _COLUMNS for n in names):
