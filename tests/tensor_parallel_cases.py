@@ -220,13 +220,27 @@ def main() -> None:
     # int4 checkpoints (compressed-tensors' pack-quantized), unpacked onto their shards
     for name in ("llama_w4a16", "llama_w4a16_g32"):  # per column, per group of 32 rows
         report[name] = run_model(ROOT / "tests" / "fixtures" / "hf" / name, (1, 2))
+    # group-wise layers held as they are (XLA's dot; the CPU's kernels dequantise them at load)
+    report["llama_w4a16_g32_xla"] = run_model(
+        ROOT / "tests" / "fixtures" / "hf" / "llama_w4a16_g32", (1, 2), matmul_impl="xla")
     # AWQ's 4-bit weights with zero points: uint4 values and group-wise zero points, split as
     # their group-wise scales are
     from test_gptq_awq import write_packed
 
     with tempfile.TemporaryDirectory() as tmp:
-        report["llama_awq"] = run_model(write_packed(Path(tmp) / "awq", "awq", sym=False,
-                                                     fmt="awq"), (1, 2))
+        awq = write_packed(Path(tmp) / "awq", "awq", sym=False, fmt="awq")
+        report["llama_awq"] = run_model(awq, (1, 2))
+        report["llama_awq_xla"] = run_model(awq, (1, 2), matmul_impl="xla")
+    # a GGUF's Q4_1 layers (uint4, float16 scales and minima a group) and Q8_0 embedding, split
+    # as held (XLA's dot) and dequantised at load (the CPU's kernels)
+    from gguf import GGMLQuantizationType
+    from gguf_writer import write_gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = write_gguf(MODELS["llama"], Path(tmp) / "q.gguf",
+                          linear=GGMLQuantizationType.Q4_1, embedding=GGMLQuantizationType.Q8_0)
+        report["llama_gguf"] = run_model(gguf, (1, 2))
+        report["llama_gguf_xla"] = run_model(gguf, (1, 2), matmul_impl="xla")
     report["stories260K_reference"] = stories_reference(4)
     # data parallelism: replicas on their own devices, requests spread over them
     report["data_parallel"] = {name: {f"{dp}x{tp}": data_parallel(MODELS[name], dp, tp)
