@@ -10,11 +10,14 @@ runner, built from the same model and options, and replays the leader's: JAX's m
 model needs every process to make the same jitted calls in the same order, and the runner's
 calls follow from what it is given (each iteration's scheduler output, then its finish).
 
-The leader's runner (`LeaderRunner`) publishes each call before making it, through the
-coordination service's key-value store (JAX's, not a channel of ours): the scheduler output as
+The leader's runner (`LeaderRunner`) publishes each call before making it, down a TCP
+connection to each follower (`Group.publish`: a length-prefixed pickle; the leader's address
+travels once through the coordination service's key-value store): the scheduler output as
 plain data (`encode`), each request's state sent once and then only what it appended. A
-follower decodes it onto stand-ins of the requests (`StandIn`) and makes the same call. Every
-process writes a heartbeat to the store and watches the others': one that stops (killed, or
+follower decodes it onto stand-ins of the requests (`StandIn`) and makes the same call. The
+store keeps the start-up, the heartbeats and the errors: a call through it cost a gRPC round
+trip or two (bench/multi_host.py). Every process writes a heartbeat to the store and watches
+the others': one that stops (killed, or
 failed with an error it wrote there) is lost within `LOST_AFTER_S`, and the others stop: the
 leader fails its requests with an error naming the lost process and exits non-zero, so nothing
 hangs in a collective that will never complete.
@@ -29,6 +32,7 @@ import contextlib
 import logging
 import os
 import pickle
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +47,8 @@ log = logging.getLogger("jaxserve")
 
 HEARTBEAT_S = 0.5  # each process writes its heartbeat this often
 LOST_AFTER_S = 5.0  # a process whose heartbeat stood still this long is lost
-_KEEP_OPS = 256  # the leader deletes a published call this many calls later
+CONNECT_TIMEOUT_S = 300.0  # followers connect to the leader's channel within it
+_FRAME = 8  # a call's length prefix, bytes
 _PREFIX = "jaxserve"
 
 
@@ -104,6 +109,8 @@ class Group:
         self.processes = processes
         self.client = client
         self._stop = threading.Event()
+        self._server: socket.socket | None = None  # the leader's, until its followers connect
+        self._channel: list[socket.socket] | None = None  # to each follower / to the leader
         # the leader's server sets it: what fails the requests when a process is lost
         self.fail_requests: Callable[[BaseException], None] | None = None
 
@@ -115,22 +122,84 @@ class Group:
     # -- the leader's calls, in order ---------------------------------------------------------
 
     def publish(self, n: int, message: Any) -> None:
-        self.client.key_value_set_bytes(f"{_PREFIX}/op/{n}", pickle.dumps(message))
-        if n >= _KEEP_OPS:  # followers run at most an iteration or two behind (collectives)
-            with contextlib.suppress(Exception):  # a lost process is the watcher's to report
-                self.client.key_value_delete(f"{_PREFIX}/op/{n - _KEEP_OPS}")
+        """Send call n to every follower: one length-prefixed pickle down each one's TCP
+        connection (the kernel's buffer takes it; the leader never waits on a follower)."""
+        if self._channel is None:
+            self._channel = self._accept_followers()
+        data = pickle.dumps((n, message), protocol=pickle.HIGHEST_PROTOCOL)
+        frame = len(data).to_bytes(_FRAME, "little") + data
+        for conn in self._channel:
+            with contextlib.suppress(OSError):  # a lost process is the watcher's to report
+                conn.sendall(frame)
 
     def receive(self, n: int) -> Any:
-        """The leader's call n (waits for it; returns None when the leader is lost)."""
-        while not self._stop.is_set():
+        """The leader's call n (waits for it; returns None when the leader is lost or this
+        process stops)."""
+        if self._channel is None:
+            self._channel = [self._connect_to_leader()]
+        (conn,) = self._channel
+        size = self._read(conn, _FRAME)
+        data = None if size is None else self._read(conn, int.from_bytes(size, "little"))
+        if data is None:
+            return None
+        got, message = pickle.loads(data)
+        if got != n:
+            raise RuntimeError(f"the leader's call {got} arrived where {n} was due")
+        return message
+
+    # -- the channel: the leader's calls over TCP, its address in the store ------------------
+
+    def listen(self) -> None:
+        """The leader: open the port its followers connect to and publish its address (after
+        `agree`, before the warm-up, so they connect while the models compile)."""
+        host = self.processes.coordinator_address.rpartition(":")[0] or "127.0.0.1"
+        self._server = socket.create_server(("", 0))
+        port = self._server.getsockname()[1]
+        self.client.key_value_set(f"{_PREFIX}/channel", f"{host}:{port}")
+
+    def _accept_followers(self) -> list[socket.socket]:
+        """Each follower's connection, in process order (it sends its id first)."""
+        conns: dict[int, socket.socket] = {}
+        self._server.settimeout(CONNECT_TIMEOUT_S)
+        while len(conns) < len(self.others):
             try:
-                data = self.client.blocking_key_value_get_bytes(f"{_PREFIX}/op/{n}", 1000)
-            except Exception as error:  # a timeout: still waiting; else the service is gone
-                if "DEADLINE_EXCEEDED" in str(error):
-                    continue
-                raise
-            return pickle.loads(data)
-        return None
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                missing = sorted(set(self.others) - set(conns))
+                raise RuntimeError(f"process(es) {missing} never connected to the leader's "
+                                   f"channel within {CONNECT_TIMEOUT_S:.0f} s") from None
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conns[int.from_bytes(self._read(conn, 4) or b"\xff\xff\xff\xff", "little")] = conn
+        self._server.close()
+        return [conns[p] for p in sorted(conns)]
+
+    def _connect_to_leader(self) -> socket.socket:
+        address = self.client.blocking_key_value_get(f"{_PREFIX}/channel",
+                                                     int(CONNECT_TIMEOUT_S * 1000))
+        host, _, port = address.rpartition(":")
+        conn = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sendall(self.processes.process_id.to_bytes(4, "little"))
+        conn.settimeout(HEARTBEAT_S)  # reads wake to see this process stopping
+        return conn
+
+    def _read(self, conn: socket.socket, size: int) -> bytes | None:
+        """Exactly `size` bytes, or None when the other end closed or this process stops."""
+        parts, left = [], size
+        while left:
+            try:
+                part = conn.recv(min(left, 1 << 20))
+            except TimeoutError:
+                if self._stop.is_set():
+                    return None
+                continue
+            except OSError:
+                return None
+            if not part:
+                return None
+            parts.append(part)
+            left -= len(part)
+        return b"".join(parts)
 
     # -- start-up: the same model and options everywhere --------------------------------------
 
@@ -140,6 +209,7 @@ class Group:
         me = self.processes.process_id
         self.client.key_value_set_bytes(f"{_PREFIX}/setup/{me}", pickle.dumps(what))
         if self.processes.is_leader:
+            self.listen()
             return
         leader = pickle.loads(self.client.blocking_key_value_get_bytes(f"{_PREFIX}/setup/0",
                                                                       120_000))
