@@ -164,7 +164,8 @@ def batch1(llm: LLM, vocab: int, tokens: int = 128) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="bench/models/llama-20m")
-    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--load-format", default=None,
+                        help="default: auto for a GGUF file (its weights), else dummy")
     parser.add_argument("--num-prompts", type=int, default=192)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -182,7 +183,8 @@ def main() -> None:
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     overrides = dict(
-        load_format=args.load_format, max_num_seqs=args.max_num_seqs,
+        load_format=args.load_format or (
+            "auto" if str(args.model).endswith(".gguf") else "dummy"), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
         prefill_chunk_sizes=tuple(int(c) for c in args.prefill_chunk_sizes.split(",")),
         decode_steps=args.decode_steps, num_pages=args.num_pages, enable_prompt_logprobs=False,

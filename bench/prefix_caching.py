@@ -133,7 +133,8 @@ def chat(engine: LLMEngine, cache: bool, n: int, turns: int, message_len: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bench/models/llama-20m")
-    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--load-format", default=None,
+                        help="default: auto for a GGUF file (its weights), else dummy")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--num-prefixes", type=int, default=8)
     parser.add_argument("--prefix-len", type=int, default=512)
@@ -155,7 +156,8 @@ def main() -> None:
         chats_len = round(chats_len * (1 + VARIATION)) + args.common_prefix_len + (
             args.chat_prefix_len)
     config = EngineConfig.from_overrides(
-        load_format=args.load_format, max_num_seqs=args.max_num_seqs,
+        load_format=args.load_format or (
+            "auto" if str(args.model).endswith(".gguf") else "dummy"), max_num_seqs=args.max_num_seqs,
         max_model_len=max(prompt_len + args.output_len, chats_len),
         max_num_batched_tokens=512, prefill_chunk_sizes=(64, 128, 256, 512))
     engine = LLMEngine(args.model, config)

@@ -222,3 +222,14 @@ def test_the_tokenizer_option_replaces_the_files_own(tmp_path, stories_dir):
         stories_dir).encode("Once upon a time")
     with pytest.raises(ValueError, match=r"no tokenizer\.json, byte_tokenizer\.json or GGUF"):
         LLM(str(file), tokenizer=str(tmp_path / "none"))
+
+
+def test_bench_serve_reads_a_gguf_models_vocabulary(tmp_path):
+    """`jaxserve bench serve` against a server of a GGUF: the served name is the file, whose
+    vocabulary and tokenizer the workload is made with."""
+    from jaxserve.benchmarks.serve import model_info
+
+    file = write_gguf(HF_FIXTURES / "llama", tmp_path / "model.gguf")
+    vocab, tokenizer, max_len = model_info(None, str(file))
+    assert (vocab, max_len) == (128, ModelConfig.from_hf_dir(file).max_position_embeddings)
+    assert tokenizer is not None and tokenizer.vocab_size == 128

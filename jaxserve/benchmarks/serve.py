@@ -200,8 +200,8 @@ def first_model(base_url: str, api_key: str | None) -> str:
 
 
 def model_info(tokenizer_dir: str | None, model: str) -> tuple[int, object, int | None]:
-    """(vocab size, tokenizer or None, max_model_len) from a local model directory: --tokenizer,
-    else the served model's name when it names one (or "demo")."""
+    """(vocab size, tokenizer or None, max_model_len) from a local model directory or GGUF
+    file: --tokenizer, else the served model's name when it names one (or "demo")."""
     from jaxserve.config.model import ModelConfig
 
     candidate = tokenizer_dir or model
@@ -209,13 +209,17 @@ def model_info(tokenizer_dir: str | None, model: str) -> tuple[int, object, int 
         from jaxserve.demo import demo_model_dir
 
         candidate = str(demo_model_dir())
+    from jaxserve.config.gguf import gguf_file
+
     path = Path(candidate)
-    if not (path / "config.json").is_file():
+    gguf = gguf_file(path) if path.exists() else None
+    if not (path / "config.json").is_file() and gguf is None:
         raise ValueError(f"cannot tell the vocabulary of model {model!r}: pass --tokenizer "
-                         "with its local model directory")
+                         "with its local model directory or GGUF file")
     cfg = ModelConfig.from_hf_dir(path)
     tokenizer = None
-    if any((path / f).is_file() for f in ("tokenizer.json", "byte_tokenizer.json")):
+    if gguf is not None or any((path / f).is_file()
+                               for f in ("tokenizer.json", "byte_tokenizer.json")):
         from jaxserve.text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(path)
