@@ -186,8 +186,11 @@ def _dequantize_groups(model: nnx.Module) -> None:
     weights) and a narrow embedding (quant.QuantizedEmbed) as float ones of the model's dtype,
     once: the C++ kernels take one scale a column, and dequantising every weight in every step
     cost SmolLM2-135M's Q4_1 layers 11x its float decode step here (bench/RESULTS.md)."""
-    dtype = model.model.norm.weight.get_value().dtype
+    inner = getattr(model, "model", None)  # a whole model (not a bare layer): its dtype
+    dtype = inner.norm.weight.get_value().dtype if inner is not None else jnp.float32
     for path, module in list(nnx.iter_modules(model)):
+        if not path:  # the root: a bare layer stays as it is (linear() still takes it)
+            continue
         if isinstance(module, QuantizedEmbed):
             table = module.table()
             new = nnx.eval_shape(lambda t=table: nnx.Embed(
