@@ -1,10 +1,15 @@
 """jaxserve: an LLM serving engine on JAX/XLA.
 
 `LLM` is imported on first use, so that the host-only parts (`jaxserve.core`, `jaxserve.sim`)
-load without jax (DESIGN.md section 1).
+load without jax (DESIGN.md section 1). On a machine with no accelerator attached, jax is asked
+for the CPU alone (config/platform.py) unless JAX_PLATFORMS says otherwise.
 """
 
-from jaxserve.request import CompletionOutput, RequestOutput, SamplingParams
+from jaxserve.config.platform import default_to_cpu
+
+default_to_cpu()  # before jax starts: no accelerator plugin's errors on a machine without one
+
+from jaxserve.request import CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

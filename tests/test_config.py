@@ -326,3 +326,28 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path, caplog):
         "temperature": -1, "repetition_penalty": 1.1, "top_p": 1.0}))
     assert generation_defaults(tmp_path) == {"top_p": 1.0}
     assert "ignoring temperature" in caplog.text and "repetition_penalty 1.1" in caplog.text
+
+
+def test_a_machine_without_an_accelerator_asks_jax_for_the_cpu_alone():
+    """With the CUDA plugin and libtpu installed (the test extras) and no GPU or TPU attached,
+    jaxserve asks jax for the CPU when JAX_PLATFORMS is unset: no plugin's error or traceback
+    on every command; JAX_PLATFORMS set is left as it is."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxserve.config.platform import has_accelerator
+
+    if has_accelerator():  # (a machine with one keeps jax's own choice: nothing to check)
+        return
+    code = ("import jaxserve, jax, os; "
+            "print(repr(os.environ['JAX_PLATFORMS']), jax.default_backend())")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["'cpu'", "cpu"]
+    assert "Traceback" not in out.stderr and "Unable to load CUDA" not in out.stderr
+    out = subprocess.run([sys.executable, "-c", code], env=env | {"JAX_PLATFORMS": ""},
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["''", "cpu"]  # every platform jax finds, as asked
