@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -98,8 +99,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/jaxserve-multi-host"))
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="the servers' logs (default: a new temporary directory)")
     args = parser.parse_args()
+    args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="jaxserve-multi-host-"))
     args.log_dir.mkdir(parents=True, exist_ok=True)
     results: dict[tuple[int, int], float] = {}
     for processes in (1, 2):

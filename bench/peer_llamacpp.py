@@ -1,7 +1,8 @@
 """llama.cpp beside jaxserve on SmolLM2-135M-Instruct's Q4_1 GGUF: the same file, prompts, machine.
 
-    python3 -m venv /work/peer-llamacpp && /work/peer-llamacpp/bin/pip install llama-cpp-python
-    .venv/bin/python bench/peer_llamacpp.py --peer-python /work/peer-llamacpp/bin/python
+    P=~/.cache/jaxserve/peers/llamacpp
+    python3 -m venv $P && $P/bin/pip install llama-cpp-python    # its venv: the default below
+    .venv/bin/python bench/peer_llamacpp.py [--peer-python $P/bin/python]
 
 The install compiles llama.cpp from source with cmake (llama-cpp-python 0.3.36: 16 minutes on
 2 cores shared with other jobs, a 162 MB venv). Two processes, never at once: this one
@@ -58,6 +59,8 @@ MORE_CHATS = [
     "Why do we need sleep?", "Tell me a fun fact about the moon.",
     "How can I save water at home?", "What is the tallest mountain on Earth?",
 ]
+
+PEERS = "~/.cache/jaxserve/peers"  # the peers' venvs, beside jaxserve's other caches
 
 
 # -- the workload and the comparison (this venv; no engine) --------------------------------------
@@ -339,7 +342,8 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common_args(parser)
-    parser.add_argument("--peer-python", default="/work/peer-llamacpp/bin/python",
+    parser.add_argument("--peer-python",
+                        default=os.path.expanduser(f"{PEERS}/llamacpp/bin/python"),
                         help="the python of the venv with llama-cpp-python")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's n_threads")
     parser.add_argument("--n-batch", type=int, default=512, help="llama.cpp's n_batch")

