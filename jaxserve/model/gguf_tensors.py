@@ -1,5 +1,6 @@
 """A GGUF file's tensors under the names and layouts of a Hugging Face checkpoint, so the
-loader reads them as it reads safetensors (loader.load_hf_state): llama.cpp's names mapped
+loader reads them as it reads safetensors (loader.load_hf_state, through `open_gguf`; the
+blocks held as stored go in through `put_held`): llama.cpp's names mapped
 (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`), each tensor [out, in] as
 transformers holds it, with what llama.cpp's converter changed undone: Llama's and Mixtral's
 query and key rows interleaved for its RoPE (permuted back), Gemma's norm weights stored plus
@@ -15,11 +16,14 @@ block of 32 weights along the input, the scale and minimum of a block its group'
 
 from __future__ import annotations
 
+import logging
 import re
+from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config.gguf import GEMMA, Q4_0, Q4_1, Q8_0
+from jaxserve.config.gguf import GEMMA, Q4_0, Q4_1, Q8_0, read_gguf
 from jaxserve.config.model import ModelConfig
 
 # llama.cpp's tensor names in a block -> transformers' (after model.layers.N.)
@@ -37,6 +41,7 @@ _BLOCK = {
 _GEMMA_BLOCK = {"post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
+log = logging.getLogger("jaxserve")
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -191,6 +196,33 @@ class GGUFTensors:
                              f"dequantise ({error})") from None
         shape = tuple(int(d) for d in reversed(tensor.shape))
         return np.asarray(values, np.float32).reshape(shape)
+
+
+def open_gguf(file: Path, cfg: ModelConfig) -> GGUFTensors:
+    """The file's tensors for the loader, one log line naming what loads dequantised."""
+    reader = read_gguf(file)
+    tensors = GGUFTensors(reader, cfg, reader.fields["general.architecture"].contents(), file)
+    if (dequantised := tensors.dequantised()) is not None:
+        log.info("%s: %s", file.name, dequantised)
+    return tensors
+
+
+def put_held(name: str, held: list, expected: dict, values: dict, place) -> None:
+    """A GGUF tensor's quantised blocks (GGUFTensors.held) into the loader's `values` as they
+    are (`place`: as load_hf_state's)."""
+    for stem, leaves in held:
+        key = tuple(int(p) if p.isdigit() else p for p in stem.split("."))
+        for leaf, array in leaves.items():
+            at = (*key, leaf)
+            if at not in expected:
+                raise ValueError(f"GGUF tensor for {name!r} has no place in the model ({stem}."
+                                 f"{leaf})")
+            want = expected[at]
+            if tuple(array.shape) != tuple(want.shape) or jnp.dtype(array.dtype) != want.dtype:
+                raise ValueError(f"GGUF tensor for {name!r}: {stem}.{leaf} is {array.dtype} "
+                                 f"{tuple(array.shape)}, the model expects {want.dtype} "
+                                 f"{tuple(want.shape)}")
+            values[at] = jnp.asarray(array) if place is None else place(at, array)
 
 
 _LINEAR_HF = re.compile(r"\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)"

@@ -1,4 +1,5 @@
-"""Weights: Hugging Face safetensors -> NNX state, random init, orbax save/restore.
+"""Weights: Hugging Face safetensors (or a GGUF file, gguf_tensors.py) -> NNX state, random
+init, orbax save/restore.
 
 Nothing is ever downloaded: a model is a local directory. An orbax checkpoint written by
 `jaxserve convert` (or the demo model's training) holds `config.json` and `params/`.
@@ -7,7 +8,6 @@ Nothing is ever downloaded: a model is a local directory. An orbax checkpoint wr
 import dataclasses
 import functools
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -17,14 +17,13 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxserve.config.gguf import gguf_file, read_gguf
+from jaxserve.config.gguf import gguf_file
 from jaxserve.config.model import ModelConfig
-from jaxserve.model.gguf_tensors import GGUFTensors
+from jaxserve.model.gguf_tensors import GGUFTensors, open_gguf, put_held
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.quant import array_bytes, quantize_weight
 from jaxserve.model.quantized_tensors import checkpoint_scales, load_packed, narrow, unpack_int32
 
-log = logging.getLogger("jaxserve")
 ORBAX_DIR = "params"
 # Tensors some checkpoints carry that the model derives itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -263,7 +262,7 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
     pending: dict[tuple, dict] = {}
     gguf = gguf_file(path)
     # placed: read into host memory, each device then sent its part
-    sources = ([(gguf, lambda: _open_gguf(gguf, cfg))] if gguf is not None else [
+    sources = ([(gguf, lambda: open_gguf(gguf, cfg))] if gguf is not None else [
         (file, functools.partial(_open_safetensors, safe_open, file,
                                  "flax" if place is None else "numpy"))
         for file in _safetensor_files(path)])
@@ -281,7 +280,7 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
                     values[at] = _kv_scale(name, _get_tensor(f, file, name), place, at)
                     continue
                 if isinstance(f, GGUFTensors) and (held := f.held(name)) is not None:
-                    _put_held(name, held, expected, values, place)
+                    put_held(name, held, expected, values, place)
                     continue
                 parts = _fused_parts(name, cfg)
                 targets = [_hf_path(part, expected) for part, _ in parts]
@@ -342,31 +341,6 @@ def load_hf_state(path: str | Path, cfg: ModelConfig, dtype,
 # Mixtral's names for the MoE block and its experts' projections -> the model's (transformers')
 _MIXTRAL_NAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj",
                   "w2": "down_proj"}
-
-
-def _open_gguf(file: Path, cfg: ModelConfig) -> GGUFTensors:
-    reader = read_gguf(file)
-    tensors = GGUFTensors(reader, cfg, reader.fields["general.architecture"].contents(), file)
-    if (dequantised := tensors.dequantised()) is not None:
-        log.info("%s: %s", file.name, dequantised)
-    return tensors
-
-
-def _put_held(name: str, held: list, expected: dict, values: dict, place) -> None:
-    """A GGUF tensor's quantised blocks (GGUFTensors.held) into the state as they are."""
-    for stem, leaves in held:
-        key = tuple(int(p) if p.isdigit() else p for p in stem.split("."))
-        for leaf, array in leaves.items():
-            at = (*key, leaf)
-            if at not in expected:
-                raise ValueError(f"GGUF tensor for {name!r} has no place in the model ({stem}."
-                                 f"{leaf})")
-            want = expected[at]
-            if tuple(array.shape) != tuple(want.shape) or jnp.dtype(array.dtype) != want.dtype:
-                raise ValueError(f"GGUF tensor for {name!r}: {stem}.{leaf} is {array.dtype} "
-                                 f"{tuple(array.shape)}, the model expects {want.dtype} "
-                                 f"{tuple(want.shape)}")
-            values[at] = jnp.asarray(array) if place is None else place(at, array)
 
 
 def _load_experts(f, file: Path, name: str, cfg: ModelConfig, expected: dict, experts: dict,
