@@ -116,13 +116,12 @@ class GGUFTensors:
         a linear layer's `kernel` [in, out] and its `group_scale` (and `group_min`)
         [in / 32, out]; the embedding's `embedding` [vocab, hidden] and its groups' [vocab,
         hidden / 32]. None for a tensor that loads as floats."""
+        if not self._held_here(hf_name):
+            return None
         cfg = self._cfg
         embedding = hf_name == "model.embed_tokens.weight"
         method, offsets = ((cfg.embedding_quantization, cfg.embedding_offsets) if embedding
                            else (cfg.quantization, cfg.quantization_offsets))
-        if (method is None or cfg.quantization_format != "gguf" or not hf_name.endswith(
-                ".weight") or not (embedding or _LINEAR_HF.search(hf_name))):
-            return None
         (name,) = self._names[hf_name]
         q, scale, minimum = _blocks(self._tensors[name], method, offsets, self.file)
         stem = hf_name.removesuffix(".weight")
@@ -175,8 +174,9 @@ class GGUFTensors:
                 f"{stored / 2**20:.1f} MiB in the file, {floats / 2**20:.1f} MiB as float32")
 
     def _held_here(self, hf_name: str) -> bool:
+        """Whether the model holds this tensor in the file's blocks (`held`'s)."""
         cfg = self._cfg
-        if cfg.quantization_format != "gguf" and cfg.embedding_quantization is None:
+        if cfg.quantization_format != "gguf" or not hf_name.endswith(".weight"):
             return False
         if hf_name == "model.embed_tokens.weight":
             return cfg.embedding_quantization is not None
