@@ -169,7 +169,11 @@ class Group:
                 raise RuntimeError(f"process(es) {missing} never connected to the leader's "
                                    f"channel within {CONNECT_TIMEOUT_S:.0f} s") from None
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conns[int.from_bytes(self._read(conn, 4) or b"\xff\xff\xff\xff", "little")] = conn
+            process = self._read(conn, 4)  # a follower's id; nothing: not one of ours
+            if process is None or int.from_bytes(process, "little") not in self.others:
+                conn.close()
+                continue
+            conns[int.from_bytes(process, "little")] = conn
         self._server.close()
         return [conns[p] for p in sorted(conns)]
 
