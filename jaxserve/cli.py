@@ -101,7 +101,7 @@ def _serve(args) -> int:
     server_config = ServerConfig(**server_options)
     engine_config = EngineConfig.from_overrides(**engine_options)
     model = args.model or DEMO
-    group = _join_processes(args)
+    group = _join_processes(args, engine_config.data_parallel_size)
     if group is not None and not group.processes.is_leader:
         from jaxserve.engine.follower import run_follower
 
@@ -121,11 +121,11 @@ def _serve(args) -> int:
     freeze_gc()  # this process serves one engine until it exits
     code = serve(engine, server_config, model_name=str(model), sock=sock)
     if group is not None:  # the followers stop with it
-        group.end(engine.runner, code)
+        group.end(engine.runners, code)
     return code
 
 
-def _join_processes(args):
+def _join_processes(args, replicas: int = 1):
     """jax.distributed across processes when --num-processes (or its env var) is above 1;
     the heartbeats start at once, so a process lost while the others compile stops them."""
     from jaxserve.parallel import distributed
@@ -136,7 +136,7 @@ def _join_processes(args):
         raise ValueError("--num-processes above 1 needs --coordinator-address HOST:PORT and "
                          "--process-id (or JAXSERVE_COORDINATOR_ADDRESS, JAXSERVE_PROCESS_ID)")
     group = distributed.initialize(distributed.Processes(
-        args.coordinator_address, args.num_processes, args.process_id))
+        args.coordinator_address, args.num_processes, args.process_id), replicas=replicas)
     group.watch()
     return group
 

@@ -1,5 +1,5 @@
 """Data parallelism in the engine (LLMEngine over several replicas, each its own scheduler, KV
-pool and runner): routing to the least-loaded replica, abort, stats, the async engine, on the
+pool and runner): routing to the least-loaded replica or to the one caching the prompt, abort, stats, the async engine, on the
 tests' fake runners (tests/fake_runner.py, tokens worked out by hand, no model compiled). The
 real model's replicas on their own host devices are checked by test_tensor_parallel.py."""
 
@@ -63,6 +63,23 @@ def test_requests_go_to_the_least_loaded_replica(model_dir):
     # replica 1 holds fewer requests (2 against 3), but one waits: 1 + 4 against 3
     engine.add_request("r6", {"prompt_token_ids": prompt(6)}, params)
     assert per_replica(engine) == [["r0", "r2", "r4", "r6"], ["r1", "r5"]]
+
+
+def test_a_request_goes_where_its_prefix_is_cached_unless_that_replica_is_busier(model_dir):
+    """The replica caching half the prompt or more takes it while it is within a waiting
+    request's load of the least loaded; past that, the least loaded does."""
+    engine = make_engine(model_dir, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    shared = prompt(9, 12)  # three full pages of 4 tokens
+    engine.add_request("a", {"prompt_token_ids": [*shared, 5]}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.cores[0].scheduler.kv.num_cached_pages >= 3  # replica 0 ran it
+    engine.add_request("f", {"prompt_token_ids": prompt(1)}, params)  # loads 4 and 0
+    engine.add_request("c", {"prompt_token_ids": [*shared, 6]}, params)  # loads 8 and 0
+    engine.add_request("d", {"prompt_token_ids": [*shared, 7]}, params)
+    engine.add_request("e", {"prompt_token_ids": prompt(3, 13)}, params)  # nothing cached
+    assert per_replica(engine) == [["c", "f"], ["d", "e"]]
 
 
 def test_each_request_gets_what_it_gets_alone_whatever_its_replica(model_dir):

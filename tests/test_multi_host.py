@@ -22,7 +22,8 @@ from served import metrics_of
 
 from jaxserve.cli import main
 from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
-from jaxserve.parallel.distributed import Decoder, Encoder, Processes
+from jaxserve.parallel.distributed import Processes
+from jaxserve.parallel.encoding import Decoder, Encoder
 from jaxserve.request import Request, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

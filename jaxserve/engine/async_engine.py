@@ -322,6 +322,9 @@ class AsyncEngine:
         if engine.has_unfinished_requests():
             steps_before = engine.num_steps
             self._publish(engine.step())
+            if engine.failed:  # a replica on other processes was lost: its requests alone
+                self._fail_lost(engine.failed)
+                engine.failed = []
             if self.on_iteration is not None and engine.last_step_tokens is not None:
                 self.on_iteration(engine.last_step_tokens)
             if engine.num_steps == steps_before and engine.has_unfinished_requests():
@@ -385,6 +388,13 @@ class AsyncEngine:
             by_loop[stream.loop].append((stream, output))
         for loop, items in by_loop.items():
             _hand_over(loop, items, now)
+
+    def _fail_lost(self, failed: list[tuple[str, BaseException]]) -> None:
+        now = time.monotonic()
+        for request_id, error in failed:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                _hand_over(stream.loop, [(stream, EngineDeadError(str(error)))], now)
 
     def _abort_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):

@@ -25,6 +25,7 @@ from jaxserve.core.scheduler import Scheduler, make_scheduler
 from jaxserve.engine.loop import RUNNER_MEMBERS, EngineCore, Runner, Step
 from jaxserve.engine.outputs import OutputProcessor
 from jaxserve.parallel import distributed
+from jaxserve.parallel.runners import ReplicaLostError
 from jaxserve.request import Request, RequestOutput, SamplingParams
 from jaxserve.structured.token_masks import TokenMask
 from jaxserve.text.tokenizer import load_tokenizer, same_vocabulary
@@ -164,6 +165,10 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
+        # replicas on other processes that were lost, and their requests, failed: (request
+        # id, the error) for the caller (the server's engine thread) to answer
+        self.lost_replicas: set[int] = set()
+        self.failed: list[tuple[str, BaseException]] = []
         # the step whose results the latest step() read: its prompt tokens (of requests it gave
         # their first token) plus the tokens it generated, as vLLM's iteration_tokens_total
         # counts; None when that call read no step
@@ -176,11 +181,17 @@ class LLMEngine:
 
         config = self.config
         group = distributed.group()
-        if group is not None:  # one model over several processes' devices: they follow
-            distributed.check_group(config)
-        grid = replica_devices(config.data_parallel_size, config.tensor_parallel_size)
+        if group is not None:  # replicas over several processes' devices: they follow
+            from jaxserve.parallel.runners import LeaderRunner, RemoteRunner, check_group
+
+            grid = check_group(config, group)
+        else:
+            grid = replica_devices(config.data_parallel_size, config.tensor_parallel_size)
         runners = []
         for i, devices in enumerate(grid):
+            if group is not None and i > 0:  # on other processes: they build it
+                runners.append(RemoteRunner(group, i, self.model_config.vocab_size))
+                continue
             runner = ModelRunner(self.model_path, self.model_config, config, self.draft_path,
                                  devices)
             log.info("%sKV pool: %d pages of %d tokens = %d tokens in flight at most, "
@@ -188,7 +199,8 @@ class LLMEngine:
                      runner.num_pages - 1, config.page_size,
                      (runner.num_pages - 1) * config.page_size,
                      runner.num_pages * runner.kv_bytes_per_page / 2**20, runner.kv_dtype_name)
-            runners.append(runner if group is None else distributed.LeaderRunner(runner, group))
+            runners.append(runner if group is None
+                           else LeaderRunner(runner, group, group.replicas[0][1:]))
         return runners
 
     def _draft_model(self) -> Path | None:
@@ -275,16 +287,26 @@ class LLMEngine:
             request.token_mask = TokenMask(
                 params, vocab, request.stop_ids, self.tokenizer,
                 self.grammars if params.structured_outputs is not None else None)
-        self._least_loaded().add_request(request)
+        self._route(request).add_request(request)
         return request
 
-    def _least_loaded(self) -> Scheduler:
-        """The scheduler of the replica with the least work: waiting requests count 4, running
-        ones 1 (vLLM's data-parallel load score); the first of equals."""
-        if len(self.cores) == 1:
-            return self.cores[0].scheduler
-        return min((c.scheduler for c in self.cores),
-                   key=lambda s: 4 * len(s.waiting) + len(s.running))
+    def _route(self, request: Request) -> Scheduler:
+        """The replica to run a request: the one whose prefix cache holds the most of it, when
+        that covers half its prompt or more and the replica is not busier than the least
+        loaded by more than a waiting request (SGLang's cache-aware routing); else the least
+        loaded, waiting requests counting 4 and running ones 1 (vLLM's data-parallel load
+        score), the first of equals."""
+        live = [c.scheduler for i, c in enumerate(self.cores) if i not in self.lost_replicas
+                and getattr(c.runner, "lost", None) is None]
+        if len(live) == 1:
+            return live[0]
+        loads = [4 * len(s.waiting) + len(s.running) for s in live]
+        least = min(range(len(live)), key=loads.__getitem__)
+        hits = [s.kv.cached_prefix_len(request) for s in live]
+        best = max(range(len(live)), key=hits.__getitem__)
+        if 2 * hits[best] >= len(request.prompt_ids) and loads[best] <= loads[least] + 4:
+            return live[best]
+        return live[least]
 
     @property
     def grammars(self) -> "GrammarCompiler | None":
@@ -407,7 +429,17 @@ class LLMEngine:
             steps = [self.cores[0].step()]
         else:  # each replica dispatches its next iteration, then reads its previous one:
             # while one waits for its device, the others' devices run theirs
-            steps = [c.step() for c in self.cores if c.has_unfinished_requests()]
+            steps = []
+            for i, core in enumerate(self.cores):
+                lost = getattr(core.runner, "lost", None)
+                if i in self.lost_replicas or not core.has_unfinished_requests():
+                    continue
+                try:
+                    if lost is not None:
+                        raise ReplicaLostError(f"data-parallel replica {i} is lost: {lost}")
+                    steps.append(core.step())
+                except ReplicaLostError as error:
+                    self._write_off(i, error)
         read = [step for step in steps if step.done is not None]
         if not read:
             self.last_step_tokens = None
@@ -416,6 +448,19 @@ class LLMEngine:
             return []
         self.last_step_tokens = sum(step.num_tokens for step in read)
         return [out for step in read for out in self._process(step)]
+
+    def _write_off(self, replica: int, error: ReplicaLostError) -> None:
+        """A replica on other processes is lost: its requests fail (`failed`), the others
+        serve on and new requests go to them."""
+        core = self.cores[replica]
+        self.lost_replicas.add(replica)
+        core.inflight = None
+        requests = list(core.scheduler.requests)
+        for request_id in requests:
+            core.scheduler.abort(request_id)
+            self.failed.append((request_id, error))
+        log.error("%s: %d requests failed; %d replicas serve on", error, len(requests),
+                  len(self.cores) - len(self.lost_replicas))
 
     def _wait_for_window(self) -> None:
         wakes = [w for c in self.cores if (w := c.scheduler.next_wakeup()) is not None]

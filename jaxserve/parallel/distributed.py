@@ -1,47 +1,47 @@
-"""Several hosts: one model over every process's devices, through JAX's own multi-host runtime.
+"""Several hosts: one engine over every process's devices, through JAX's own multi-host runtime.
 
     jaxserve serve MODEL -tp 4 --coordinator-address HOST:PORT --num-processes 2 --process-id 0
     jaxserve serve MODEL -tp 4 --coordinator-address HOST:PORT --num-processes 2 --process-id 1
 
-`jax.distributed.initialize` joins the processes (on CPUs their collectives go through gloo);
-the tensor-parallel mesh then spans every process's devices. Process 0, the leader, runs the
-server, the scheduler and its model runner; each other process, a follower, runs only a model
-runner, built from the same model and options, and replays the leader's: JAX's multi-controller
-model needs every process to make the same jitted calls in the same order, and the runner's
-calls follow from what it is given (each iteration's scheduler output, then its finish).
+`jax.distributed.initialize` joins the processes (on CPUs their collectives go through gloo).
+With `-dp D` the processes split into D data-parallel replicas of num_processes / D each
+(`Group.arrange`), each replica a tensor-parallel model over its processes' devices; without,
+one model spans every device. Process 0, the leader, runs the server and every replica's
+scheduler; the other processes, followers, run only their replica's model runner, built from
+the same model and options, and replay the leader's calls for it: JAX's multi-controller model
+needs every process of a computation to make the same jitted calls in the same order, and the
+runner's calls follow from what it is given (jaxserve/parallel/runners.py).
 
-The leader's runner (`LeaderRunner`) publishes each call before making it, down a TCP
-connection to each follower (`Group.publish`: a length-prefixed pickle; the leader's address
-travels once through the coordination service's key-value store): the scheduler output as
-plain data (`encode`), each request's state sent once and then only what it appended. A
-follower decodes it onto stand-ins of the requests (`StandIn`) and makes the same call. The
-store keeps the start-up, the heartbeats and the errors: a call through it cost a gRPC round
-trip or two (bench/multi_host.py). Every process writes a heartbeat to the store and watches
-the others': one that stops (killed, or
-failed with an error it wrote there) is lost within `LOST_AFTER_S`, and the others stop: the
-leader fails its requests with an error naming the lost process and exits non-zero, so nothing
-hangs in a collective that will never complete.
+The leader sends each call down a TCP connection to each follower (`Group.publish`: a
+length-prefixed pickle; the leader's address travels once through the coordination service's
+key-value store, and every follower connects as soon as the processes agree): the scheduler
+output as plain data (jaxserve/parallel/encoding.py), each request's state sent once and then
+only what it appended. A replica on other processes answers down the same connection
+(`reply`, `answer`). The store keeps the start-up, the heartbeats and the errors: a call
+through it cost a gRPC round trip or two (bench/multi_host.py).
 
-The token masks of structured output, bad_words, min_tokens and allowed_token_ids are made by
-the leader alone (its grammars' state) and sent with the call that applies them.
+Every process writes a heartbeat to the store and watches those it needs: one that stops
+(killed, or failed with an error it wrote there) is lost within `LOST_AFTER_S`. A follower
+stops when the leader or a process of its own replica is lost; the leader, when a process of
+its own replica is: it fails its requests with an error naming the lost process and exits
+non-zero, so nothing hangs in a collective that will never complete. A process of another
+replica lost writes that replica off (`write_off`): its requests fail with a 503, the other
+replicas serve on (JAX's recoverability keeps the coordination service up without it).
 
-Not yet: data parallelism across processes, a draft model.
+Not yet: a draft model across processes.
 """
 
 import contextlib
 import logging
 import os
 import pickle
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
-
-from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
-from jaxserve.request import Request, SamplingParams
 
 log = logging.getLogger("jaxserve")
 
@@ -85,11 +85,15 @@ def group() -> "Group | None":
     return _state
 
 
-def initialize(processes: Processes, timeout_s: int = 120) -> "Group":
-    """Join the other processes (jax.distributed), before anything else touches a device."""
+def initialize(processes: Processes, timeout_s: int = 120, replicas: int = 1) -> "Group":
+    """Join the other processes (jax.distributed), before anything else touches a device.
+    `replicas` above 1: a process lost stops only its data-parallel replica, so the
+    coordination service must not take the others down with it (JAX's recoverability)."""
     global _state
     import jax
 
+    if replicas > 1:
+        jax.config.update("jax_enable_recoverability", True)
     # the CPU devices' collectives across processes (GPUs' and TPUs' have their own)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(processes.coordinator_address, processes.num_processes,
@@ -103,14 +107,20 @@ def initialize(processes: Processes, timeout_s: int = 120) -> "Group":
 
 
 class Group:
-    """The coordination service's key-value store, as the processes of one model use it."""
+    """The coordination service's key-value store and the leader's channel, as the processes
+    serving one engine use them."""
 
     def __init__(self, processes: Processes, client):
         self.processes = processes
         self.client = client
         self._stop = threading.Event()
         self._server: socket.socket | None = None  # the leader's, until its followers connect
-        self._channel: list[socket.socket] | None = None  # to each follower / to the leader
+        self._conns: dict[int, socket.socket] | None = None  # the leader's, to each process
+        self._leader: socket.socket | None = None  # a follower's, to the leader
+        # the data-parallel replicas' processes (arrange): one replica of every process first
+        self.replicas = [list(range(processes.num_processes))]
+        # the leader's: processes of replicas lost while it serves on -> what happened
+        self.written_off: dict[int, str] = {}
         # the leader's server sets it: what fails the requests when a process is lost
         self.fail_requests: Callable[[BaseException], None] | None = None
 
@@ -119,27 +129,40 @@ class Group:
         me = self.processes.process_id
         return [p for p in range(self.processes.num_processes) if p != me]
 
+    def arrange(self, data_parallel_size: int) -> None:
+        """The processes of each data-parallel replica: num_processes / dp consecutive ones
+        (replica 0 holds the leader); a ValueError where they do not divide."""
+        n, dp = self.processes.num_processes, data_parallel_size
+        if n % dp:
+            raise ValueError(f"data_parallel_size {dp} across {n} processes: each replica "
+                             f"runs on processes of its own, so {n} must be a multiple of {dp}")
+        k = n // dp
+        self.replicas = [list(range(r * k, (r + 1) * k)) for r in range(dp)]
+
+    def replica_of(self, process: int) -> int:
+        return next(r for r, ps in enumerate(self.replicas) if process in ps)
+
     # -- the leader's calls, in order ---------------------------------------------------------
 
-    def publish(self, n: int, message: Any) -> None:
-        """Send call n to every follower: one length-prefixed pickle down each one's TCP
-        connection (the kernel's buffer takes it; the leader never waits on a follower)."""
-        if self._channel is None:
-            self._channel = self._accept_followers()
+    def publish(self, n: int, message: Any, to: list[int] | None = None) -> None:
+        """Send call n to processes `to` (None: every other): one length-prefixed pickle down
+        each one's TCP connection (the kernel's buffer takes it; the leader never waits on a
+        follower)."""
+        conns = self._connections()
         data = pickle.dumps((n, message), protocol=pickle.HIGHEST_PROTOCOL)
         frame = len(data).to_bytes(_FRAME, "little") + data
-        for conn in self._channel:
+        for p in self.others if to is None else to:
+            if p in self.written_off:
+                continue
             with contextlib.suppress(OSError):  # a lost process is the watcher's to report
-                conn.sendall(frame)
+                conns[p].sendall(frame)
 
     def receive(self, n: int) -> Any:
         """The leader's call n (waits for it; returns None when the leader is lost or this
         process stops)."""
-        if self._channel is None:
-            self._channel = [self._connect_to_leader()]
-        (conn,) = self._channel
-        size = self._read(conn, _FRAME)
-        data = None if size is None else self._read(conn, int.from_bytes(size, "little"))
+        if self._leader is None:
+            self._leader = self._connect_to_leader()
+        data = self._frame(self._leader)
         if data is None:
             return None
         got, message = pickle.loads(data)
@@ -147,18 +170,55 @@ class Group:
             raise RuntimeError(f"the leader's call {got} arrived where {n} was due")
         return message
 
+    def reply(self, message: Any) -> None:
+        """A follower's answer to the leader (a replica's results, its facts)."""
+        if self._leader is None:
+            self._leader = self._connect_to_leader()
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self._leader.sendall(len(data).to_bytes(_FRAME, "little") + data)
+
+    def answer(self, process: int) -> Any:
+        """The leader: process's next reply; None when that process is lost (its replica is
+        written off then)."""
+        conn = self._connections()[process]
+        data = self._frame(conn, lambda: process in self.written_off)
+        if data is None:
+            self.write_off(self.replica_of(process), f"process {process} is lost: its "
+                           "connection to the leader closed")
+            return None
+        return pickle.loads(data)
+
+    def write_off(self, replica: int, message: str) -> None:
+        """The leader serves on without a replica whose process was lost."""
+        if any(p in self.written_off for p in self.replicas[replica]):
+            return
+        log.error("data-parallel replica %d is lost (%s): its requests fail, the other "
+                  "replicas serve on", replica, message)
+        for p in self.replicas[replica]:
+            self.written_off[p] = message
+
+    def lost(self, replica: int) -> str | None:
+        """What happened to a replica the leader wrote off; None while it serves."""
+        return next((self.written_off[p] for p in self.replicas[replica]
+                     if p in self.written_off), None)
+
     # -- the channel: the leader's calls over TCP, its address in the store ------------------
 
     def listen(self) -> None:
-        """The leader: open the port its followers connect to and publish its address (after
-        `agree`, before the warm-up, so they connect while the models compile)."""
+        """The leader: open the port its followers connect to and publish its address (in
+        `agree`, so they connect before the models load)."""
         host = self.processes.coordinator_address.rpartition(":")[0] or "127.0.0.1"
         self._server = socket.create_server(("", 0))
         port = self._server.getsockname()[1]
         self.client.key_value_set(f"{_PREFIX}/channel", f"{host}:{port}")
 
-    def _accept_followers(self) -> list[socket.socket]:
-        """Each follower's connection, in process order (it sends its id first)."""
+    def _connections(self) -> dict[int, socket.socket]:
+        if self._conns is None:
+            self._conns = self._accept_followers()
+        return self._conns
+
+    def _accept_followers(self) -> dict[int, socket.socket]:
+        """Each follower's connection (it sends its id first)."""
         conns: dict[int, socket.socket] = {}
         self._server.settimeout(CONNECT_TIMEOUT_S)
         while len(conns) < len(self.others):
@@ -168,6 +228,7 @@ class Group:
                 missing = sorted(set(self.others) - set(conns))
                 raise RuntimeError(f"process(es) {missing} never connected to the leader's "
                                    f"channel within {CONNECT_TIMEOUT_S:.0f} s") from None
+            conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             process = self._read(conn, 4)  # a follower's id; nothing: not one of ours
             if process is None or int.from_bytes(process, "little") not in self.others:
@@ -175,28 +236,36 @@ class Group:
                 continue
             conns[int.from_bytes(process, "little")] = conn
         self._server.close()
-        return [conns[p] for p in sorted(conns)]
+        return conns
 
     def _connect_to_leader(self) -> socket.socket:
         address = self.client.blocking_key_value_get(f"{_PREFIX}/channel",
                                                      int(CONNECT_TIMEOUT_S * 1000))
         host, _, port = address.rpartition(":")
         conn = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+        conn.settimeout(None)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.sendall(self.processes.process_id.to_bytes(4, "little"))
-        conn.settimeout(HEARTBEAT_S)  # reads wake to see this process stopping
         return conn
 
-    def _read(self, conn: socket.socket, size: int) -> bytes | None:
-        """Exactly `size` bytes, or None when the other end closed or this process stops."""
+    def _frame(self, conn: socket.socket, gone: Callable[[], bool] = lambda: False
+               ) -> bytes | None:
+        size = self._read(conn, _FRAME, gone)
+        return None if size is None else self._read(conn, int.from_bytes(size, "little"), gone)
+
+    def _read(self, conn: socket.socket, size: int, gone: Callable[[], bool] = lambda: False
+              ) -> bytes | None:
+        """Exactly `size` bytes, or None when the other end closed, `gone()` or this process
+        stops (checked each HEARTBEAT_S while nothing arrives)."""
         parts, left = [], size
         while left:
             try:
+                ready, _, _ = select.select([conn], [], [], HEARTBEAT_S)
+                if not ready:
+                    if self._stop.is_set() or gone():
+                        return None
+                    continue
                 part = conn.recv(min(left, 1 << 20))
-            except TimeoutError:
-                if self._stop.is_set():
-                    return None
-                continue
             except OSError:
                 return None
             if not part:
@@ -223,6 +292,7 @@ class Group:
                 raise ValueError(f"process {me} serves {key} {what.get(key)!r}, process 0 "
                                  f"{leader.get(key)!r}: every process must be started with "
                                  "the same model and options")
+        self._leader = self._connect_to_leader()  # before the models load: see LeaderRunner
 
     # -- liveness ------------------------------------------------------------------------------
 
@@ -246,8 +316,18 @@ class Group:
         if message is not None:
             exit_lost(message, self.fail_requests)
 
+    def _watched(self) -> list[int]:
+        """The processes whose loss stops this one: the leader's replica's and, for a
+        follower, the leader and its own replica's. The leader writes the other replicas off."""
+        me = self.processes.process_id
+        mine = self.replicas[self.replica_of(me)]
+        if self.processes.is_leader:
+            return [p for p in self.others if p not in self.written_off]
+        return [p for p in sorted({0, *mine}) if p != me]
+
     def _lost(self) -> str | None:
-        """Beat and watch until stopped (None) or another process is lost (what happened)."""
+        """Beat and watch until stopped (None) or a process this one needs is lost (what
+        happened); the leader writes off another replica whose process is lost."""
         me = self.processes.process_id
         start = time.monotonic()
         seen: dict[int, tuple[str, float]] = {}  # process -> (its beat, when it changed)
@@ -260,31 +340,40 @@ class Group:
                                           allow_overwrite=True)
                 beats = {key.rpartition("/")[2]: value for key, value in
                          self.client.key_value_dir_get(f"{_PREFIX}/alive/")}
-                values = {p: beats.get(str(p)) for p in self.others}
+                values = {p: beats.get(str(p)) for p in self._watched()}
             except Exception as error:  # the coordination service is gone, process 0 with it
                 if self._stop.is_set():
                     return None
                 return f"process 0 is lost (the coordination service is unreachable: {error})"
             for p, value in values.items():
-                if value is not None and value.startswith("error"):
-                    return f"process {p} failed: {value[len('error: '):]}"
                 last, since = seen.get(p, ("", start))
-                if value is not None and value != last:
+                if value is not None and value.startswith("error"):
+                    message = f"process {p} failed: {value[len('error: '):]}"
+                elif value is not None and value != last:
                     seen[p] = (value, now)
+                    continue
                 elif now - since > (LOST_AFTER_S if value is not None else 60.0):
-                    return (f"process {p} is lost: no heartbeat for {now - since:.0f} s"
-                            if value is not None else f"process {p} never started")
+                    message = (f"process {p} is lost: no heartbeat for {now - since:.0f} s"
+                               if value is not None else f"process {p} never started")
+                else:
+                    continue
+                replica = self.replica_of(p)
+                if not self.processes.is_leader or replica == 0:
+                    return message
+                self.write_off(replica, message)
             self._stop.wait(HEARTBEAT_S)
         return None
 
-    def end(self, runner: "LeaderRunner", code: int) -> None:
-        """The leader's server returned `code`. 0, a clean stop: the followers stop, then
-        every process shuts jax.distributed down together. Else its engine died, most often
+    def end(self, runners: list, code: int) -> None:
+        """The leader's server returned `code`. 0, a clean stop: the followers stop (each
+        replica's runner tells its processes), then every process shuts jax.distributed down
+        together. Else its engine died, most often
         of a collective a lost process broke: the watcher names that process (and exits)
         within LOST_AFTER_S; past it this process exits with `code` without waiting for
         anyone."""
         if code == 0:
-            runner.stop()
+            for runner in runners:
+                runner.stop()
             self.shutdown()
             return
         time.sleep(LOST_AFTER_S + 4 * HEARTBEAT_S)
@@ -299,6 +388,11 @@ class Group:
 
         self._stop.set()
         time.sleep(2 * HEARTBEAT_S)  # the watcher's last beat done
+        if self.written_off:  # jax.distributed's shutdown would wait for them in vain
+            log.info("process(es) %s were lost: stopping without jax.distributed's shutdown",
+                     sorted(self.written_off))
+            logging.shutdown()
+            os._exit(0)
         jax.distributed.shutdown()
 
 
@@ -320,163 +414,6 @@ def exit_lost(message: str, before: Callable[[BaseException], None] | None = Non
     print(f"jaxserve: error: {message}", flush=True)
     time.sleep(0.2)  # let the failed requests' responses leave
     os._exit(1)
-
-
-# -- the scheduler output as plain data -----------------------------------------------------------
-
-
-@dataclass(eq=False)
-class StandIn:
-    """A follower's stand-in for a request: what the model runner reads of one (its token
-    masks come with the leader's finish call)."""
-
-    request_id: str
-    params: SamplingParams
-    seed: int
-    prompt_ids: list[int]
-    output_ids: list[int]
-    pages: list[int]
-    metrics: SimpleNamespace
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_ids)
-        return (self.prompt_ids[start:end] if end <= n
-                else (self.prompt_ids + self.output_ids)[start:end])
-
-
-class Encoder:
-    """The leader's side: a scheduler output as plain data, each request's state sent whole
-    the first step it runs after a break and then only what it appended."""
-
-    def __init__(self):
-        # request id -> (the request, output ids sent, pages sent, preemptions): the
-        # requests of the previous message, as the followers hold them
-        self._sent: dict[str, tuple[Request, int, int, int]] = {}
-
-    def encode(self, out: SchedulerOutput) -> dict[str, Any]:
-        states, sent = [], {}
-        for chunk in out.chunks:
-            r = chunk.request
-            if r.request_id in sent:
-                continue
-            known = self._sent.get(r.request_id)
-            preemptions = r.metrics.num_preemptions
-            if (known is None or known[0] is not r or known[3] != preemptions
-                    or len(r.output_ids) < known[1] or len(r.pages) < known[2]):
-                states.append((r.request_id, r.params, r.seed, list(r.prompt_ids),
-                               list(r.output_ids), list(r.pages), preemptions))
-            else:
-                states.append((r.request_id, r.output_ids[known[1]:], r.pages[known[2]:]))
-            sent[r.request_id] = (r, len(r.output_ids), len(r.pages), preemptions)
-        self._sent = sent
-        return {"states": states,
-                "chunks": [(c.request.request_id, c.start, c.num_tokens, c.num_samples,
-                            None if c.draft is None else list(c.draft)) for c in out.chunks],
-                "decode_steps": out.decode_steps, "batch_rows": out.batch_rows,
-                "speculative": out.speculative}
-
-
-class Decoder:
-    """A follower's side: the leader's messages back into scheduler outputs over stand-ins."""
-
-    def __init__(self):
-        self._requests: dict[str, StandIn] = {}
-
-    def decode(self, message: dict[str, Any]) -> SchedulerOutput:
-        requests = {}
-        for state in message["states"]:
-            if len(state) == 3:  # what a request it holds appended
-                rid, outputs, pages = state
-                request = self._requests[rid]
-                request.output_ids += outputs
-                request.pages += pages
-            else:
-                rid, params, seed, prompt, outputs, pages, preemptions = state
-                request = StandIn(rid, params, seed, prompt, outputs, pages,
-                                  SimpleNamespace(num_preemptions=preemptions))
-            requests[rid] = request
-        self._requests = requests
-        return SchedulerOutput(
-            chunks=[ScheduledChunk(requests[rid], start, n, samples, draft)
-                    for rid, start, n, samples, draft in message["chunks"]],
-            decode_steps=message["decode_steps"], batch_rows=message["batch_rows"],
-            speculative=message["speculative"])
-
-
-class LeaderRunner:
-    """The leader's model runner: each call published to the followers, then made."""
-
-    def __init__(self, runner, group: Group):
-        self.runner = runner
-        self.group = group
-        self.encoder = Encoder()
-        self._n = 0  # calls published
-
-    def __getattr__(self, name: str):  # the runner's own attributes and reports
-        return getattr(self.runner, name)
-
-    def _publish(self, message: tuple) -> None:
-        self.group.publish(self._n, message)
-        self._n += 1
-
-    def warmup(self, progress: bool = False) -> float:
-        return self.runner.warmup(progress=progress)  # each follower warms up alike
-
-    def dispatch(self, out: SchedulerOutput):
-        n = self._n
-        self._publish(("dispatch", self.encoder.encode(out)))
-        return n, self.runner.dispatch(out)
-
-    def finish(self, handle) -> None:
-        n, flight = handle
-        # the token bitmasks it used (structured output, bad words...: made from this
-        # process's grammar state) go with it: sent once the calls are dispatched
-        self._publish(("finish", (n, self.runner.finish(flight))))
-
-    def collect(self, handle):
-        return self.runner.collect(handle[1])
-
-    def stop(self) -> None:
-        self._publish(("stop", None))
-
-
-def follow(runner, group: Group) -> int:
-    """A follower's life after its runner warmed up: replay the leader's calls until it
-    stops (0) or is lost (the watchdog exits the process)."""
-    decoder = Decoder()
-    flights: dict[int, Any] = {}
-    n = 0
-    while True:
-        message = group.receive(n)
-        if message is None:
-            return 1
-        kind, body = message
-        if kind == "stop":
-            log.info("process 0 stopped: this process stops")
-            return 0
-        if kind == "dispatch":
-            flights[n] = runner.dispatch(decoder.decode(body))
-        elif kind == "finish":
-            flight, bitmasks = body
-            runner.finish(flights.pop(flight), bitmasks)
-        n += 1
-
-
-def check_group(config) -> None:
-    """What several processes serve today: one tensor-parallel model over all their devices."""
-    import jax
-
-    tp, devices = config.tensor_parallel_size, jax.device_count()
-    if tp != devices:
-        raise ValueError(f"tensor_parallel_size {tp}: processes serve one model over every "
-                         f"process's devices, {devices} in all here")
-    if config.data_parallel_size != 1:
-        raise ValueError("data_parallel_size > 1 across several processes is not supported "
-                         "yet")
-    spec = config.speculative_config
-    if spec is not None and spec.method == "draft_model":
-        raise ValueError("speculative_config's draft_model is not supported across several "
-                         "processes yet (ngram is)")
 
 
 def setup_of(model_path, config) -> dict[str, Any]:
