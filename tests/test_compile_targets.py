@@ -75,6 +75,13 @@ def test_every_step_compiles_for_the_target_with_our_kernels(fixture, target, tp
     assert result["all_reduces_per_forward"] == (0 if tp == 1 else 2 * layers + 1)
     assert result["all_reduces_per_decode_step"] >= result["all_reduces_per_forward"]
     assert result["estimate"]["decode_tok_s_batch1"] > 0
+    # XLA's cost analysis of the forward beside the estimate's counts (the TPU compiler gives
+    # one, the GPU's nothing)
+    xla = result["estimate"]["xla"]
+    if platform == "gpu":
+        assert xla == []
+    else:
+        assert xla and all(x["xla_flops"] > 0 and x["xla_bytes"] > 0 for x in xla), xla
 
 
 ONE_ROW_HEAD = """

@@ -102,7 +102,30 @@ def target_plan(model: str | Path | None, config: EngineConfig, target_name: str
         "all_reduces_per_forward": max((c.all_reduces for c in compiled
                                         if c.name.startswith("decode_hidden[")), default=0),
     }
+    result["estimate"]["xla"] = xla_costs(compiled, result)
     return result
+
+
+def xla_costs(compiled, p: dict) -> list[dict]:
+    """XLA's cost analysis of the model's forward per decode bucket beside the estimate's own
+    counts (flops: 2 a parameter a row; bytes: the weights and each row's KV at 8,192 tokens).
+    The estimate keeps its own: XLA counts a scanned layer stack's body once (its flops are
+    the forward's / num_layers then: scaled back here) and every byte of the operands our
+    kernels take, the whole KV pool included, as read. None where XLA gives nothing (GPUs)."""
+    tp, layers = p["tensor_parallel_size"], p["layers"]
+    active = p["num_params"] - p.get("expert_params", 0) * (
+        1 - p["experts_per_token"] / p["num_experts"] if p.get("num_experts") else 0)
+    rows = []
+    for c in sorted(compiled, key=lambda c: c.name):
+        if not c.name.startswith("decode_hidden[") or c.flops is None:
+            continue
+        batch = int(c.name.split("[")[1].split("]")[0])
+        flops = c.flops * (layers if p["scan_layers"] else 1)
+        rows.append({"rows": batch, "xla_flops": flops, "model_flops": 2 * active * batch / tp,
+                     "xla_bytes": c.bytes_accessed,
+                     "model_bytes": p["weight_bytes_per_device"]
+                     + batch * p["estimate"]["context"] * p["kv_bytes_per_token"] / tp})
+    return rows
 
 
 def estimate(p: dict, target: Target) -> dict:
@@ -172,4 +195,10 @@ def format_target_plan(p: dict) -> str:
     lines.append(f"estimate   decode {e['decode_tok_s_batch1']:.1f} tok/s at batch 1, "
                  f"{e['decode_tok_s_max']:.1f} at batch {e['max_batch']} ({e['context']} "
                  "tokens of context; the roofline of the chip's bandwidth and bf16 peak)")
+    for x in e.get("xla", []):
+        lines.append(f"  XLA's cost of the forward at {x['rows']} rows: "
+                     f"{x['xla_flops'] / 1e9:.2f} GFLOP (the estimate's "
+                     f"{x['model_flops'] / 1e9:.2f}), {x['xla_bytes'] / 2**30:.2f} GiB accessed "
+                     f"(the estimate's {x['model_bytes'] / 2**30:.2f}: XLA counts the whole "
+                     "KV pool)")
     return "\n".join(lines)  # (the problems: format_plan's lines)
