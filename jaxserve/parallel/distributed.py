@@ -114,6 +114,7 @@ class Group:
         self.processes = processes
         self.client = client
         self._stop = threading.Event()
+        self._answered = time.monotonic()  # when the store last answered this process's beat
         self._server: socket.socket | None = None  # the leader's, until its followers connect
         self._conns: dict[int, socket.socket] | None = None  # the leader's, to each process
         self._leader: socket.socket | None = None  # a follower's, to the leader
@@ -164,6 +165,9 @@ class Group:
             self._leader = self._connect_to_leader()
         data = self._frame(self._leader)
         if data is None:
+            if not self._stop.is_set():  # the leader's end closed: say so before jax's client
+                # aborts this process (it does, naming no process, when process 0's service goes)
+                exit_lost("process 0 is lost: its channel to this process closed")
             return None
         got, message = pickle.loads(data)
         if got != n:
@@ -310,6 +314,18 @@ class Group:
         """Write this process's heartbeat and watch the others' in a daemon thread; when one
         is lost, `exit_lost` (with `fail_requests`, which the leader's server sets)."""
         threading.Thread(target=self._watch, name="jaxserve-heartbeat", daemon=True).start()
+        if not self.processes.is_leader:  # process 0's service, stalled, holds the beats
+            threading.Thread(target=self._watch_service, name="jaxserve-service",
+                             daemon=True).start()
+
+    def _watch_service(self) -> None:
+        """A follower's beats wait on process 0's coordination service with no deadline:
+        one unanswered for LOST_AFTER_S (process 0 stopped, or cut off) loses process 0."""
+        while not self._stop.wait(HEARTBEAT_S):
+            silent = time.monotonic() - self._answered
+            if silent > LOST_AFTER_S:
+                exit_lost(f"process 0 is lost: its coordination service did not answer for "
+                          f"{silent:.0f} s", self.fail_requests)
 
     def _watch(self) -> None:
         message = self._lost()
@@ -341,6 +357,7 @@ class Group:
                 beats = {key.rpartition("/")[2]: value for key, value in
                          self.client.key_value_dir_get(f"{_PREFIX}/alive/")}
                 values = {p: beats.get(str(p)) for p in self._watched()}
+                self._answered = time.monotonic()
             except Exception as error:  # the coordination service is gone, process 0 with it
                 if self._stop.is_set():
                     return None
