@@ -322,8 +322,8 @@ class AsyncEngine:
         if engine.has_unfinished_requests():
             steps_before = engine.num_steps
             self._publish(engine.step())
-            if engine.failed:  # a replica on other processes was lost: its requests alone
-                self._fail_lost(engine.failed)
+            if getattr(engine, "failed", None):  # a replica on other processes was lost:
+                self._fail_lost(engine.failed)  # its requests alone
                 engine.failed = []
             if self.on_iteration is not None and engine.last_step_tokens is not None:
                 self.on_iteration(engine.last_step_tokens)

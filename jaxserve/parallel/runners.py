@@ -18,6 +18,7 @@ from typing import Any
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.parallel.distributed import Group
 from jaxserve.parallel.encoding import Decoder, Encoder
+from jaxserve.structured.token_masks import chunk_bitmask
 
 log = logging.getLogger("jaxserve")
 
@@ -119,8 +120,6 @@ class RemoteRunner:
         return n
 
     def finish(self, handle: int) -> None:
-        from jaxserve.runner.sampler_controls import chunk_bitmask
-
         chunks = [c for c in self._chunks.pop(handle)
                   if c.request.token_mask is not None and c.num_samples]
         rows = chunk_bitmask(chunks, self.vocab_size) if chunks else []

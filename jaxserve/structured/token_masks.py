@@ -111,3 +111,25 @@ class TokenMask:
 
 def _clear(row: np.ndarray, token: int) -> None:
     row[token // 32] &= np.int32(~(1 << (token % 32)) if token % 32 != 31 else 0x7FFFFFFF)
+
+
+def chunk_bitmask(chunks, vocab_size: int, rows: int | None = None) -> np.ndarray:
+    """[rows, vocab / 32] int32: the tokens each chunk's request may sample now (its
+    grammar's and its own limits'; -1 words: every token), a row per chunk (rows past them:
+    padding, every token)."""
+    rows = len(chunks) if rows is None else rows
+    bitmask = np.full((rows, bitmask_width(vocab_size)), -1, np.int32)
+    masks = []
+    for i, chunk in enumerate(chunks):
+        request = chunk.request
+        mask = request.token_mask
+        if mask is not None and chunk.num_samples and not request.status.finished:
+            masks.append((i, mask))
+    # the grammars' masks (structured_output.fill_rows), then each row's own limits
+    grammars = [(m.grammar, i) for i, m in masks if m.grammar is not None]
+    if grammars:
+        from jaxserve.structured.grammar import fill_rows  # llguidance: only when one is used
+        fill_rows(grammars, bitmask)
+    for i, mask in masks:
+        mask.restrict(bitmask[i])
+    return bitmask
