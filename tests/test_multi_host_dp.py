@@ -29,7 +29,8 @@ def replicas(tmp_path: Path, num_processes: int, tp: int):
     coordinator, port = free_port(), free_port()
     env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1",
                         "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    flags = [f for f in FLAGS if f not in ("-tp", "4")]
+    # one decode bucket (fewer shapes to compile in four processes on a small machine)
+    flags = [f for f in FLAGS if f not in ("-tp", "4")] + ["--row-buckets", "8"]
     common = [sys.executable, "-m", "jaxserve.cli", "serve", str(STORIES), *flags, "-tp",
               str(tp), "-dp", "2", "--coordinator-address", f"127.0.0.1:{coordinator}",
               "--num-processes", str(num_processes)]
