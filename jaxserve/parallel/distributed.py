@@ -296,7 +296,9 @@ class Group:
                 raise ValueError(f"process {me} serves {key} {what.get(key)!r}, process 0 "
                                  f"{leader.get(key)!r}: every process must be started with "
                                  "the same model and options")
-        self._leader = self._connect_to_leader()  # before the models load: see LeaderRunner
+        # now, before the models load: the leader's first call waits for every follower's
+        # connection, and a replica's processes warm up in lockstep with the leader's
+        self._leader = self._connect_to_leader()
 
     # -- liveness ------------------------------------------------------------------------------
 
