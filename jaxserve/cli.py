@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("model", nargs="?", help="a local model directory, or demo (default)")
     serve.add_argument("--config", type=Path, help="YAML file of engine and server options")
     processes = serve.add_argument_group(
-        "several processes (jax.distributed): process 0 serves, the others follow")
+        "several processes (jax.distributed): process 0 serves, the others follow; with -dp "
+        "D, each replica on num_processes / D of them")
     processes.add_argument("--coordinator-address", default=os.environ.get(
         "JAXSERVE_COORDINATOR_ADDRESS"), help="HOST:PORT of process 0's coordination service "
         "(default $JAXSERVE_COORDINATOR_ADDRESS)")
