@@ -47,7 +47,6 @@ NO_OP_VALUES = {
     "return_mm_kwargs": False, "routed_experts_prompt_start": 2, "metadata": {"k": "v"},
     "safety_identifier": "hash", "prompt_cache_key": "key", "prompt_cache_retention": "24h",
     "prompt_cache_options": {"ttl": "1h"}, "parallel_tool_calls": False,
-    "include_reasoning": False,
 }
 
 

@@ -287,7 +287,8 @@ class _API:
         texts, streams = admitting.result()
         fmt = Formatter(kind, request_id, int(time.time()), self.model_name,
                         self.tokenizer, req, texts,
-                        prompt_tokens_details=self.config.enable_prompt_tokens_details)
+                        prompt_tokens_details=self.config.enable_prompt_tokens_details,
+                        reasoning_parser=self.config.reasoning_parser)
         if req.stream:
             return StreamingResponse(self._sse(streams, fmt, info), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from jaxserve.config.checks import is_finite, is_int, show
+from jaxserve.text.reasoning import check_parser
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class ServerConfig:
     # usage.prompt_tokens_details.cached_tokens (the prompt tokens found in the prefix cache)
     # in every response; off: null, as vLLM's --enable-prompt-tokens-details
     enable_prompt_tokens_details: bool = False
+    # a reasoning model's <think>...</think> as message.reasoning_content (vLLM's
+    # --reasoning-parser): qwen3 or deepseek_r1 (jaxserve/text/reasoning.py); None: all content
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         # a config file may hold any YAML value: types first, so every mistake is a ValueError
@@ -60,6 +64,8 @@ class ServerConfig:
         if not isinstance(self.enable_prompt_tokens_details, bool):
             raise ValueError(f"enable_prompt_tokens_details must be true or false, got "
                              f"{show(self.enable_prompt_tokens_details)}")
+        if self.reasoning_parser is not None:
+            check_parser(self.reasoning_parser)
         if not (is_finite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
             raise ValueError(f"shutdown_grace_s must be a number >= 0, got "
                              f"{show(self.shutdown_grace_s)}")

@@ -41,6 +41,7 @@ _IMPLEMENTED = {
     "guided_decoding_backend": _BOTH,
     "prompt": _COMPLETION,
     "messages": _CHAT, "max_completion_tokens": _CHAT, "top_logprobs": _CHAT,
+    "include_reasoning": _CHAT,
     "add_generation_prompt": _CHAT, "continue_final_message": _CHAT,
 }
 
@@ -61,7 +62,6 @@ _NO_OP = {
                                '"in_memory" or "24h"'),
     "prompt_cache_options": (_CHAT, lambda v: isinstance(v, dict), "an object"),
     "parallel_tool_calls": (_CHAT, is_bool, "a boolean"),
-    "include_reasoning": (_CHAT, is_bool, "a boolean"),
 }
 
 # not implemented: a 400 unless null or one of the values that mean "off"; () refuses any value
@@ -139,6 +139,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True  # chat only
     continue_final_message: bool = False  # chat only: the model continues the final message
     role: str = "assistant"  # chat only: the response message's role
+    include_reasoning: bool = True  # chat only: reasoning_content shown (a reasoning parser's)
     names: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> request field
 
 
@@ -193,6 +194,7 @@ def parse_chat(body: dict[str, Any], defaults: dict[str, Any] | None = None) -> 
     # generation prompt) keeps the final message's role
     req.role = "assistant" if add_prompt else req.messages[-1]["role"]
     req.echo = get_field(body, "echo", is_bool, "a boolean", False)
+    req.include_reasoning = get_field(body, "include_reasoning", is_bool, "a boolean", True)
     return req
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from jaxserve.request import Logprob, RequestOutput
 from jaxserve.server.protocol import GenerateRequest
 from jaxserve.text.detokenizer import IncrementalDetokenizer
+from jaxserve.text.reasoning import ReasoningStream, split
 from jaxserve.text.tokenizer import token_text
 
 
@@ -24,6 +25,7 @@ class _Sent:
     num_tokens: int = 0
     started: bool = False
     offsets: "_Offsets" = field(default_factory=lambda: _Offsets())
+    thinking: ReasoningStream | None = None  # a reasoning parser's split of the text so far
 
 
 class _Offsets:
@@ -66,7 +68,7 @@ class Formatter:
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, tokenizer,
                  req: GenerateRequest, prompt_texts: list[str],
-                 prompt_tokens_details: bool = False):
+                 prompt_tokens_details: bool = False, reasoning_parser: str | None = None):
         self.kind, self.created, self.model = kind, created, model
         self.details = prompt_tokens_details  # usage names the cached prompt tokens
         # the client's request_id names the response (as vLLM's); the engine's ids stay unique
@@ -75,7 +77,10 @@ class Formatter:
         self.tokenizer = tokenizer
         self.req = req
         self.prompt_texts = prompt_texts
-        self._sent = [_Sent() for _ in prompt_texts]
+        # a chat's thinking apart from its answer (`reasoning_parser`: jaxserve/text/reasoning.py)
+        self.reasoning = reasoning_parser if kind == "chat" else None
+        self._sent = [_Sent(thinking=None if self.reasoning is None
+                            else ReasoningStream(self.reasoning)) for _ in prompt_texts]
         # chat echo (vLLM's): the reply starts with the last message's content when that
         # message has the reply's role (a continued message, or an assistant's prefill)
         last = req.messages[-1] if req.messages else {}
@@ -94,6 +99,11 @@ class Formatter:
             lps = self._logprobs(out, _Offsets(), echo=self.req.echo, index=i)
             if self.kind == "chat":
                 message = {"role": self.req.role, "content": self._chat_echo + c.text}
+                if self.reasoning is not None:
+                    reasoning, content = split(self.reasoning, c.text)
+                    message["content"] = (self._chat_echo + (content or "")) or None
+                    if self.req.include_reasoning:
+                        message["reasoning_content"] = reasoning
                 choices.append({"index": i, "message": message, "logprobs": lps,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             else:
@@ -147,9 +157,14 @@ class Formatter:
         finish = c.finish_reason if out.finished else None
         stop_reason = c.stop_reason if out.finished else None
         if self.kind == "chat":
-            delta = ({"role": self.req.role, "content": self._chat_echo + text} if first
-                     else {"content": text})
-            choice = {"index": index, "delta": delta if text or first else {}, "logprobs": lps,
+            if sent.thinking is not None:
+                delta = self._thinking(sent.thinking, text, out.finished, first)
+            elif text or first:
+                delta = ({"role": self.req.role, "content": self._chat_echo + text} if first
+                         else {"content": text})
+            else:
+                delta = {}
+            choice = {"index": index, "delta": delta, "logprobs": lps,
                       "finish_reason": finish, "stop_reason": stop_reason}
         else:
             choice = {"index": index, "text": (self.prompt_texts[index] if echo else "") + text,
@@ -162,6 +177,22 @@ class Formatter:
                                    else None)
                              if self.req.continuous_usage else None)
         return body
+
+    def _thinking(self, stream: ReasoningStream, text: str, finished: bool,
+                  first: bool) -> dict[str, Any]:
+        """A chat delta's text split by the reasoning parser: reasoning_content and content
+        (each only when it has some; the first delta carries the role)."""
+        events = stream.feed(text) + (stream.finish() if finished else [])
+        reasoning = "".join(t for kind, t in events if kind == "reasoning")
+        content = "".join(t for kind, t in events if kind == "content")
+        delta: dict[str, Any] = {"role": self.req.role} if first else {}
+        if first and self._chat_echo:
+            content = self._chat_echo + content
+        if reasoning and self.req.include_reasoning:
+            delta["reasoning_content"] = reasoning
+        if content or (first and not reasoning):
+            delta["content"] = content
+        return delta
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """The final usage chunk: `outputs` are each choice's last delta (`chunk` counted the
