@@ -93,7 +93,8 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from jaxserve.engine.llm_engine import DEMO, LLMEngine, freeze_gc, resolve_model
+    from jaxserve.engine.llm_engine import LLMEngine, freeze_gc
+    from jaxserve.engine.model_files import DEMO, resolve_model
     from jaxserve.parallel import distributed
     from jaxserve.server import ServerConfig, bind, serve
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from jaxserve.config.checks import show
 from jaxserve.config.engine import EngineConfig
-from jaxserve.engine.llm_engine import DEMO, LLMEngine, PromptType
+from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.engine.model_files import DEMO
 from jaxserve.request import RequestOutput, RequestOutputKind, SamplingParams
 
 

@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.model import ModelConfig
-from jaxserve.engine.llm_engine import generation_defaults
+from jaxserve.engine.model_files import generation_defaults
 from jaxserve.model.llama import rope_inv_freq, rope_tables
 
 LLAMA_CONFIG = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())

@@ -16,7 +16,7 @@ from jaxserve.demo import demo_model_dir
 from jaxserve.demo.data import is_validation, source_files, stdlib_root
 from jaxserve.demo.train import REPORT_FILE, causal_logits
 from jaxserve.demo.train import main as train_main
-from jaxserve.engine.llm_engine import resolve_model
+from jaxserve.engine.model_files import resolve_model
 from jaxserve.model.loader import load_state
 
 # One row bucket keeps the warm-up to five compiles.

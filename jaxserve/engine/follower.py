@@ -5,7 +5,7 @@ the leader stops. Its home is the engine layer because it builds a runner, as LL
 import logging
 
 from jaxserve.config.model import ModelConfig
-from jaxserve.engine.llm_engine import resolve_model
+from jaxserve.engine.model_files import resolve_model
 from jaxserve.parallel.distributed import Group, setup_of
 from jaxserve.parallel.runners import check_group, follow
 from jaxserve.runner.model_runner import ModelRunner

@@ -9,7 +9,6 @@ bookkeeping runs while the device computes. Tokens sampled past a stop are disca
 import dataclasses
 import gc
 import itertools
-import json
 import logging
 import random
 import time
@@ -23,6 +22,7 @@ from jaxserve.config.gguf import gguf_file
 from jaxserve.config.model import ModelConfig
 from jaxserve.core.scheduler import Scheduler, make_scheduler
 from jaxserve.engine.loop import RUNNER_MEMBERS, EngineCore, Runner, Step
+from jaxserve.engine.model_files import DEMO, generation_defaults, resolve_model
 from jaxserve.engine.outputs import OutputProcessor
 from jaxserve.parallel import distributed
 from jaxserve.parallel.runners import ReplicaLostError
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jaxserve")
 PromptType = str | dict[str, Any]
-DEMO = "demo"
 GC_YOUNG_THRESHOLD = 20_000  # see freeze_gc
 
 
@@ -59,54 +58,6 @@ def freeze_gc() -> None:
     gc.freeze()
     young, *older = gc.get_threshold()
     gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), *older)
-
-
-def resolve_model(model: str | Path | None) -> Path:
-    """A local model directory; None or "demo" is the built-in demo model."""
-    if model is None or str(model) == DEMO:
-        from jaxserve.demo import demo_model_dir
-
-        return demo_model_dir()
-    path = Path(model)
-    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
-        raise ValueError(f"model {str(model)!r} is not a local model directory or GGUF file "
-                         f"(nothing is downloaded; pass a Hugging Face directory, a .gguf file "
-                         f"or {DEMO!r})")
-    return path
-
-
-# generation_config.json keys that become default sampling params (as vLLM's
-# generation_config="auto"), and those jaxserve's sampler does not have: the default is dropped
-_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                        "max_new_tokens": "max_tokens"}
-_GENERATION_UNSUPPORTED = {"repetition_penalty": 1.0, "min_p": 0.0}
-
-
-def generation_defaults(path: str | Path) -> dict[str, Any]:
-    """The model's default sampling params from its generation_config.json: temperature, top_p,
-    top_k, max_tokens (as vLLM takes them when a request leaves them out). A value the sampler
-    would refuse, or one it has no equivalent for, is left out with a warning."""
-    file = Path(path) / "generation_config.json"
-    try:
-        data = json.loads(file.read_text()) if file.is_file() else {}
-    except json.JSONDecodeError:
-        data = {}
-    data = data if isinstance(data, dict) else {}
-    defaults = {}
-    for key, name in _GENERATION_DEFAULTS.items():
-        if data.get(key) is None:
-            continue
-        try:
-            SamplingParams(**{name: data[key]})
-        except (ValueError, TypeError) as error:
-            log.warning("%s: ignoring %s (%s)", file, key, error)
-            continue
-        defaults[name] = data[key]
-    for key, neutral in _GENERATION_UNSUPPORTED.items():
-        if data.get(key) not in (None, neutral):
-            log.warning("%s: %s %s is not supported by jaxserve's sampler; sampling without it",
-                        file, key, data[key])
-    return defaults
 
 
 class LLMEngine:

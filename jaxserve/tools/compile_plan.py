@@ -41,7 +41,7 @@ def target_plan(model: str | Path | None, config: EngineConfig, target_name: str
     result["estimate"] = estimate(result, target)
     if not compile:
         return result
-    from jaxserve.engine.llm_engine import resolve_model
+    from jaxserve.engine.model_files import resolve_model
     from jaxserve.runner.model_runner import ModelRunner
 
     devices = target_devices(target, tp)

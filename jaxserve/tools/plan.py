@@ -94,7 +94,7 @@ def sampler_state_bytes(vocab_size: int, max_num_seqs: int) -> int:
 def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | None = None,
          device: Device | None = None) -> dict:
     """The numbers `jaxserve plan` prints, as a dict."""
-    from jaxserve.engine.llm_engine import resolve_model
+    from jaxserve.engine.model_files import resolve_model
 
     path = resolve_model(model)
     cfg = config.served_model(ModelConfig.from_hf_dir(path))
