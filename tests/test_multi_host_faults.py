@@ -6,79 +6,22 @@ LOST_AFTER_S, then continued). Each time every process ends within a bound, non-
 naming the lost process, and every streaming request in flight ends with an error event or
 its full output; every wait has a timeout, so nothing here can hang."""
 
-import contextlib
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
+from test_multi_host import STORIES, exit_within, processes  # the same processes: cached compiles
 
 from jaxserve.parallel.distributed import LOST_AFTER_S
-
-ROOT = Path(__file__).resolve().parents[1]
-STORIES = ROOT / "models" / "stories260K"
-FLAGS = ["-tp", "4", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-         "--prefill-chunk-sizes", "32", "--page-size", "8", "--num-pages", "256",
-         "--no-enable-prompt-logprobs"]  # test_multi_host.py's: the compiles are cached
 
 # a process ends within this once the fault is made: LOST_AFTER_S, then the slack a loaded
 # two-core machine needs (no speed is asserted: it only keeps a hung process from hanging us)
 BOUND_S = LOST_AFTER_S + 40
 MAX_TOKENS = 400  # long enough to be in flight when the fault comes (the model holds 512)
 STREAMS = 3
-
-
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def processes(tmp_path: Path):
-    """Process 1, then process 0 (the server) of one model; yields (URL, leader, follower,
-    their logs) once the server answers; both are killed on the way out (stopped or not)."""
-    coordinator, port = free_port(), free_port()
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-                        "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    common = [sys.executable, "-m", "jaxserve.cli", "serve", str(STORIES), *FLAGS,
-              "--coordinator-address", f"127.0.0.1:{coordinator}", "--num-processes", "2"]
-    logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
-    procs = []
-    try:
-        for pid, extra in ((1, ()), (0, ("--port", str(port)))):
-            with logs[pid].open("w") as out:
-                procs.append(subprocess.Popen([*common, "--process-id", str(pid), *extra],
-                                              stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                              env=env))
-        follower, leader = procs
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert leader.poll() is None and follower.poll() is None, (
-                said(logs, 0)[-3000:] + said(logs, 1)[-3000:])
-            assert time.monotonic() < deadline, "the server did not start"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.3)
-        yield url, leader, follower, logs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(30)
-
-
-def exit_within(proc: subprocess.Popen, seconds: float) -> int:
-    """The process's exit code; one still running after `seconds` (hung) raises
-    TimeoutExpired, failing the test."""
-    return proc.wait(timeout=seconds)
 
 
 class Streams:
