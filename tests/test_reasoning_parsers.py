@@ -4,6 +4,7 @@ from its answer, finished and streamed in any pieces alike."""
 import random
 
 import pytest
+from test_tool_parsers import streamed
 
 from jaxserve.text.reasoning import ReasoningStream, split
 
@@ -31,12 +32,7 @@ def test_a_stream_in_any_pieces_gives_the_same_split(name):
                  "No thinking </think> here", "  <thi", ""):
         whole = split(name, text)
         for _ in range(20):
-            stream, events, i = ReasoningStream(name), [], 0
-            while i < len(text):
-                j = i + rng.randint(1, 5)
-                events += stream.feed(text[i:j])
-                i = j
-            events += stream.finish()
+            events = streamed(ReasoningStream(name), text, rng, longest=5)
             reasoning = "".join(t for k, t in events if k == "reasoning") or None
             content = "".join(t for k, t in events if k == "content") or None
             assert (reasoning, content) == whole, (text, events)

@@ -14,6 +14,17 @@ NESTED = {"query": {"filters": [{"field": "date", "op": ">=", "value": "2026-01-
                     "limit": 5}, "note": "naïve café ✓"}
 
 
+def streamed(stream, text: str, rng: random.Random, longest: int = 6) -> list[tuple]:
+    """The events of `stream` fed `text` in random pieces of 1 to `longest` characters, then
+    finished."""
+    events, i = [], 0
+    while i < len(text):
+        j = i + rng.randint(1, longest)
+        events += stream.feed(text[i:j])
+        i = j
+    return events + stream.finish()
+
+
 def calls_of(calls) -> list[tuple[str, dict]]:
     return [(c.name, json.loads(c.arguments)) for c in calls]
 
@@ -86,12 +97,7 @@ def test_a_stream_in_any_pieces_gives_what_the_whole_answer_gives(name):
     for text in (texts[name], "Plain text < with [brackets] and {braces}.", ""):
         whole_content, whole_calls = parse(name, text)
         for _ in range(20):
-            stream, events, i = ToolCallStream(name), [], 0
-            while i < len(text):
-                j = i + rng.randint(1, 6)
-                events += stream.feed(text[i:j])
-                i = j
-            events += stream.finish()
+            events = streamed(ToolCallStream(name), text, rng)
             content = "".join(e[1] for e in events if e[0] == "content")
             calls = [e for e in events if e[0] == "call"]
             assert (content or None) == whole_content
