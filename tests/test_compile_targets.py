@@ -26,15 +26,19 @@ CASES = [  # (fixture, target, tensor_parallel_size, extra flags)
     ("qwen3", "v5e-4", 4, []),
     ("qwen3_moe", "v5e-4", 4, ["--enable-expert-parallel"]),
     ("llama:64", "v5e-1", 1, []),  # SmolLM2's head_dim: padded to the kernel's 128 lanes
+    # the experts in JAX's Hopper grouped matmul (128-wide: whole tiles of its outputs)
+    ("qwen3_moe:128", "h100", 2, ["--enable-expert-parallel"]),
 ]
 
 
 def _head_dim_128(fixture: str, root: Path) -> Path:
     """The fixture's config.json with 128-wide heads (or "name:64", 64-wide) in bfloat16
-    (only the config is read)."""
+    (only the config is read); "moe:128" also makes the experts 128 wide, in and out."""
     fixture, _, width = fixture.partition(":")
     config = json.loads((HF_FIXTURES / fixture / "config.json").read_text())
     config["head_dim"] = int(width or 128)
+    if "moe" in fixture and width:
+        config["hidden_size"] = config["moe_intermediate_size"] = int(width)
     config.pop("dtype", None)
     config["torch_dtype"] = "bfloat16"
     path = root / fixture
@@ -63,6 +67,10 @@ def test_every_step_compiles_for_the_target_with_our_kernels(fixture, target, tp
     assert names & {"prefill", "ragged"}
     kernels = result["kernels"]
     assert kernels["kv_steps"] > 0 and kernels["steps_with_kernels"] == kernels["kv_steps"]
+    if "moe" in fixture and platform == "gpu":  # attention and three grouped matmuls a layer
+        for step in result["compiled"]:
+            if step["name"].split("[")[0] in ("decode", "prefill", "ragged"):
+                assert step["kernels"] >= 4 * result["layers"], step
     kv = result["per_device_bytes"]["kv"]
     for step in result["compiled"]:
         assert step["host_calls"] == 0, step

@@ -89,6 +89,42 @@ def test_on_the_cpu_backend_grouped_rows_have_the_bits_of_the_loop_over_experts(
         grouped_experts(x[5:6], experts[5:6], packed, cfg.num_experts, backend), want[5:6])
 
 
+def test_the_hopper_grouped_matmul_pads_its_rows_and_zeroes_those_past_the_groups():
+    """On a Hopper the experts run in JAX's Mosaic GPU ragged_dot, which takes whole tiles of
+    rows and leaves rows past the groups' total unwritten: given a stand-in kernel that writes
+    NaN there, the wrapper gives jax.lax.ragged_dot's values, and the backend chooses it only
+    on compute capability 9.x and for operands the kernel takes."""
+    from jaxserve.backends.base import HOPPER_TILES, Ops, hopper_ragged_dot, hopper_ragged_dot_fits
+    from jaxserve.backends.select import is_hopper
+
+    seen = []
+
+    def stand_in(x, w, *, group_sizes, **tiles):
+        assert tiles == HOPPER_TILES and x.shape[0] % tiles["block_m"] == 0
+        seen.append(x.shape[0])
+        y = jax.lax.ragged_dot(x, w, group_sizes)
+        rows = jnp.arange(x.shape[0])[:, None]
+        return jnp.where(rows < jnp.sum(group_sizes), y, jnp.nan)
+
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.normal(size=(4, 64, 128)), jnp.bfloat16)
+    for m, sizes in ((9, [3, 0, 4, 0]), (70, [10, 20, 30, 10]), (64, [0, 0, 0, 0])):
+        x = jnp.asarray(rng.normal(size=(m, 64)), jnp.bfloat16)
+        sizes = jnp.asarray(sizes, jnp.int32)
+        got = hopper_ragged_dot(x, w, sizes, kernel=stand_in)
+        assert got.shape == (m, 128)
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(jax.lax.ragged_dot(x, w, sizes), np.float32))
+    assert seen == [64, 128, 64]
+    assert hopper_ragged_dot_fits(x, w)
+    assert not hopper_ragged_dot_fits(x.astype(jnp.float32), w.astype(jnp.float32))
+    assert not hopper_ragged_dot_fits(x[:, :32], w[:, :32])  # 32 of the contraction: no tile
+    assert not hopper_ragged_dot_fits(x, w[:, :, :96])
+    assert [is_hopper(c) for c in ("9.0", "9.0a", "8.0", "8.9", "10.0", None)] == [
+        True, True, False, False, False, False]
+    assert Ops().hopper_grouped is False  # the CPU and the TPU keep jax.lax.ragged_dot
+
+
 @pytest.mark.parametrize("name", [*MOE_MODELS, "qwen2", "llama3", "gemma2", "gemma3"])
 def test_num_params_counts_the_experts_router_shared_expert_and_biases(name):
     cfg = ModelConfig.from_hf_dir(HF_FIXTURES / name)

@@ -25,6 +25,34 @@ from jaxserve.model.quant import QuantizedLinear
 from pallas_kernels.blocked import decode_attention_blocked, prefill_attention_blocked
 from pallas_kernels.reference import FP8_POOL
 
+# JAX's Hopper grouped matmul's tiles: 64 rows (one warpgroup's wgmma), 128 output columns,
+# 64 of the contraction a pipeline step, four steps in flight (114 KiB of shared memory)
+HOPPER_TILES = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+
+def hopper_ragged_dot_fits(x: jax.Array, w: jax.Array) -> bool:
+    """Whether JAX's Mosaic GPU ragged_dot takes these operands: one 16-bit float dtype, the
+    contraction a whole number of block_k and the outputs of block_n."""
+    return (x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16)
+            and w.shape[1] % HOPPER_TILES["block_k"] == 0
+            and w.shape[2] % HOPPER_TILES["block_n"] == 0)
+
+
+def hopper_ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                      kernel=None) -> jax.Array:
+    """jax.lax.ragged_dot(x, w, group_sizes) by JAX's Mosaic GPU kernel for Hopper
+    (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu): it reads each row's expert only, where
+    XLA's GPU lowering multiplies every row by every expert. It leaves the rows past the
+    groups' total unwritten; they are zeroed here, as ragged_dot's. `kernel`: the function
+    called in its place (tests, on a machine without a Hopper)."""
+    if kernel is None:
+        from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot as kernel
+    m = x.shape[0]
+    pad = -m % HOPPER_TILES["block_m"]  # whole tiles of rows, whatever the step's
+    y = kernel(jnp.pad(x, ((0, pad), (0, 0))), w, group_sizes=group_sizes, **HOPPER_TILES)[:m]
+    rows = jnp.arange(m, dtype=jnp.int32)[:, None]
+    return jnp.where(rows < jnp.sum(group_sizes), y, jnp.zeros((), y.dtype))
+
 
 def to_pool(x: jax.Array, dtype) -> jax.Array:
     """Keys or values in the pool's dtype; into 8-bit floats clamped to their largest finite
@@ -113,6 +141,10 @@ class Ops:
     # fp8_product: each row scaled into e4m3 as it goes) where it has one (select.py:
     # NVIDIA compute capability 8.9 on); else they widen inside the product (weight-only)
     native_fp8: bool = False
+    # the mixture of experts' grouped matmul in JAX's Mosaic GPU kernel (hopper_ragged_dot)
+    # where the device is a Hopper (compute capability 9.x: select.py); else jax.lax.ragged_dot,
+    # which XLA's GPU compiler expands into one dense dot over every expert (NOTES-jax.md)
+    hopper_grouped: bool = False
 
     def linear(self, layer: nnx.Linear | QuantizedLinear,
                x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
@@ -125,7 +157,10 @@ class Ops:
         """Mixture-of-experts' grouped matmul: x [M, in] with rows sorted by expert, the first
         group_sizes[0] rows times expert 0's kernel [in, out] (layer.kernel [E, in, out]), the
         next group_sizes[1] expert 1's, ...; rows past the groups' total are zero."""
-        return jax.lax.ragged_dot(x, layer.kernel[...], group_sizes)
+        w = layer.kernel[...]
+        if self.hopper_grouped and hopper_ragged_dot_fits(x, w):
+            return hopper_ragged_dot(x, w, group_sizes)
+        return jax.lax.ragged_dot(x, w, group_sizes)
 
     def tied_logits(self, hidden: jax.Array, table: jax.Array) -> jax.Array:
         """hidden [..., e] against the embedding table [vocab, e] -> float32 [..., vocab]."""

@@ -112,6 +112,12 @@ def fp8_matmul_capable(compute_capability: str | None) -> bool:
     return (major, minor) >= (8, 9)
 
 
+def is_hopper(compute_capability: str | None) -> bool:
+    """Whether an NVIDIA device of this compute capability is a Hopper (9.x: H100, H200), the
+    chip JAX's Mosaic GPU grouped matmul is written for."""
+    return str(compute_capability).split(".")[0] == "9"
+
+
 def select_backend(attention_impl: str, matmul_impl: str, dtype: str, head_dim: int,
                    page_size: int, platform: str | None = None, num_heads: int = 1,
                    num_kv_heads: int = 1, device: jax.Device | None = None) -> Backend:
@@ -132,9 +138,11 @@ def select_backend(attention_impl: str, matmul_impl: str, dtype: str, head_dim: 
     # scan each layer's are sliced out of the stack into a copy every step: on an H200 the
     # Llama-3-8B shape's bf16 decode step (2 rows) took 12.8 ms scanned against 5.8 ms
     # unrolled, where compiling it unrolled took no longer (7 s; bench/RESULTS.md)
-    native_fp8 = platform == "gpu" and fp8_matmul_capable(
-        getattr(device or jax.devices()[0], "compute_capability", None))
-    ops = (Ops(scan_layers=platform != "gpu", native_fp8=native_fp8) if matmul_name == "xla"
+    capability = getattr(device or jax.devices()[0], "compute_capability", None)
+    native_fp8 = platform == "gpu" and fp8_matmul_capable(capability)
+    ops = (Ops(scan_layers=platform != "gpu", native_fp8=native_fp8,
+               hopper_grouped=platform == "gpu" and is_hopper(capability))
+           if matmul_name == "xla"
            else CpuOps(amx=matmul_name == "amx"))
     if attention_name in ("pallas", "tpu"):
         name = {"pallas": "gpu", "tpu": "tpu"}[attention_name]

@@ -7,8 +7,8 @@ gate.
 
 The experts run as grouped matmuls: the step's (token, expert) pairs sorted by expert, so each
 expert's tokens are one contiguous group of rows, and one call multiplies every group by its
-expert's weights (`backend.ops.grouped_linear`: `jax.lax.ragged_dot`, on the CPU a batch
-invariant C++ kernel). Each token's k results are gathered back to it and summed in a fixed
+expert's weights (`backend.ops.grouped_linear`: `jax.lax.ragged_dot`, on a Hopper GPU JAX's
+Mosaic GPU kernel, on the CPU a batch invariant C++ kernel). Each token's k results are gathered back to it and summed in a fixed
 order, so its output does not depend on the other tokens of the step.
 
 Under a mesh the experts split one of two ways (jaxserve/parallel/sharding.py): tensor parallelism
