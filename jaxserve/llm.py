@@ -10,6 +10,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.engine.model_files import DEMO
 from jaxserve.request import RequestOutput, RequestOutputKind, SamplingParams
+from jaxserve.text.tool_specs import check_tools
 
 
 class LLM:
@@ -85,11 +86,18 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """As vLLM's `LLM.chat`: one conversation ([{"role", "content"}, ...]) or a list of
         them, rendered with the model's chat template (as the server's /v1/chat/completions
         renders them), then generated; outputs in input order. `continue_final_message`:
-        the model continues the final message (`add_generation_prompt` must be False)."""
+        the model continues the final message (`add_generation_prompt` must be False).
+        `tools`: OpenAI's function tools, rendered by the template (its `tools`); messages may
+        carry an assistant's `tool_calls` and the tools' results (role "tool"). The text comes
+        back as generated: jaxserve/text/tool_parsers.py reads calls out of it.
+        `chat_template_kwargs`: more of the template's variables (Qwen3's enable_thinking)."""
+        if tools is not None:
+            check_tools(tools)
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template")
@@ -97,7 +105,8 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt,
-                                                 continue_final_message)
+                                                 continue_final_message, tools=tools or None,
+                                                 template_kwargs=chat_template_kwargs)
             prompts.append({"prompt_token_ids": tokenizer.chat_prompt_ids(text), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -33,12 +33,11 @@ REFUSED_VALUES = {
     "thinking_token_budget": 100, "stream_interval": 4, "kv_transfer_params": {"do": 1},
     "ec_transfer_params": {"do": 1}, "vllm_xargs": {"k": 1}, "mm_processor_kwargs": {"k": 1},
     "suffix": " the end", "prompt_embeds": "AAAA",
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
     "functions": [{"name": "f"}], "function_call": {"name": "f"}, "audio": {"voice": "alloy"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "low", "verbosity": "low", "web_search_options": {},
     "moderation": {"model": "x"}, "chat_template": "{{ messages }}",
-    "chat_template_kwargs": {"enable_thinking": False}, "documents": [{"title": "t"}],
+    "documents": [{"title": "t"}],
     "media_io_kwargs": {"image": {}}, "return_prompt_text": True, "store": True,
     "service_tier": "priority",
 }
@@ -46,7 +45,7 @@ NO_OP_VALUES = {
     "user": "user-1", "cache_salt": "salt", "session_id": "s-1", "return_token_offsets": True,
     "return_mm_kwargs": False, "routed_experts_prompt_start": 2, "metadata": {"k": "v"},
     "safety_identifier": "hash", "prompt_cache_key": "key", "prompt_cache_retention": "24h",
-    "prompt_cache_options": {"ttl": "1h"}, "parallel_tool_calls": False,
+    "prompt_cache_options": {"ttl": "1h"},
 }
 
 

@@ -70,6 +70,15 @@ def test_chat_equals_llm_generate_streaming_or_not(client, reference):
     assert one.outputs[0].text == want.text and one.prompt == template
     pair = reference.chat([messages, [{"role": "user", "content": "Hi"}]], params)
     assert len(pair) == 2 and pair[0].outputs[0].text == want.text
+    # tools and the template's own variables reach the template, as the server's do
+    tools = [{"type": "function", "function": {"name": "tell", "parameters": {
+        "type": "object", "properties": {"story": {"type": "string"}}}}}]
+    offered, = reference.chat(messages, params, tools=tools,
+                              chat_template_kwargs={"enable_thinking": False})
+    assert offered.prompt == f"tools: {json.dumps(tools)}\n" + template
+    with pytest.raises(ValueError, match=r"tools\[0\]\.function\.parameters"):
+        reference.chat(messages, params, tools=[{"type": "function", "function": {
+            "name": "tell", "parameters": {"type": 5}}}])
 
 
 def test_stop_strings_are_honoured(client, reference):

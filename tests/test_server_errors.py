@@ -65,6 +65,10 @@ from jaxserve.server import ServerConfig, build_app, protocol
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                               "guided_json": 5}, "guided_json"),
     ("/v1/completions", {"prompt": PROMPT, "skip_special_tokens": False}, "skip_special_tokens"),
+    # tools sent without a tool_choice mean "auto" (vLLM's), which this server (no
+    # --enable-auto-tool-choice) cannot read calls for
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True},
      "prompt_logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 0},

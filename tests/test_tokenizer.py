@@ -168,7 +168,7 @@ def test_chat_template_from_config(stories_dir: Path, tmp_path: Path) -> None:
     ids = tok.encode(text)
     assert ids[0] == 1 and ids[1] != 1  # the template's BOS is not doubled
     with pytest.raises(ValueError, match="chat template: unknown role tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+        tok.apply_chat_template([{"role": "tool", "content": "x", "tool_call_id": "call-1"}])
 
 
 def test_default_chat_template(stories: Tokenizer) -> None:

@@ -159,6 +159,11 @@ class _API:
             raise APIError(400, "this model has no tokenizer, so no chat template; use "
                            "/v1/completions with token ids", param="messages")
         self._check_num_seqs(req, 1)
+        if req.tool_choice == "auto" and not self.config.enable_auto_tool_choice:
+            raise APIError(400, 'tool_choice "auto" (the default when tools are sent) needs a '
+                           "server started with --enable-auto-tool-choice and --tool-call-parser;"
+                           ' send tool_choice "none", "required" or a function to call',
+                           param="tool_choice")
         return await self._generate(request, "chat", req, self._chat_prompts)
 
     def _chat_prompts(self, req: protocol.GenerateRequest,
@@ -168,10 +173,13 @@ class _API:
 
     def _chat_prompt(self, req: protocol.GenerateRequest) -> dict:
         try:
-            text = self.tokenizer.apply_chat_template(req.messages, req.add_generation_prompt,
-                                                      req.continue_final_message)
+            text = self.tokenizer.apply_chat_template(
+                req.messages, req.add_generation_prompt, req.continue_final_message,
+                tools=req.tools, template_kwargs=req.template_kwargs)
         except ValueError as error:
-            raise APIError(400, str(error), param="messages") from None
+            param = ("chat_template_kwargs" if str(error).startswith("chat_template_kwargs")
+                     else "messages")
+            raise APIError(400, str(error), param=param) from None
         except Exception as error:  # the model's own template, fed what the client sent
             raise APIError(400, f"messages: the model's chat template failed on them: {error!r}",
                            param="messages") from None
@@ -288,7 +296,8 @@ class _API:
         fmt = Formatter(kind, request_id, int(time.time()), self.model_name,
                         self.tokenizer, req, texts,
                         prompt_tokens_details=self.config.enable_prompt_tokens_details,
-                        reasoning_parser=self.config.reasoning_parser)
+                        reasoning_parser=self.config.reasoning_parser,
+                        tool_call_parser=self.config.tool_call_parser)
         if req.stream:
             return StreamingResponse(self._sse(streams, fmt, info), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -324,8 +333,7 @@ class _API:
                     async for i, out in updates:
                         last[i] = out
                         self.metrics.progress(seen[i], out, streams[i].inter_token_latencies)
-                        chunk = fmt.chunk(i, out)
-                        if chunk is not None:
+                        for chunk in fmt.chunks(i, out):
                             yield sse_event(chunk)
                 if fmt.req.include_usage:
                     yield sse_event(fmt.usage_chunk(last))

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from jaxserve.config.checks import is_finite, is_int, show
 from jaxserve.text.reasoning import check_parser
+from jaxserve.text.tool_parsers import get_parser
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ class ServerConfig:
     # a reasoning model's <think>...</think> as message.reasoning_content (vLLM's
     # --reasoning-parser): qwen3 or deepseek_r1 (jaxserve/text/reasoning.py); None: all content
     reasoning_parser: str | None = None
+    # tool_choice "auto" (and tools sent without a tool_choice): the answer's calls read by
+    # tool_call_parser (hermes, llama3_json, mistral or pythonic: jaxserve/text/tool_parsers.py),
+    # as vLLM's --enable-auto-tool-choice --tool-call-parser; off: such requests get a 400
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         # a config file may hold any YAML value: types first, so every mistake is a ValueError
@@ -66,6 +72,14 @@ class ServerConfig:
                              f"{show(self.enable_prompt_tokens_details)}")
         if self.reasoning_parser is not None:
             check_parser(self.reasoning_parser)
+        if not isinstance(self.enable_auto_tool_choice, bool):
+            raise ValueError(f"enable_auto_tool_choice must be true or false, got "
+                             f"{show(self.enable_auto_tool_choice)}")
+        if self.tool_call_parser is not None:
+            get_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser: the format the "
+                             "model writes its calls in")
         if not (is_finite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
             raise ValueError(f"shutdown_grace_s must be a number >= 0, got "
                              f"{show(self.shutdown_grace_s)}")

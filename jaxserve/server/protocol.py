@@ -18,6 +18,7 @@ from jaxserve.config.checks import is_finite, is_int, show
 from jaxserve.request import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxserve.server.fields import APIError, get_field, is_bool, is_str, is_text, same
 from jaxserve.server.structured import parse_structured
+from jaxserve.text.tool_specs import check_tool_choice, check_tools, forced_schema
 
 # -- the fields of a request ------------------------------------------------------------------
 # Each field of OpenAI's and vLLM's CompletionRequest and ChatCompletionRequest is in one class:
@@ -41,7 +42,8 @@ _IMPLEMENTED = {
     "guided_decoding_backend": _BOTH,
     "prompt": _COMPLETION,
     "messages": _CHAT, "max_completion_tokens": _CHAT, "top_logprobs": _CHAT,
-    "include_reasoning": _CHAT,
+    "include_reasoning": _CHAT, "tools": _CHAT, "tool_choice": _CHAT,
+    "parallel_tool_calls": _CHAT, "chat_template_kwargs": _CHAT,
     "add_generation_prompt": _CHAT, "continue_final_message": _CHAT,
 }
 
@@ -61,7 +63,6 @@ _NO_OP = {
     "prompt_cache_retention": (_CHAT, lambda v: v in ("in_memory", "24h"),
                                '"in_memory" or "24h"'),
     "prompt_cache_options": (_CHAT, lambda v: isinstance(v, dict), "an object"),
-    "parallel_tool_calls": (_CHAT, is_bool, "a boolean"),
 }
 
 # not implemented: a 400 unless null or one of the values that mean "off"; () refuses any value
@@ -77,10 +78,10 @@ _REFUSED = {name: (_BOTH, off) for name, off in {
 }.items()} | {name: (_COMPLETION, off) for name, off in {
     "suffix": ("",), "prompt_embeds": (),
 }.items()} | {name: (_CHAT, off) for name, off in {
-    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "functions": ([],),
     "function_call": ("none", "auto"), "audio": (), "modalities": (["text"],), "prediction": (),
     "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
-    "chat_template": (), "chat_template_kwargs": ({},), "documents": ([],),
+    "chat_template": (), "documents": ([],),
     "media_io_kwargs": ({},), "return_prompt_text": (False,), "store": (False,),
     "service_tier": ("auto", "default"),
 }.items()}
@@ -140,6 +141,11 @@ class GenerateRequest:
     continue_final_message: bool = False  # chat only: the model continues the final message
     role: str = "assistant"  # chat only: the response message's role
     include_reasoning: bool = True  # chat only: reasoning_content shown (a reasoning parser's)
+    tools: list[dict] | None = None  # chat only: OpenAI's function tools (text/tool_specs.py)
+    # chat only: "none", "auto", "required" or the function named; None: no tools
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True  # chat only: false: at most one call
+    template_kwargs: dict[str, Any] | None = None  # chat only: chat_template_kwargs
     names: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> request field
 
 
@@ -186,8 +192,21 @@ def parse_chat(body: dict[str, Any], defaults: dict[str, Any] | None = None) -> 
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     # the engine's errors name the prompt, the token limit and the top logprobs by its words
     names = {"max_tokens": name, "logprobs": "top_logprobs", "prompt": "messages"}
+    tools, choice, parallel = _tools(body)
+    forced = forced_schema(tools, choice, parallel) if tools else None
+    if forced is not None:  # a forced call: its schema constrains the answer
+        used = parse_structured(body)[0]
+        if used is not None:
+            raise APIError(400, f"tool_choice {show(body['tool_choice'])} constrains the answer "
+                           "to calls; it cannot also be constrained by response_format or "
+                           "structured_outputs", param="tool_choice")
+        body = {**body, "structured_outputs": {"json": forced}}
+        names |= {"structured_outputs": "tools", "structured_outputs.json": "tools"}
     req = _common(body, default_max_tokens=None, logprobs=(top or 0) if wants else None,
                   names=names, defaults=defaults)
+    req.tools, req.tool_choice, req.parallel_tool_calls = tools, choice, parallel
+    req.template_kwargs = get_field(body, "chat_template_kwargs", lambda v: isinstance(v, dict),
+                                    "an object")
     req.messages = _messages(body["messages"])
     req.add_generation_prompt, req.continue_final_message = add_prompt, continue_final
     # as vLLM's: a new message is the assistant's; a continued one (or a template given no
@@ -196,6 +215,24 @@ def parse_chat(body: dict[str, Any], defaults: dict[str, Any] | None = None) -> 
     req.echo = get_field(body, "echo", is_bool, "a boolean", False)
     req.include_reasoning = get_field(body, "include_reasoning", is_bool, "a boolean", True)
     return req
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, str | None, bool]:
+    """(tools, tool_choice, parallel_tool_calls): the tools checked, the choice as a mode or
+    the function named ("auto" where tools come without one, as vLLM's; "none" where no tools
+    come), each error a 400 naming its field."""
+    tools = body.get("tools")
+    try:
+        tools = check_tools(tools) or None if tools is not None else None
+    except ValueError as error:
+        raise APIError(400, str(error), param="tools") from None
+    try:
+        choice = check_tool_choice(body.get("tool_choice"), tools)
+    except ValueError as error:
+        raise APIError(400, str(error), param="tool_choice") from None
+    if choice is None:
+        choice = "auto" if tools else "none"
+    return tools, choice, get_field(body, "parallel_tool_calls", is_bool, "a boolean", True)
 
 
 def _common(body: dict, default_max_tokens: int | None, logprobs: int | None,

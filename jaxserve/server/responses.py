@@ -12,6 +12,9 @@ from jaxserve.server.protocol import GenerateRequest
 from jaxserve.text.detokenizer import IncrementalDetokenizer
 from jaxserve.text.reasoning import ReasoningStream, split
 from jaxserve.text.tokenizer import token_text
+from jaxserve.text.tool_parsers import ToolCallStream
+from jaxserve.text.tool_parsers import parse as parse_calls
+from jaxserve.text.tool_specs import ForcedCallStream, forced_calls
 
 
 def _finite(x: float) -> float:
@@ -26,6 +29,7 @@ class _Sent:
     started: bool = False
     offsets: "_Offsets" = field(default_factory=lambda: _Offsets())
     thinking: ReasoningStream | None = None  # a reasoning parser's split of the text so far
+    calls: ToolCallStream | ForcedCallStream | None = None  # the answer's tool calls so far
 
 
 class _Offsets:
@@ -68,7 +72,8 @@ class Formatter:
 
     def __init__(self, kind: str, request_id: str, created: int, model: str, tokenizer,
                  req: GenerateRequest, prompt_texts: list[str],
-                 prompt_tokens_details: bool = False, reasoning_parser: str | None = None):
+                 prompt_tokens_details: bool = False, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None):
         self.kind, self.created, self.model = kind, created, model
         self.details = prompt_tokens_details  # usage names the cached prompt tokens
         # the client's request_id names the response (as vLLM's); the engine's ids stay unique
@@ -79,13 +84,41 @@ class Formatter:
         self.prompt_texts = prompt_texts
         # a chat's thinking apart from its answer (`reasoning_parser`: jaxserve/text/reasoning.py)
         self.reasoning = reasoning_parser if kind == "chat" else None
+        # the answer's tool calls: forced ("required" or a function named: the answer is
+        # them) or read by the server's tool-call parser ("auto"); None: the answer is content
+        choice = req.tool_choice if kind == "chat" else None
+        self.tool_parser = tool_call_parser if choice == "auto" else None
+        self.forced = choice if choice not in (None, "none", "auto") else None
         self._sent = [_Sent(thinking=None if self.reasoning is None
-                            else ReasoningStream(self.reasoning)) for _ in prompt_texts]
+                            else ReasoningStream(self.reasoning),
+                            calls=self._call_stream()) for _ in prompt_texts]
         # chat echo (vLLM's): the reply starts with the last message's content when that
         # message has the reply's role (a continued message, or an assistant's prefill)
         last = req.messages[-1] if req.messages else {}
         self._chat_echo = (last["content"] if kind == "chat" and req.echo
                            and last.get("role") == req.role else "")
+
+    def _call_stream(self) -> ToolCallStream | ForcedCallStream | None:
+        if self.forced is not None:
+            return ForcedCallStream(self.forced)
+        return ToolCallStream(self.tool_parser) if self.tool_parser is not None else None
+
+    def _calls(self, content: str | None) -> tuple[str | None, list]:
+        """A finished answer's content and tool calls (as its stream gives them)."""
+        if self.forced is not None:
+            calls = forced_calls(content or "", self.forced)
+            return (content, []) if calls is None else (None, calls)
+        if self.tool_parser is not None and content:
+            content, calls = parse_calls(self.tool_parser, content)
+            return content, calls[:1] if not self.req.parallel_tool_calls else calls
+        return content, []
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's: "tool_calls" where the model called (auto) or had to ("required"), and
+        stopped by itself; a named function's call ends as any answer ("stop")."""
+        if reason == "stop" and called and self.forced in (None, "required"):
+            return "tool_calls"
+        return reason
 
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -99,13 +132,19 @@ class Formatter:
             lps = self._logprobs(out, _Offsets(), echo=self.req.echo, index=i)
             if self.kind == "chat":
                 message = {"role": self.req.role, "content": self._chat_echo + c.text}
-                if self.reasoning is not None:
-                    reasoning, content = split(self.reasoning, c.text)
+                reasoning, content = (None, c.text) if self.reasoning is None else split(
+                    self.reasoning, c.text)
+                content, calls = self._calls(content)
+                if self.reasoning is not None or calls:
                     message["content"] = (self._chat_echo + (content or "")) or None
-                    if self.req.include_reasoning:
-                        message["reasoning_content"] = reasoning
+                if self.reasoning is not None and self.req.include_reasoning:
+                    message["reasoning_content"] = reasoning
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
                 choices.append({"index": i, "message": message, "logprobs": lps,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                "finish_reason": self._finish_reason(c.finish_reason,
+                                                                     bool(calls)),
+                                "stop_reason": c.stop_reason})
             else:
                 text = (self.prompt_texts[i] if self.req.echo else "") + c.text
                 choices.append({"index": i, "text": text, "logprobs": lps,
@@ -143,21 +182,38 @@ class Formatter:
             for d in out.prompt_logprobs]
 
     def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
-        """The SSE chunk carrying `out`, a delta of choice `index` (None: nothing new)."""
+        """The last of `chunks`: the one SSE chunk of an answer without tool calls."""
+        bodies = self.chunks(index, out)
+        return bodies[-1] if bodies else None
+
+    def chunks(self, index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        """The SSE chunks carrying `out`, a delta of choice `index` (none: nothing new): one,
+        or with tool calls one a delta (a call's name, then its arguments)."""
         out = self._shown(out)
         sent, c = self._sent[index], out.outputs[0]
         text = c.text
         first = not sent.started
         if not (text or c.token_ids or out.finished or first):
-            return None
+            return []
         echo = first and self.req.echo and self.kind == "completion"
         lps = self._logprobs(out, sent.offsets, echo=echo, index=index)
         sent.num_tokens += len(c.token_ids)
         sent.started = True
         finish = c.finish_reason if out.finished else None
         stop_reason = c.stop_reason if out.finished else None
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        earlier = []
         if self.kind == "chat":
-            if sent.thinking is not None:
+            if sent.calls is not None:
+                deltas = self._tool_deltas(sent, text, out.finished, first)
+                delta = deltas.pop() if deltas else {}
+                earlier = [self._head(obj) | {"choices": [{
+                    "index": index, "delta": d, "logprobs": None, "finish_reason": None,
+                    "stop_reason": None}]} | ({"usage": None} if self.req.include_usage else {})
+                    for d in deltas]
+                if out.finished:
+                    finish = self._finish_reason(finish, bool(sent.calls.calls))
+            elif sent.thinking is not None:
                 delta = self._thinking(sent.thinking, text, out.finished, first)
             elif text or first:
                 delta = ({"role": self.req.role, "content": self._chat_echo + text} if first
@@ -169,14 +225,54 @@ class Formatter:
         else:
             choice = {"index": index, "text": (self.prompt_texts[index] if echo else "") + text,
                       "logprobs": lps, "finish_reason": finish, "stop_reason": stop_reason}
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         body = self._head(obj) | {"choices": [choice]}
         if self.req.include_usage:  # vLLM's continuous_usage_stats: this choice's so far
             body["usage"] = (usage([len(out.prompt_token_ids)], [sent.num_tokens],
                                    cached_tokens=[out.num_cached_tokens] if self.details
                                    else None)
                              if self.req.continuous_usage else None)
-        return body
+        return [*earlier, body]
+
+    def _tool_deltas(self, sent: _Sent, text: str, finished: bool,
+                     first: bool) -> list[dict[str, Any]]:
+        """A chat delta's text as OpenAI's deltas with tool calls: the thinking (a reasoning
+        parser's), content, and each call's name with its id, then its arguments."""
+        reasoning, content = "", text
+        if sent.thinking is not None:
+            events = sent.thinking.feed(text) + (sent.thinking.finish() if finished else [])
+            reasoning = "".join(t for kind, t in events if kind == "reasoning")
+            content = "".join(t for kind, t in events if kind == "content")
+        events = sent.calls.feed(content) if content or first else []
+        if finished and isinstance(sent.calls, ToolCallStream):
+            events += sent.calls.finish()
+        deltas: list[dict[str, Any]] = []
+        if reasoning and self.req.include_reasoning:
+            deltas.append({"reasoning_content": reasoning})
+        for event in events:
+            kind, *rest = event
+            if kind == "content":
+                if deltas and set(deltas[-1]) == {"content"}:
+                    deltas[-1]["content"] += rest[0]
+                else:
+                    deltas.append({"content": rest[0]})
+                continue
+            k, call = rest
+            if k > 0 and not self.req.parallel_tool_calls:
+                continue  # one call asked for: the first
+            if kind in ("call", "name"):
+                deltas.append({"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                               "function": {"name": call.name,
+                                                            "arguments": ""}}]})
+            if kind in ("call", "arguments"):
+                piece = call.arguments if kind == "call" else rest[1]
+                deltas.append({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
+        if first:
+            head = {"role": self.req.role}
+            if self._chat_echo or not deltas:
+                head["content"] = self._chat_echo
+            deltas[:1] = [head | deltas[0]] if deltas and "content" not in head else (
+                [head, *deltas])
+        return deltas
 
     def _thinking(self, stream: ReasoningStream, text: str, finished: bool,
                   first: bool) -> dict[str, Any]:

@@ -11,9 +11,13 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# Used when a model ships no chat template: "role: content" lines, then the assistant's turn.
+# Used when a model ships no chat template: the tools offered (their JSON) when there are
+# some, "role: content" lines (an assistant's calls as their JSON), then the assistant's turn.
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+    "{% if message['tool_calls'] %}{{ message['tool_calls'] | map(attribute='function') | list"
+    " | tojson }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
@@ -55,17 +59,65 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def check_messages(messages: Any) -> None:
+    """Messages as OpenAI's chat takes them: {"role", "content"} each; an assistant's may carry
+    `tool_calls` (its content then may be None) and a tool's result names its call
+    (`tool_call_id`). A ValueError naming the message and field otherwise."""
     if not isinstance(messages, list | tuple) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        calls = message.get("tool_calls")
         for field in ("role", "content"):
+            if field == "content" and calls and message.get("content") is None:
+                continue  # an assistant's calls alone
             if field not in message:
                 raise ValueError(f"messages[{i}] has no '{field}'")
             if not isinstance(message[field], str):
                 kind = type(message[field]).__name__
                 raise ValueError(f"messages[{i}].{field} must be a str, got {kind}")
+        if message["role"] == "tool" and not (isinstance(message.get("tool_call_id"), str)
+                                              and message["tool_call_id"]):
+            raise ValueError(f"messages[{i}].tool_call_id: a tool message names the call it "
+                             "answers")
+        if calls is not None:
+            _check_calls(calls, f"messages[{i}].tool_calls", message["role"])
+
+
+def _check_calls(calls: Any, where: str, role: str) -> None:
+    if role != "assistant":
+        raise ValueError(f"{where}: only an assistant's message carries tool calls")
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list of calls")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str)):
+            raise ValueError(f"{where}[{j}] must be {{'id', 'type': 'function', 'function': "
+                             "{'name': str, 'arguments': str}}")
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{where}[{j}].function.arguments must be a JSON object's text, "
+                             f"got {function['arguments'][:200]!r}")
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as chat templates read them (transformers' and vLLM's convention): a
+    call's arguments as an object, not its JSON text; an assistant's calls without content
+    have content "" (templates test it, and concatenate it)."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "content": message.get("content") or "", "tool_calls": [
+                {**call, "function": {**call["function"],
+                                      "arguments": json.loads(call["function"]["arguments"])}}
+                for call in calls]}
+        out.append(message)
+    return out
 
 
 def pick_template(value: Any) -> str | None:

@@ -24,6 +24,7 @@ from jaxserve.text.chat_template import (
     check_messages,
     compile_template,
     pick_template,
+    template_messages,
 )
 from jaxserve.text.gguf_tokenizer import gguf_tokenizer_parts
 
@@ -91,7 +92,8 @@ class BaseTokenizer:
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
+        continue_final_message: bool = False, tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Render `messages` ([{"role": str, "content": str}, ...]) with the model's chat template
         (or `DEFAULT_CHAT_TEMPLATE`), given the special tokens' texts (`bos_token`, `eos_token`,
@@ -99,16 +101,25 @@ class BaseTokenizer:
         `continue_final_message`: the text ends with the final message's content, left open
         (no end-of-turn marker after it), for the model to continue it ("prefill"), as
         transformers cuts it; it excludes `add_generation_prompt`. `chat_prompt_ids` encodes
-        the result."""
+        the result. `tools`: OpenAI's tool objects, the template's `tools` (as transformers'
+        `apply_chat_template(tools=...)`); `template_kwargs`: more of the template's variables
+        (Qwen3's `enable_thinking`), as vLLM's chat_template_kwargs."""
         check_messages(messages)
+        reserved = set(template_kwargs or ()) & {"messages", "tools", "add_generation_prompt",
+                                                 *TEMPLATE_TOKENS}
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {sorted(reserved)[0]!r} is set by the "
+                             "request itself")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be "
                              "true: the first continues the final message, the second starts "
                              "a new one")
         template = compile_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         text = template.render(
-            messages=list(messages),
+            **(template_kwargs or {}),
+            messages=template_messages(list(messages)),
             add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {}),
             **{"bos_token": "", "eos_token": "", **self.template_tokens},
         )
         if continue_final_message:
