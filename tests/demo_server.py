@@ -40,8 +40,9 @@ Ported (vLLM file: its cases):
 
 Not ported, because jaxserve does not have the feature:
 - LoRA adapters (the zephyr-lora cases, test_lora_resolvers, test_default_mm_loras).
-- reasoning effort, thinking budgets and harmony parsing. (Tools and tool_choice are
-  test_tool_calls.py's, on this server, which reads "auto" calls with the hermes parser.)
+- reasoning effort, thinking budgets and harmony parsing. (Tools, tool_choice and the
+  reasoning split are test_tool_calls.py's, on this server, which reads "auto" calls with the
+  hermes parser and thinking with the qwen3 one: the demo writes neither unless made to.)
 - min_characters, return_token_ids, logprob_token_ids, truncation_side "right", beam search,
   prompt embeds: each is refused with a 400 naming it, which test_protocol_surface.py checks.
   (Structured outputs, guided decoding, response_format json, logit_bias validation and
@@ -146,7 +147,8 @@ def demo_server(log: Path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port),
              "--api-key", KEY, "--max-top-logprobs", str(VOCAB), "--enable-prompt-logprobs",
-             "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *SERVER_ENGINE_FLAGS],
+             "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser",
+             "qwen3", *SERVER_ENGINE_FLAGS],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
             env=os.environ | {"PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"

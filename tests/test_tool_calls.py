@@ -1,10 +1,12 @@
-"""Tools in /v1/chat/completions (issue 55), with the official openai client against the demo
-server (tests/demo_server.py, started with --enable-auto-tool-choice --tool-call-parser hermes).
-Ported from vLLM's tests/entrypoints/openai/test_completion_with_function_calling.py (tool
-use with "auto" and "required", streamed and not; a named function; tool_choice and tools
-that disagree), with our checks: a forced call's arguments validate against its tool's schema
-on a model that never learned to call (the demo), the stream gives what the response gives,
-and the follow-up turn renders."""
+"""Tools and reasoning in /v1/chat/completions (issue 55), with the official openai client
+against the demo server (tests/demo_server.py, started with --enable-auto-tool-choice
+--tool-call-parser hermes --reasoning-parser qwen3). Ported from vLLM's
+tests/entrypoints/openai/test_completion_with_function_calling.py (tool use with "auto" and
+"required", streamed and not; a named function; tool_choice and tools that disagree) and its
+reasoning tests (thinking apart from the answer, streamed; calls read after the thinking),
+with our checks: a forced call's arguments validate against its tool's schema on a model that
+never learned to call (the demo), the stream gives what the response gives, and the follow-up
+turn renders. Where the demo must write a call or a thought, a regex makes it."""
 
 import json
 import random
@@ -135,8 +137,7 @@ def test_auto_reads_the_models_calls_with_the_servers_parser(client):
     block = ('I will look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
              '"unit": "celsius"}}\n</tool_call>')
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_completion_tokens=200,
-                  temperature=0, extra_body={"structured_outputs": {
-                      "regex": re.sub(r"([.{}])", r"\\\1", block)}})
+                  temperature=0, extra_body=_forced(block))
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "I will look. "
@@ -256,3 +257,48 @@ def test_a_forced_answer_streams_the_calls_it_holds_in_any_pieces(choice, text):
     jsonschema.validate(json.loads(text), schema)
     llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))  # llguidance reads it
     assert forced_calls(text[:-3], choice) is None  # cut short: no calls, the text stays
+
+
+def _forced(text: str) -> dict:
+    """extra_body making the demo write exactly `text` (a regex of it)."""
+    return {"structured_outputs": {"regex": re.sub(r"([.{}])", r"\\\1", text)}}
+
+
+def _gathered_reasoning(chunks) -> str:
+    return "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                   for c in chunks if c.choices)
+
+
+def test_the_thinking_comes_apart_from_the_answer(client):
+    """The server's --reasoning-parser qwen3 (vLLM's test_reasoning tests, on the demo made to
+    think): reasoning_content holds the thinking, content the answer, streamed alike;
+    include_reasoning false leaves the thinking out."""
+    kwargs = dict(model=MODEL, messages=ASK, max_completion_tokens=100, temperature=0)
+    body = _forced("<think>Paris is in France.</think>Sunny.")
+    message = client.chat.completions.create(**kwargs, extra_body=body).choices[0].message
+    assert (message.reasoning_content, message.content) == ("Paris is in France.", "Sunny.")
+    chunks = list(client.chat.completions.create(**kwargs, extra_body=body, stream=True))
+    assert _gathered_reasoning(chunks) == "Paris is in France."
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Sunny."
+    hidden = client.chat.completions.create(
+        **kwargs, extra_body=body | {"include_reasoning": False}).choices[0].message
+    assert getattr(hidden, "reasoning_content", None) is None and hidden.content == "Sunny."
+    plain = client.chat.completions.create(**kwargs, max_tokens=6).choices[0].message
+    assert plain.reasoning_content is None and plain.content  # no thinking: all answer
+
+
+def test_calls_are_read_from_the_answer_after_the_thinking(client):
+    text = ('<think>I need the weather tool.</think><tool_call>\n{"name": "get_forecast", '
+            '"arguments": {"city": "Lyon", "days": 3}}\n</tool_call>')
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_completion_tokens=200,
+                  temperature=0, extra_body=_forced(text))
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.message.reasoning_content == "I need the weather tool."
+    assert choice.message.content is None and choice.finish_reason == "tool_calls"
+    assert _valid(choice.message.tool_calls) == [("get_forecast", {"city": "Lyon", "days": 3})]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    content, calls, finish = _gathered(chunks)
+    assert _gathered_reasoning(chunks) == "I need the weather tool."
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_forecast", {"city": "Lyon", "days": 3})]
