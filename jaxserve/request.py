@@ -38,6 +38,10 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
     disable_any_whitespace: bool = False  # JSON without whitespace between tokens
+    # jaxserve's: the grammar applies to the answer after the thinking this reasoning parser
+    # reads (qwen3, deepseek_r1: jaxserve/text/reasoning.py), not to the thinking; the server
+    # sets it from --reasoning-parser (vLLM's structured outputs do the same for its engine)
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         if self.choice is not None:
@@ -60,6 +64,10 @@ class StructuredOutputsParams:
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be a boolean, "
                              f"got {show(self.disable_any_whitespace)}")
+        if self.reasoning_parser is not None:
+            from jaxserve.text.reasoning import check_parser
+
+            check_parser(self.reasoning_parser)
         if len(self.kinds) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
                              f"grammar and json_object, got {', '.join(self.kinds) or 'none'}")

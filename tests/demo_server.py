@@ -42,7 +42,7 @@ Not ported, because jaxserve does not have the feature:
 - LoRA adapters (the zephyr-lora cases, test_lora_resolvers, test_default_mm_loras).
 - reasoning effort, thinking budgets and harmony parsing. (Tools, tool_choice and the
   reasoning split are test_tool_calls.py's, on this server, which reads "auto" calls with the
-  hermes parser and thinking with the qwen3 one: the demo writes neither unless made to.)
+  hermes parser, and on one that also splits thinking with the qwen3 parser.)
 - min_characters, return_token_ids, logprob_token_ids, truncation_side "right", beam search,
   prompt embeds: each is refused with a 400 naming it, which test_protocol_surface.py checks.
   (Structured outputs, guided decoding, response_format json, logit_bias validation and
@@ -137,18 +137,18 @@ def usage_at_the_end(chunks, continuous: bool) -> None:
 
 
 @contextlib.contextmanager
-def demo_server(log: Path):
+def demo_server(log: Path, *extra_flags: str):
     """`jaxserve serve` (the demo model) in a subprocess on a free port, with an API key and
-    the test engine's small flags; its output goes to a file (a pipe nobody reads would fill
-    and stall it)."""
+    the test engine's small flags (and `extra_flags`); its output goes to a file (a pipe
+    nobody reads would fill and stall it)."""
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port),
              "--api-key", KEY, "--max-top-logprobs", str(VOCAB), "--enable-prompt-logprobs",
-             "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser",
-             "qwen3", *SERVER_ENGINE_FLAGS],
+             "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *extra_flags,
+             *SERVER_ENGINE_FLAGS],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
             env=os.environ | {"PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"

@@ -285,3 +285,49 @@ def test_workloads_are_seeded_and_varied():
     nested = [s for s in schemas if '"object"' in json.dumps(list(s["properties"].values()))]
     assert len(nested) >= 10
     assert all(re.compile(rx) for rx in rxs) and any("|" in rx for rx in rxs)
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_with_a_reasoning_parser_the_grammar_constrains_the_answer_after_the_thinking(parser):
+    """A thinking model thinks freely and its answer after </think> matches the grammar: for
+    qwen3 the answer may open with <think> (its first token commits to the tag) or go straight
+    to the grammar; for deepseek_r1 the template opened the thinking."""
+    from jaxserve.request import SamplingParams
+    from jaxserve.structured.token_masks import TokenMask
+
+    tok = load_tokenizer(demo_model_dir())
+    vocab = tok.vocab_size
+    compiler = GrammarCompiler(tok, vocab, tok.eos_token_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def mask_of(reasoning_parser):
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(
+            json=schema, reasoning_parser=reasoning_parser))
+        return TokenMask(params, vocab, frozenset(tok.eos_token_ids), tok, compiler)
+
+    def now(mask) -> set[int]:
+        row = np.zeros(bitmask_width(vocab), np.int32)
+        mask.fill(row)
+        return set(np.flatnonzero(allowed(row, vocab)).tolist())
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    [lt], [brace], [x], [t] = ids("<"), ids("{"), ids("x"), ids("t")
+    mask = mask_of(parser)
+    if parser == "qwen3":
+        assert {lt, brace} <= now(mask) and x not in now(mask)  # the tag or the grammar
+        assert mask.accept([lt]) and now(mask) == {t}  # the tag goes on
+        assert mask.accept(ids("think>"))
+    assert {lt, brace, x} <= now(mask)  # thinking: anything
+    assert mask.accept(ids("x < y, so {a}. </thi")) and x in now(mask)
+    assert mask.accept(ids("nk>")) and brace in now(mask) and x not in now(mask)
+    assert mask.accept(ids('{"a": 42}')) and set(tok.eos_token_ids) & now(mask)
+    assert not mask.accept(ids("x"))  # past the grammar's end: refused
+    straight = mask_of(parser)  # an answer without thinking
+    if parser == "qwen3":
+        assert straight.accept(ids('{"a"')) and lt not in now(straight)
+    else:  # deepseek_r1 thinks first, whatever it writes
+        assert straight.accept(ids('{"a"')) and x in now(straight)
+    without = mask_of(None)  # no parser: the grammar from the first token
+    assert lt not in now(without) and brace in now(without)

@@ -1,6 +1,7 @@
 """Tools and reasoning in /v1/chat/completions (issue 55), with the official openai client
 against the demo server (tests/demo_server.py, started with --enable-auto-tool-choice
---tool-call-parser hermes --reasoning-parser qwen3). Ported from vLLM's
+--tool-call-parser hermes; the reasoning tests on a second one that also has
+--reasoning-parser qwen3). Ported from vLLM's
 tests/entrypoints/openai/test_completion_with_function_calling.py (tool use with "auto" and
 "required", streamed and not; a named function; tool_choice and tools that disagree) and its
 reasoning tests (thinking apart from the answer, streamed; calls read after the thinking),
@@ -13,8 +14,10 @@ import random
 import re
 
 import jsonschema
+import openai
 import pytest
-from demo_server import MODEL, bad_request, num_prompt_tokens
+from demo_server import MODEL, bad_request, demo_server, num_prompt_tokens
+from served import KEY
 from test_tool_parsers import streamed
 
 from jaxserve.text.tokenizer import ByteTokenizer
@@ -24,6 +27,14 @@ from jaxserve.text.tool_specs import ForcedCallStream, forced_calls, forced_sche
 @pytest.fixture(scope="module")
 def server(demo):
     return demo
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    """The demo served with --reasoning-parser qwen3 as well."""
+    with demo_server(tmp_path_factory.mktemp("thinking") / "serve.log", "--reasoning-parser",
+                     "qwen3") as served:
+        yield openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
 
 
 WEATHER = {"type": "function", "function": {
@@ -269,36 +280,64 @@ def _gathered_reasoning(chunks) -> str:
                    for c in chunks if c.choices)
 
 
-def test_the_thinking_comes_apart_from_the_answer(client):
-    """The server's --reasoning-parser qwen3 (vLLM's test_reasoning tests, on the demo made to
-    think): reasoning_content holds the thinking, content the answer, streamed alike;
-    include_reasoning false leaves the thinking out."""
-    kwargs = dict(model=MODEL, messages=ASK, max_completion_tokens=100, temperature=0)
-    body = _forced("<think>Paris is in France.</think>Sunny.")
-    message = client.chat.completions.create(**kwargs, extra_body=body).choices[0].message
-    assert (message.reasoning_content, message.content) == ("Paris is in France.", "Sunny.")
-    chunks = list(client.chat.completions.create(**kwargs, extra_body=body, stream=True))
-    assert _gathered_reasoning(chunks) == "Paris is in France."
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Sunny."
-    hidden = client.chat.completions.create(
-        **kwargs, extra_body=body | {"include_reasoning": False}).choices[0].message
-    assert getattr(hidden, "reasoning_content", None) is None and hidden.content == "Sunny."
-    plain = client.chat.completions.create(**kwargs, max_tokens=6).choices[0].message
-    assert plain.reasoning_content is None and plain.content  # no thinking: all answer
+def test_a_forced_call_waits_for_the_thinking_to_end(thinking):
+    """On a server with --reasoning-parser qwen3 a forced call (structured output) constrains
+    the answer after the thinking, not the thinking: an answer may open with <think> and then
+    think freely (here the demo, pushed to "<", writes "<" on and on: no JSON, all thinking,
+    streamed alike), or go straight to the call (pushed away from "<")."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                  max_completion_tokens=24, temperature=0)
+    thought = thinking.chat.completions.create(**kwargs, logit_bias={"60": 100}).choices[0]
+    assert thought.message.reasoning_content == "<" * 17  # 24 tokens less "<think>"
+    assert thought.message.content is None and not thought.message.tool_calls
+    assert thought.finish_reason == "length"
+    chunks = list(thinking.chat.completions.create(**kwargs, logit_bias={"60": 100},
+                                                   stream=True))
+    assert _gathered_reasoning(chunks) == "<" * 17
+    called = thinking.chat.completions.create(
+        **kwargs | {"max_completion_tokens": 300}, logit_bias={"60": -100}).choices[0]
+    assert called.message.reasoning_content is None
+    assert [name for name, _ in _valid(called.message.tool_calls)] == ["get_weather"]
 
 
-def test_calls_are_read_from_the_answer_after_the_thinking(client):
-    text = ('<think>I need the weather tool.</think><tool_call>\n{"name": "get_forecast", '
+def _out(text: str, finished: bool):
+    from jaxserve.request import CompletionOutput, RequestOutput
+
+    return RequestOutput("r", None, [1], [CompletionOutput(
+        0, text, [7] * len(text), "stop" if finished else None)], finished=finished)
+
+
+def test_calls_are_read_from_the_answer_after_the_thinking():
+    """The reasoning parser first, then the tool-call parser on the answer (the server's
+    response and its stream, fed in pieces)."""
+    from jaxserve.server import protocol
+    from jaxserve.server.responses import Formatter
+
+    text = ('<think>I need the <tool_call> tool.</think><tool_call>\n{"name": "get_forecast", '
             '"arguments": {"city": "Lyon", "days": 3}}\n</tool_call>')
-    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_completion_tokens=200,
-                  temperature=0, extra_body=_forced(text))
-    choice = client.chat.completions.create(**kwargs).choices[0]
-    assert choice.message.reasoning_content == "I need the weather tool."
-    assert choice.message.content is None and choice.finish_reason == "tool_calls"
-    assert _valid(choice.message.tool_calls) == [("get_forecast", {"city": "Lyon", "days": 3})]
-    chunks = list(client.chat.completions.create(**kwargs, stream=True))
-    content, calls, finish = _gathered(chunks)
-    assert _gathered_reasoning(chunks) == "I need the weather tool."
-    assert (content, finish) == ("", "tool_calls")
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
-        ("get_forecast", {"city": "Lyon", "days": 3})]
+    req = protocol.parse_chat({"messages": ASK, "tools": TOOLS})
+
+    def formatter():
+        return Formatter("chat", "id", 0, MODEL, None, req, [""], reasoning_parser="qwen3",
+                         tool_call_parser="hermes")
+
+    choice = formatter().response([_out(text, True)])["choices"][0]
+    message = choice["message"]
+    assert message["reasoning_content"] == "I need the <tool_call> tool."
+    assert message["content"] is None and choice["finish_reason"] == "tool_calls"
+    [call] = message["tool_calls"]
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == (
+        "get_forecast", {"city": "Lyon", "days": 3})
+    fmt = formatter()
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    bodies = [b for i, p in enumerate(pieces) for b in fmt.chunks(0, _out(p, i == len(pieces) - 1))]
+    deltas = [b["choices"][0]["delta"] for b in bodies]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == (
+        "I need the <tool_call> tool.")
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    calls = [c for d in deltas for c in d.get("tool_calls", ())]
+    assert calls[0]["function"] == {"name": "get_forecast", "arguments": ""}
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {
+        "city": "Lyon", "days": 3}
+    assert bodies[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -14,6 +14,7 @@ touches no other request. `serve` runs it under uvicorn with the connection guar
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -159,6 +160,11 @@ class _API:
             raise APIError(400, "this model has no tokenizer, so no chat template; use "
                            "/v1/completions with token ids", param="messages")
         self._check_num_seqs(req, 1)
+        structured = req.params.structured_outputs
+        if structured is not None and self.config.reasoning_parser is not None:
+            # the constraint (a forced call's too) is the answer's, after the thinking
+            req.params = dataclasses.replace(req.params, structured_outputs=dataclasses.replace(
+                structured, reasoning_parser=self.config.reasoning_parser))
         if req.tool_choice == "auto" and not self.config.enable_auto_tool_choice:
             raise APIError(400, 'tool_choice "auto" (the default when tools are sent) needs a '
                            "server started with --enable-auto-tool-choice and --tool-call-parser;"

@@ -10,7 +10,11 @@ token sampled before (`accept`). The definitions are vLLM's:
 - bad_words: each word is encoded alone and after a space (vLLM's two forms); a one-token word
   is never sampled, a longer one's last token is masked while the output ends with the rest;
 - min_tokens: EOS and the stop ids are masked until the output holds min_tokens tokens;
-- structured output: the grammar matcher's next tokens (grammar.py).
+- structured output: the grammar matcher's next tokens (grammar.py); with a reasoning parser
+  (`StructuredOutputsParams.reasoning_parser`), those of the answer after the thinking: a
+  thinking model thinks freely, and the grammar starts after `</think>`. For qwen3 the answer
+  may open with `<think>` (a token that begins the tag commits to it: its other tokens are
+  forced) or go straight to the grammar; for deepseek_r1 the template opened the thinking.
 """
 
 from typing import TYPE_CHECKING
@@ -74,18 +78,47 @@ class TokenMask:
             self.matcher = compiler.matcher(compiler.compile(params.structured_outputs))
         self.output: list[int] = []  # what accept has given it (bad words look at its end)
         self.rejected = False  # the grammar refused a token (the engine ends the request)
+        # the thinking before the grammar's answer: "open" (qwen3: the tag may come),
+        # "tag" (its tokens under way), "thinking", or "answer" (the grammar's)
+        self.phase = "answer"
+        parser = params.structured_outputs and params.structured_outputs.reasoning_parser
+        if self.matcher is not None and parser is not None:
+            from jaxserve.text.reasoning import END, START
+
+            self._start = tokenizer.encode(START, add_special_tokens=False)
+            self._end = tokenizer.encode(END, add_special_tokens=False)
+            self.phase = "open" if parser == "qwen3" else "thinking"
+            self._tag = 0  # tokens of the start tag sampled
 
     def accept(self, tokens: list[int]) -> bool:
         """The tokens the request kept, in order; False once the grammar refuses one."""
         self.output.extend(tokens)
-        if self.matcher is not None and not self.rejected and not self.matcher.accept(tokens):
+        if self.phase != "answer":
+            tokens = self._think(tokens)
+        if self.matcher is not None and not self.rejected and tokens and not (
+                self.matcher.accept(tokens)):
             self.rejected = True
         return not self.rejected
+
+    def _think(self, tokens: list[int]) -> list[int]:
+        """Follow the thinking through `tokens`; those of the answer after it (the grammar's)."""
+        for i, token in enumerate(tokens):
+            if self.phase in ("open", "tag"):
+                if self.phase == "open" and token != self._start[0]:
+                    self.phase = "answer"
+                    return tokens[i:]
+                self._tag += 1
+                self.phase = "thinking" if self._tag == len(self._start) else "tag"
+            elif self.output[:len(self.output) - len(tokens) + i + 1][-len(self._end):] == (
+                    self._end):
+                self.phase = "answer"
+                return tokens[i + 1:]
+        return []
 
     @property
     def grammar(self) -> "GrammarMatcher | None":
         """The matcher whose mask `restrict` expects in the row (None: no grammar to ask)."""
-        return None if self.rejected else self.matcher
+        return None if self.rejected or self.phase in ("tag", "thinking") else self.matcher
 
     def fill(self, row: np.ndarray) -> None:
         """Write the next token's bitmask into `row` ([width] int32)."""
@@ -95,7 +128,13 @@ class TokenMask:
 
     def restrict(self, row: np.ndarray) -> None:
         """The rest of `fill`, once the grammar's mask is in `row` (when it has a grammar)."""
-        if self.grammar is not None:
+        if self.phase == "open":  # the grammar's first tokens, or the thinking's tag
+            row[self._start[0] // 32] |= _bit(self._start[0])
+        if self.phase == "tag":  # the tag goes on to its end
+            row[:] = 0
+            row[self._start[self._tag] // 32] = _bit(self._start[self._tag])
+            row &= self.static
+        elif self.grammar is not None:
             row &= self.static
         else:
             row[:] = self.static
@@ -107,6 +146,10 @@ class TokenMask:
         if len(out) < self.min_tokens:
             for token in self.stop_ids:
                 _clear(row, token)
+
+
+def _bit(token: int) -> np.int32:
+    return np.int32(1 << (token % 32)) if token % 32 != 31 else np.int32(-(1 << 31))
 
 
 def _clear(row: np.ndarray, token: int) -> None:
