@@ -122,17 +122,29 @@ def forced_schema(tools: list[dict], choice: str, parallel: bool = True) -> dict
 
 def forced_calls(text: str, choice: str) -> list[ToolCall] | None:
     """The calls of a forced answer, their arguments as the model wrote them (as the stream
-    gives them); None where the answer is not the JSON asked for (max_tokens cut it)."""
+    gives them). An answer cut short (max_tokens) gives the calls it completed, as its stream
+    did; None where it completed none."""
     try:
         value = json.loads(text)
     except ValueError:
-        return None
+        if choice != "required":
+            return None
+        stream = ForcedCallStream(choice)
+        stream.feed(text)
+        return [call for call in stream.calls if _is_object(call.arguments)] or None
     if choice == "required" and not (isinstance(value, list) and all(
             isinstance(c, dict) and isinstance(c.get("name"), str) for c in value)):
         return None
     stream = ForcedCallStream(choice)
     stream.feed(text)
     return stream.calls
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 class ForcedCallStream:
