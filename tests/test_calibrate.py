@@ -16,7 +16,14 @@ from jaxserve.sim.cost_model import StepCostModel, StepShape
 from jaxserve.sim.metrics import idle_arrivals
 from jaxserve.sim.simulator import Simulator
 from jaxserve.sim.workload import RequestSpec, synthetic
-from jaxserve.tools.calibrate import VALIDATED, calibrate, measure_wakeup, profile_shapes, validate
+from jaxserve.tools.calibrate import (
+    VALIDATED,
+    calibrate,
+    measure_wakeup,
+    profile_shapes,
+    run_on_engine,
+    validate,
+)
 
 MODEL = str(HF_FIXTURES / "llama")
 CONFIG = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, prefill_chunk_sizes=(16, 32),
@@ -137,6 +144,24 @@ def test_validate_reports_both_runs_and_every_relative_error(fit):
     first, second = report["runs"]  # the engine side is the mean of its runs
     assert report["real"]["mean_ttft_ms"] == pytest.approx(
         (first["mean_ttft_ms"] + second["mean_ttft_ms"]) / 2)
+    # no agreement claimed closer than the mean of two runs can tell: twice its standard
+    # error, |a - b| / sqrt(2) * 2 / sqrt(2) = |a - b|, relative to the mean
+    spread = abs(first["mean_ttft_ms"] - second["mean_ttft_ms"]) / report["real"]["mean_ttft_ms"]
+    assert report["uncertainty"]["mean_ttft_ms"] == pytest.approx(spread)
+    assert all(report["claims"][k] == max(report["errors"][k], report["uncertainty"][k])
+               for k in VALIDATED)
+
+
+def test_each_play_of_a_workload_starts_from_an_empty_prefix_cache(engine):
+    """A replay of the same prompts finds none cached (the simulator's runs never do): the
+    later plays' prefills are not skipped."""
+    specs = synthetic(6, 50.0, seed=2, input_len=40, output_len=4, max_model_len=64)
+    hits = []
+    for _ in range(2):
+        run_on_engine(engine, specs)
+        hits.append(engine.stats()["prefix_cache_hits"])
+    run_on_engine(engine, specs)
+    assert engine.stats()["prefix_cache_hits"] == hits[0] == hits[1] == 0
 
 
 def test_the_wake_up_term_is_what_idle_arrivals_miss_and_ignores_queueing(engine, fit):

@@ -351,7 +351,10 @@ def run_closed_loop(engine: LLMEngine, specs: list[RequestSpec], concurrency: in
 def run_on_engine(engine: LLMEngine, specs: list[RequestSpec], seed: int = 0,
                   ) -> tuple[list[RequestRecord], float]:
     """Play the workload on the engine in real time; per-request records (seconds from the
-    start) and the duration up to the last token."""
+    start) and the duration up to the last token. Each play starts from an empty prefix cache,
+    as the simulator's runs do: a replay of the same prompts would otherwise find them all
+    cached and skip their prefills (the later plays' TTFT a quarter of the first's)."""
+    engine.reset_prefix_cache()
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     specs = sorted(specs, key=lambda s: s.arrival)
@@ -397,12 +400,14 @@ def validate(model: str, config: EngineConfig,
              recalibrate: bool = False, repeats: int = 1, freeze: bool = False,
              sim_seeds: int = 8, open_loop_requests: int = 96) -> dict:
     """Run workload(max_model_len) on the engine and in the simulator; metrics of both and the
-    relative errors of VALIDATED. Both sides are expectations: the engine's metrics are the
+    relative errors of VALIDATED, and the agreement claimed ("claims": each error, or the
+    engine mean's uncertainty where that is larger). Both sides are expectations: the engine's metrics are the
     means over `repeats` runs of the workload (a served engine's speed on this kind of machine
     drifts by tens of percent from one run to the next), and the simulator's the means over
     `sim_seeds` runs (seeds of its step-time spread). "noise" is how far the engine's single
-    runs land from their mean (the floor under any simulator error on this machine), and
-    "runs" holds each run's metrics. The saved fit is used unless there is none or
+    runs land from their mean (the floor under any simulator error on this machine),
+    "uncertainty" twice the standard error of their mean, and "runs" holds each run's
+    metrics. The saved fit is used unless there is none or
     `recalibrate`; a fresh calibration interleaves its open loops with the engine runs
     (`measure_engine`'s rounds), so both see the machine at the same speeds. `freeze` and
     `open_loop_requests`: as in `calibrate`."""
@@ -431,8 +436,16 @@ def validate(model: str, config: EngineConfig,
         return {k: abs(metrics[k] - real[k]) / abs(real[k]) for k in VALIDATED if real[k]}
 
     report = {"real": real, "sim": simulated, "errors": error(simulated), "fit": fit.info}
+    # what the comparison can tell apart: the engine's side is a mean of runs, known to about
+    # twice its standard error; no agreement closer than that is claimed
+    report["claims"] = dict(report["errors"])
     if len(runs) > 1:
         report["noise"] = {k: max(error(m)[k] for m in runs) for k in report["errors"]}
+        report["uncertainty"] = {
+            k: 2 * float(np.std([m[k] for m in runs], ddof=1)) / len(runs)**0.5 / abs(real[k])
+            for k in report["errors"]}
+        report["claims"] = {k: max(e, report["uncertainty"][k])
+                            for k, e in report["errors"].items()}
         report["runs"] = runs
     return report
 
