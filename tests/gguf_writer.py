@@ -6,6 +6,7 @@ a chosen block type (F32, F16, Q8_0, Q4_0, Q4_1: `gguf.quants.quantize`). Its to
 byte-level "gpt2" vocabulary of the model's size, one merge."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -49,6 +50,25 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's reordering of a head's rows (halves -> interleaved pairs)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
         w.shape)
+
+
+def llama3_factors(theta: float, rotary: int, scaling: dict) -> np.ndarray:
+    """Llama 3.1's RoPE scaling as one divisor a frequency: long wavelengths `factor`, short
+    ones 1, a smooth blend between (what a GGUF's rope_freqs.weight holds)."""
+    freqs = 1.0 / theta ** (np.arange(0, rotary, 2, dtype=np.float64) / rotary)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
 
 
 def write_gguf(source: Path, out: Path, linear: T = T.F32, embedding: T | None = None,
@@ -104,6 +124,11 @@ def write_gguf(source: Path, out: Path, linear: T = T.F32, embedding: T | None =
         writer.add_sliding_window_pattern(
             [t == "sliding_attention" for t in config["layer_types"]])
     _tokenizer(writer, config)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":  # as llama.cpp's converter: a factor a frequency
+        rotary = int(head_dim * config.get("partial_rotary_factor", 1.0))
+        _add(writer, "rope_freqs.weight", llama3_factors(
+            rope.get("rope_theta", config.get("rope_theta", 10000.0)), rotary, scaling), T.F32)
     stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, value in tensors.items():
         match = _EXPERT.fullmatch(name)

@@ -50,6 +50,35 @@ def test_a_gguf_of_each_family_gives_transformers_logits(name, tmp_path):
                                    expected[f"prompt_{i}"], atol=1e-4, rtol=0)
 
 
+def test_llama_3_1s_rope_scaling_comes_from_the_files_frequency_factors(tmp_path):
+    """A Llama 3.1-3.3 GGUF carries its llama3 RoPE scaling as rope_freqs.weight (a divisor a
+    frequency): the model gets the checkpoint's frequencies, and its logits past the original
+    context length, from the file as from the checkpoint."""
+    from jaxserve.model.llama import rope_inv_freq
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    source = tmp_path / "llama31"
+    source.mkdir()
+    config = json.loads((HF_FIXTURES / "llama" / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"rope_scaling": scaling}))
+    (source / "model.safetensors").symlink_to(HF_FIXTURES / "llama" / "model.safetensors")
+    for extra in ("tokenizer.json", "tokenizer_config.json"):
+        if (HF_FIXTURES / "llama" / extra).is_file():
+            (source / extra).symlink_to(HF_FIXTURES / "llama" / extra)
+    file = write_gguf(source, tmp_path / "llama31.gguf")
+    cfg, want = ModelConfig.from_hf_dir(file), ModelConfig.from_hf_dir(source)
+    assert cfg.rope_scaling.rope_type == "frequency_factors"
+    assert want.rope_scaling.rope_type == "llama3"
+    factors = np.asarray(cfg.rope_scaling.frequency_factors)
+    assert factors.max() == 8.0 and 1.0 < factors.min() < 8.0  # long waves, and a blend
+    np.testing.assert_allclose(rope_inv_freq(cfg), rope_inv_freq(want), rtol=1e-6)
+    ids = [(7 * i) % (cfg.vocab_size - 3) + 3 for i in range(48)]  # 3x the original 16
+    np.testing.assert_allclose(full_logits(*load_state(file, cfg, jnp.float32), cfg, ids),
+                               full_logits(*load_state(source, want, jnp.float32), want, ids),
+                               atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize(("kind", "held", "offsets"), [
     (T.Q8_0, jnp.int8, False), (T.Q4_0, jnp.int4, False), (T.Q4_1, jnp.uint4, True)])
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "phi3"])

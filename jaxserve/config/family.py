@@ -10,7 +10,7 @@ from typing import Any, Literal
 from jaxserve.config.checks import is_finite, is_int, show
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "frequency_factors")
 PHI3_ROPE_TYPES = ("default", "longrope")  # Phi-3's own, as transformers' Phi3Config
 # Phi3Config's default, and the value Phi-3 reads over one inside rope_scaling
 _PHI3_ORIGINAL_MAX_POSITIONS = 4096
@@ -39,9 +39,13 @@ class RopeScaling:
     longrope (Phi-3): transformers divides each frequency by its `short_factor` while a
     sequence is at most `original_max_position_embeddings` long and by its `long_factor` past
     that (recomputing the whole sequence), and multiplies cos and sin by `attention_factor`.
-    Only the first is served: EngineConfig refuses a longer max_model_len."""
+    Only the first is served: EngineConfig refuses a longer max_model_len.
 
-    rope_type: Literal["linear", "llama3", "longrope"]
+    frequency_factors (jaxserve's, from a GGUF file's rope_freqs.weight, as llama.cpp's
+    converter writes Llama 3.1's llama3 scaling): each frequency divided by its factor, at
+    every length."""
+
+    rope_type: Literal["linear", "llama3", "longrope", "frequency_factors"]
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -49,13 +53,14 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()  # longrope: one per rotary frequency
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    frequency_factors: tuple[float, ...] = ()  # frequency_factors: one per rotary frequency
 
     def __post_init__(self):
         for name in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor"):
             positive_number(f"rope_scaling.{name}", getattr(self, name))
         positive_int("rope_scaling.original_max_position_embeddings",
                             self.original_max_position_embeddings)
-        for name in ("short_factor", "long_factor"):
+        for name in ("short_factor", "long_factor", "frequency_factors"):
             for value in getattr(self, name):
                 positive_number(f"rope_scaling.{name}", value)
 
@@ -179,6 +184,13 @@ def read_rope(arch: str, hf: dict[str, Any], max_position_embeddings: int
         return theta, None, partial
     if rope_type == "longrope":
         return theta, _longrope(hf, params, max_position_embeddings), partial
+    if rope_type == "frequency_factors":
+        factors = params.get("frequency_factors")
+        if not isinstance(factors, list) or not factors:
+            raise ValueError("rope_scaling of type 'frequency_factors' needs frequency_factors, "
+                             f"a list of numbers, got {show(factors)}")
+        return theta, RopeScaling(rope_type=rope_type, factor=1.0, frequency_factors=tuple(
+            positive_number("rope_scaling.frequency_factors", x) for x in factors)), partial
     needed = ("factor",) if rope_type == "linear" else (
         "factor", "low_freq_factor", "high_freq_factor")
     missing = [k for k in needed if k not in params]

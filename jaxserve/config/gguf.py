@@ -21,6 +21,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 # GGUF's architecture -> transformers' (a llama file with experts is Mixtral; Mistral's files
 # say llama)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -81,10 +83,12 @@ def metadata(reader) -> dict[str, Any]:
     return out
 
 
-def hf_config(meta: dict[str, Any], tensors: dict[str, tuple], file: str | Path) -> dict:
+def hf_config(meta: dict[str, Any], tensors: dict[str, tuple], file: str | Path,
+              rope_freqs=None) -> dict:
     """A transformers config.json for the file's model (`tensors`: name -> (GGUF type value,
-    shape as the file lists it, fastest axis first)). A ValueError naming the file and the key
-    where the file lacks what the model needs or holds an architecture we do not serve."""
+    shape as the file lists it, fastest axis first); `rope_freqs`: the rope_freqs.weight
+    tensor's values, where the file has one). A ValueError naming the file and the key where
+    the file lacks what the model needs or holds an architecture we do not serve."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{file}: GGUF architecture {arch!r} is not supported; supported: "
@@ -141,10 +145,17 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, tuple], file: str | Path)
         if scaling not in ("linear",):
             raise ValueError(f"{file}: {arch}.rope.scaling.type {scaling!r} is not supported "
                              "in GGUF files yet; supported: linear")
-    for name in ("rope_freqs.weight", "rope_factors_long.weight"):  # as factors a frequency
-        if name in tensors:
-            raise ValueError(f"{file}: RoPE frequency factors ({name}: Llama 3.1's scaling, "
-                             "Phi-3's LongRoPE) are not supported in GGUF files yet")
+    if "rope_freqs.weight" in tensors:  # Llama 3.1-3.3's llama3 scaling, one factor a frequency
+        if rope_freqs is None:
+            raise ValueError(f"{file}: rope_freqs.weight's values are needed for its RoPE")
+        factors = [float(x) for x in np.asarray(rope_freqs, np.float32).reshape(-1)]
+        if len(factors) != rotary // 2:
+            raise ValueError(f"{file}: rope_freqs.weight has {len(factors)} factors; the "
+                             f"{rotary} rotary dims have {rotary // 2} frequencies")
+        hf["rope_scaling"] = {"rope_type": "frequency_factors", "frequency_factors": factors}
+    if "rope_factors_long.weight" in tensors:
+        raise ValueError(f"{file}: RoPE frequency factors (rope_factors_long.weight: Phi-3's "
+                         "LongRoPE) are not supported in GGUF files yet")
     window = get("attention.sliding_window", None)
     if window:
         hf["sliding_window"] = window

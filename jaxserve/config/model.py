@@ -168,8 +168,10 @@ class ModelConfig:
                 f"{self.head_dim}; RoPE needs an even number of them, at least 2 and at most all"
             )
         scaling = self.rope_scaling
-        if scaling is not None and scaling.rope_type == "longrope":
-            for name in ("short_factor", "long_factor"):
+        if scaling is not None and scaling.rope_type in ("longrope", "frequency_factors"):
+            names = (("short_factor", "long_factor") if scaling.rope_type == "longrope"
+                     else ("frequency_factors",))
+            for name in names:
                 if len(getattr(scaling, name)) != self.rotary_dim // 2:
                     raise ValueError(
                         f"rope_scaling.{name} must have {self.rotary_dim // 2} entries (one per "
@@ -213,7 +215,10 @@ class ModelConfig:
             reader = read_gguf(gguf)
             tensors = {t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape))
                        for t in reader.tensors}
-            hf = hf_config(metadata(reader), tensors, gguf)
+            # RoPE's factors are a tensor's values (Llama 3.1's scaling, as llama.cpp writes it)
+            factors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"),
+                           None)
+            hf = hf_config(metadata(reader), tensors, gguf, factors)
             try:
                 return cls.from_hf_dict(hf)
             except ValueError as error:

@@ -32,13 +32,16 @@ from jaxserve.model.quant import (
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:  # [rotary_dim // 2] float32
-    """RoPE inverse frequencies, with linear, llama3 or LongRoPE (short factors) scaling,
-    computed in float32 as HF does."""
+    """RoPE inverse frequencies, with linear, llama3, LongRoPE (short factors) or a GGUF's
+    frequency factors, computed in float32 as HF does."""
     exponents = np.arange(0, cfg.rotary_dim, 2, dtype=np.float32) / np.float32(cfg.rotary_dim)
     inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
     scaling = cfg.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "frequency_factors":  # a GGUF's rope_freqs, as llama.cpp divides
+        factors = np.asarray(scaling.frequency_factors, np.float32)
+        return (inv_freq / factors).astype(np.float32)
     if scaling.rope_type == "longrope":
         short = np.asarray(scaling.short_factor, np.float32)
         return (1.0 / (short * np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
