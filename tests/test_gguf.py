@@ -262,3 +262,21 @@ def test_bench_serve_reads_a_gguf_models_vocabulary(tmp_path):
     vocab, tokenizer, max_len = model_info(None, str(file))
     assert (vocab, max_len) == (128, ModelConfig.from_hf_dir(file).max_position_embeddings)
     assert tokenizer is not None and tokenizer.vocab_size == 128
+
+
+def test_the_plan_counts_the_weights_as_the_backend_holds_them(tmp_path):
+    """On the CPU kernels a file's group-wise blocks are dequantised once at load: the plan
+    counts them as the float model's bytes; with XLA's matmul they stay blocks."""
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.tools.plan import format_plan, plan
+
+    file = write_gguf(HF_FIXTURES / "llama", tmp_path / "q4_1.gguf", linear=T.Q4_1,
+                      embedding=T.Q8_0)
+    floats = plan(HF_FIXTURES / "llama", EngineConfig(num_pages=64, dtype="float32"))
+    held = plan(file, EngineConfig(num_pages=64, dtype="float32"))
+    assert held["weight_bytes"]["float32"] == floats["weight_bytes"]["float32"]
+    assert held["weight_bytes_per_device"] == floats["weight_bytes_per_device"]
+    assert "dequantised to float32" in format_plan(held)
+    blocks = plan(file, EngineConfig(num_pages=64, dtype="float32", matmul_impl="xla"))
+    assert blocks["weight_bytes"]["float32"] < held["weight_bytes"]["float32"] / 2
+    assert "dequantised" not in format_plan(blocks)

@@ -10,6 +10,7 @@
                  sequence, and what max_num_seqs lets run
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +117,23 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
     except ValueError as error:
         problems.append(str(error))
         tp = 1
-    weights_per_device = weight_bytes_per_device(cfg, dtype, tp)
+    held = cfg  # the model as the backend holds it
+    if device.backend == "cpu" and (cfg.quantization_group_size is not None
+                                    or cfg.embedding_quantization is not None):
+        from jaxserve.backends.select import resolve_matmul_impl
+
+        try:
+            cpu_kernels = resolve_matmul_impl(config.matmul_impl, "cpu", dtype) != "xla"
+        except ValueError:  # the engine would refuse it: say nothing more here
+            cpu_kernels = False
+        if cpu_kernels:  # its kernels take float weights: group-wise layers dequantised once
+            held = dataclasses.replace(
+                cfg, quantization=None, quantization_group_size=None, quantization_format=None,
+                quantization_bits=None, quantization_zero_points=False,
+                quantization_act_order=False, quantization_offsets=False,
+                embedding_quantization=None, embedding_offsets=False)
+            weights = {dt: weight_bytes(held, dt) for dt in SUPPORTED_DTYPES}
+    weights_per_device = weight_bytes_per_device(held, dtype, tp)
     # the TPU kernel's pool pads a head to whole lanes (backends/tpu.py)
     kv_head_dim = lane_padded(cfg.head_dim) if attention == "tpu" else cfg.head_dim
     per_token = kv_bytes_per_token(cfg, kv_dtype, tp, kv_head_dim)
@@ -174,7 +191,9 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
             f"{cfg.quantization_group_size} (GGUF blocks; the embedding "
             f"{cfg.embedding_quantization or 'in the dtype'})"
             if cfg.quantization_format == "gguf" else
-            "float32 column scales (embedding and LM head in the dtype)"),
+            "float32 column scales (embedding and LM head in the dtype)")
+        + (f"; the CPU kernels hold them dequantised to {dtype}, once at load"
+           if held is not cfg else ""),
         "dtype": dtype, "checkpoint_dtype": cfg.dtype, "kv_dtype": kv_dtype,
         "quantization": cfg.quantization, "weight_bytes": weights, "tensor_parallel_size": tp,
         "weight_bytes_per_device": weights_per_device,
