@@ -125,7 +125,15 @@ def write_gguf(source: Path, out: Path, linear: T = T.F32, embedding: T | None =
             [t == "sliding_attention" for t in config["layer_types"]])
     _tokenizer(writer, config)
     scaling = config.get("rope_scaling") or {}
-    if scaling.get("rope_type") == "llama3":  # as llama.cpp's converter: a factor a frequency
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "longrope":  # Phi-3's: both lists, as llama.cpp writes them
+        writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
+        if "attention_factor" in scaling:
+            writer.add_rope_scaling_attn_factors(scaling["attention_factor"])
+        for kind in ("short", "long"):
+            _add(writer, f"rope_factors_{kind}.weight",
+                 np.asarray(scaling[f"{kind}_factor"], np.float32), T.F32)
+    if kind == "llama3":  # as llama.cpp's converter: a factor a frequency
         rotary = int(head_dim * config.get("partial_rotary_factor", 1.0))
         _add(writer, "rope_freqs.weight", llama3_factors(
             rope.get("rope_theta", config.get("rope_theta", 10000.0)), rotary, scaling), T.F32)

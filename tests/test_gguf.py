@@ -79,6 +79,31 @@ def test_llama_3_1s_rope_scaling_comes_from_the_files_frequency_factors(tmp_path
                                atol=1e-4, rtol=0)
 
 
+def test_phi3s_longrope_comes_from_the_files_factors(tmp_path):
+    """A Phi-3 128k GGUF carries LongRoPE's short and long factors as tensors and its
+    attention factor and original context as metadata: the config is the checkpoint's."""
+    from jaxserve.model.llama import rope_inv_freq
+
+    scaling = {"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+               "long_factor": [2.0 + i for i in range(8)], "attention_factor": 1.1875}
+    source = tmp_path / "phi3_128k"
+    source.mkdir()
+    config = json.loads((HF_FIXTURES / "phi3" / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {
+        "rope_scaling": scaling, "original_max_position_embeddings": 32}))
+    for extra in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        if (HF_FIXTURES / "phi3" / extra).is_file():
+            (source / extra).symlink_to(HF_FIXTURES / "phi3" / extra)
+    file = write_gguf(source, tmp_path / "phi3.gguf")
+    cfg, want = ModelConfig.from_hf_dir(file), ModelConfig.from_hf_dir(source)
+    assert cfg.rope_scaling == want.rope_scaling and cfg.rope_scaling.rope_type == "longrope"
+    np.testing.assert_array_equal(rope_inv_freq(cfg), rope_inv_freq(want))
+    ids = [(5 * i) % (cfg.vocab_size - 3) + 3 for i in range(24)]
+    np.testing.assert_allclose(full_logits(*load_state(file, cfg, jnp.float32), cfg, ids),
+                               full_logits(*load_state(source, want, jnp.float32), want, ids),
+                               atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize(("kind", "held", "offsets"), [
     (T.Q8_0, jnp.int8, False), (T.Q4_0, jnp.int4, False), (T.Q4_1, jnp.uint4, True)])
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "phi3"])

@@ -83,12 +83,17 @@ def metadata(reader) -> dict[str, Any]:
     return out
 
 
+# RoPE's factors held as tensors: Llama 3.1's scaling, Phi-3's LongRoPE (short and long)
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+
+
 def hf_config(meta: dict[str, Any], tensors: dict[str, tuple], file: str | Path,
-              rope_freqs=None) -> dict:
+              rope: dict[str, Any] | None = None) -> dict:
     """A transformers config.json for the file's model (`tensors`: name -> (GGUF type value,
-    shape as the file lists it, fastest axis first); `rope_freqs`: the rope_freqs.weight
-    tensor's values, where the file has one). A ValueError naming the file and the key where
-    the file lacks what the model needs or holds an architecture we do not serve."""
+    shape as the file lists it, fastest axis first); `rope`: the values of its ROPE_TENSORS).
+    A ValueError naming the file and the key where the file lacks what the model needs or
+    holds an architecture we do not serve."""
+    rope = rope or {}
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{file}: GGUF architecture {arch!r} is not supported; supported: "
@@ -145,17 +150,29 @@ def hf_config(meta: dict[str, Any], tensors: dict[str, tuple], file: str | Path,
         if scaling not in ("linear",):
             raise ValueError(f"{file}: {arch}.rope.scaling.type {scaling!r} is not supported "
                              "in GGUF files yet; supported: linear")
-    if "rope_freqs.weight" in tensors:  # Llama 3.1-3.3's llama3 scaling, one factor a frequency
-        if rope_freqs is None:
-            raise ValueError(f"{file}: rope_freqs.weight's values are needed for its RoPE")
-        factors = [float(x) for x in np.asarray(rope_freqs, np.float32).reshape(-1)]
-        if len(factors) != rotary // 2:
-            raise ValueError(f"{file}: rope_freqs.weight has {len(factors)} factors; the "
-                             f"{rotary} rotary dims have {rotary // 2} frequencies")
-        hf["rope_scaling"] = {"rope_type": "frequency_factors", "frequency_factors": factors}
-    if "rope_factors_long.weight" in tensors:
-        raise ValueError(f"{file}: RoPE frequency factors (rope_factors_long.weight: Phi-3's "
-                         "LongRoPE) are not supported in GGUF files yet")
+    factors = {}
+    for name in ROPE_TENSORS:  # one factor a rotary frequency
+        if name not in tensors:
+            continue
+        if name not in rope:
+            raise ValueError(f"{file}: {name}'s values are needed for its RoPE")
+        factors[name] = [float(x) for x in np.asarray(rope[name], np.float32).reshape(-1)]
+        if len(factors[name]) != rotary // 2:
+            raise ValueError(f"{file}: {name} has {len(factors[name])} factors; the {rotary} "
+                             f"rotary dims have {rotary // 2} frequencies")
+    if "rope_freqs.weight" in factors:  # Llama 3.1-3.3's llama3 scaling
+        hf["rope_scaling"] = {"rope_type": "frequency_factors",
+                              "frequency_factors": factors["rope_freqs.weight"]}
+    if "rope_factors_long.weight" in factors or "rope_factors_short.weight" in factors:
+        if arch != "phi3" or len(factors) != 2:
+            raise ValueError(f"{file}: LongRoPE's factors (rope_factors_short.weight and "
+                             "rope_factors_long.weight, both) belong to a phi3 model")
+        hf["rope_scaling"] = {"rope_type": "longrope",
+                              "short_factor": factors["rope_factors_short.weight"],
+                              "long_factor": factors["rope_factors_long.weight"]}
+        attention = get("rope.scaling.attn_factor", None)
+        if attention is not None:  # else transformers' default from the lengths
+            hf["rope_scaling"]["attention_factor"] = attention
     window = get("attention.sliding_window", None)
     if window:
         hf["sliding_window"] = window

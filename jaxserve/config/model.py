@@ -21,7 +21,7 @@ from jaxserve.config.family import (
     read_rope,
     read_sliding_window,
 )
-from jaxserve.config.gguf import gguf_file, hf_config, metadata, read_gguf
+from jaxserve.config.gguf import ROPE_TENSORS, gguf_file, hf_config, metadata, read_gguf
 from jaxserve.config.quant import read_quantization
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -215,10 +215,9 @@ class ModelConfig:
             reader = read_gguf(gguf)
             tensors = {t.name: (int(t.tensor_type), tuple(int(d) for d in t.shape))
                        for t in reader.tensors}
-            # RoPE's factors are a tensor's values (Llama 3.1's scaling, as llama.cpp writes it)
-            factors = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"),
-                           None)
-            hf = hf_config(metadata(reader), tensors, gguf, factors)
+            # RoPE's factors are tensors' values (Llama 3.1's scaling, Phi-3's LongRoPE)
+            rope = {t.name: t.data for t in reader.tensors if t.name in ROPE_TENSORS}
+            hf = hf_config(metadata(reader), tensors, gguf, rope)
             try:
                 return cls.from_hf_dict(hf)
             except ValueError as error:
