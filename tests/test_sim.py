@@ -246,6 +246,16 @@ def test_step_shape_pads_as_the_runner_does():
     rows, chunks = (1, 2, 4), (16, 64, 256)
     assert step_shape(out, rows, chunks) == StepShape(
         decode_rows=4, decode_len=40, prefill=((1, 64, 20), (2, 256, 250)))
+    # a ragged runner (the CPU's, the TPU's) packs them into one call of their 520 tokens:
+    # 3 rows of their mean length, 174, which the table scales from its nearest shape, not a
+    # 64-chunk call and a 2 x 256 one; one chunk alone is its own padded shape
+    ragged = step_shape(out, rows, chunks, ragged=True)
+    assert ragged == StepShape(decode_rows=4, decode_len=40, prefill=((3, 174, 250),))
+    fit = StepCostModel({(4, 1): (0.001, 0.0)}, {(2, 64): (0.002, 0.0), (4, 256): (0.016, 0.0)},
+                        0.0, rows, chunks)
+    assert fit.parts(ragged)[1] == pytest.approx(0.016 * 3 / 4 * 174 / 256)
+    out = SchedulerOutput([ScheduledChunk(c, 0, 20, 0)])
+    assert step_shape(out, rows, chunks, ragged=True).prefill == ((1, 64, 20),)
 
 
 # -- workloads and metrics -----------------------------------------------------------------------

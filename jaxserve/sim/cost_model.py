@@ -70,7 +70,7 @@ from jaxserve.core.scheduler_output import SchedulerOutput
 # 2: several prefill calls per iteration; 3: one-row prefill calls; 4: factors from steady
 # iterations, with the wake factor and the spreads; 5: wake factors and spreads per kind;
 # 6: correlated draws (noise_share, noise_memory); 7: the wake-up term from idle arrivals alone
-FIT_FORMAT = 7
+FIT_FORMAT = 8  # 8: a ragged runner's prompt chunks as one call (step_shape)
 WAKE_STEPS = 5  # iterations after an idle wait that run at the wake factor
 
 # the engine settings a step's cost depends on; scheduling (policy, window...) and the number
@@ -134,14 +134,26 @@ class StepShape:
 
 
 def step_shape(out: SchedulerOutput, row_buckets: tuple[int, ...],
-               chunk_buckets: tuple[int, ...]) -> StepShape:
+               chunk_buckets: tuple[int, ...], ragged: bool = False) -> StepShape:
+    """The shapes an iteration's calls are padded to. `ragged`: the runner packs an
+    iteration's prompt chunks into one call of their total tokens (the CPU and TPU
+    attention), which costs what that many tokens in even rows cost: (rows, their mean
+    length) unbucketed, which the cost table scales from its nearest profiled shape, not rows
+    x the longest chunk's bucket, as separate padded calls would."""
     k = out.decode_steps
     decode = [c for c in out.chunks if c.num_tokens == 1]
     prompt = [c for c in out.chunks if c.num_tokens > 1]
     calls, prefill_rows = [], prefill_row_buckets(row_buckets)
-    for group in prefill_calls([c.num_tokens for c in prompt],
-                               [c.request.params.prompt_logprobs is not None for c in prompt],
-                               prefill_rows, chunk_buckets):
+    logprobs = [c.request.params.prompt_logprobs is not None for c in prompt]
+    groups = prefill_calls([c.num_tokens for c in prompt], logprobs, prefill_rows, chunk_buckets)
+    if ragged and prompt and not any(logprobs):
+        groups = [list(range(len(prompt)))]
+    for group in groups:
+        if ragged and len(group) > 1:
+            chunks = [prompt[i] for i in group]
+            mean = -(-sum(c.num_tokens for c in chunks) // len(chunks))
+            calls.append((len(chunks), mean, max(c.start + c.num_tokens for c in chunks)))
+            continue
         chunks = [prompt[i] for i in group]
         calls.append((_bucket(len(chunks), prefill_rows),
                       _bucket(max(c.num_tokens for c in chunks), chunk_buckets),
@@ -199,7 +211,8 @@ class StepCostModel:
              since_wake: int = WAKE_STEPS) -> float:
         """Seconds the iteration takes: the mean, or its spread's quantile at `draw` in [0, 1);
         `since_wake`: iterations since the engine woke from idle (0: the first)."""
-        shape = step_shape(out, self.row_buckets, self.chunk_buckets)
+        shape = step_shape(out, self.row_buckets, self.chunk_buckets,
+                           self.info.get("ragged", False))
         d, p = self.parts(shape)
         seconds = self.decode_factor_for(shape.decode_rows) * d + self.prefill_factor * p
         woke = since_wake < WAKE_STEPS

@@ -128,8 +128,9 @@ def profile_runner(engine: LLMEngine, passes: int = 3, progress: bool = False):
             for i in rng.permutation(len(outs)):
                 times[i].append(time_iteration(engine, outs[i]))
                 bar.update(1)
-    return [(step_shape(out, runner.row_buckets, runner.chunk_buckets), float(np.median(t)))
-            for out, t in zip(outs, times, strict=True)]
+    return [(step_shape(out, runner.row_buckets, runner.chunk_buckets,
+                        bool(getattr(runner, "ragged", False))),
+             float(np.median(t))) for out, t in zip(outs, times, strict=True)]
 
 
 def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
@@ -152,6 +153,7 @@ def calibrate(model: str, config: EngineConfig, path: str | Path | None = None,
         "device": getattr(device, "device_kind", str(device)),
         "num_pages": runner.num_pages, "max_model_len": runner.max_model_len,
         "attention_impl": runner.attention_impl, "matmul_impl": runner.matmul_impl,
+        "ragged": bool(getattr(runner, "ragged", False)),
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "engine": cost_settings(config),
     })
@@ -249,7 +251,7 @@ def measure_engine(engine: LLMEngine, fit: StepCostModel, seed: int = 1,
         engine.__dict__.pop("step", None)
     rows, d, p, wall, served, since, run, index = [], [], [], [], [], [], [], []
     for out, t, open_loop, k, r, i in periods:
-        shape = step_shape(out, fit.row_buckets, fit.chunk_buckets)
+        shape = step_shape(out, fit.row_buckets, fit.chunk_buckets, fit.info.get("ragged", False))
         rows.append(shape.decode_rows)
         d.append(fit.parts(shape)[0])
         p.append(fit.parts(shape)[1])
