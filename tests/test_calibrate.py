@@ -50,7 +50,10 @@ def test_every_profiled_shape_is_one_the_engine_compiled(engine, fit):
     assert any(s[0] and not s[3] for s in shapes) and any(s[3] and not s[0] for s in shapes)
     assert engine.runner.num_compilations_after_warmup == 0  # profiling compiled nothing new
     assert set(fitted.decode) == {(2, 1)}  # the one decode row bucket at max_num_seqs 2
-    assert {c for _, c in fitted.prefill} == {16, 32}
+    # one-chunk calls at the chunk buckets; the CPU runner's ragged calls of several chunks
+    # at their mean length (step_shape), which lies between them
+    chunks = {c for _, c in fitted.prefill}
+    assert {16, 32} <= chunks and all(16 <= c <= 32 for c in chunks), chunks
 
 
 def test_the_fit_has_positive_costs_and_engine_factors_and_round_trips(fit):
