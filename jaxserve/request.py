@@ -64,10 +64,9 @@ class StructuredOutputsParams:
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be a boolean, "
                              f"got {show(self.disable_any_whitespace)}")
-        if self.reasoning_parser is not None:
-            from jaxserve.text.reasoning import check_parser
-
-            check_parser(self.reasoning_parser)
+        if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, str):
+            raise ValueError("structured_outputs.reasoning_parser must be a parser's name, "
+                             f"got {show(self.reasoning_parser)}")  # TokenMask checks which
         if len(self.kinds) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
                              f"grammar and json_object, got {', '.join(self.kinds) or 'none'}")

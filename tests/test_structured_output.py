@@ -331,3 +331,5 @@ def test_with_a_reasoning_parser_the_grammar_constrains_the_answer_after_the_thi
         assert straight.accept(ids('{"a"')) and x in now(straight)
     without = mask_of(None)  # no parser: the grammar from the first token
     assert lt not in now(without) and brace in now(without)
+    with pytest.raises(ValueError, match=r"structured_outputs\.reasoning_parser 'granite'"):
+        mask_of("granite")

@@ -83,7 +83,12 @@ class TokenMask:
         self.phase = "answer"
         parser = params.structured_outputs and params.structured_outputs.reasoning_parser
         if self.matcher is not None and parser is not None:
-            from jaxserve.text.reasoning import END, START
+            from jaxserve.text.reasoning import END, START, check_parser
+
+            try:
+                check_parser(parser)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs.{error}") from None
 
             self._start = tokenizer.encode(START, add_special_tokens=False)
             self._end = tokenizer.encode(END, add_special_tokens=False)
