@@ -349,10 +349,7 @@ class EngineConfig:
         if self.quantization is None:
             return model
         if model.quantization_format == "gguf":  # the file's blocks load as floats, requantised
-            return dataclasses.replace(
-                model, quantization=self.quantization, quantization_format=None,
-                quantization_group_size=None, quantization_offsets=False,
-                embedding_quantization=None, embedding_offsets=False)
+            return dataclasses.replace(model.unquantized(), quantization=self.quantization)
         if model.quantization == self.quantization:
             return model
         if model.quantization is not None:

@@ -346,6 +346,15 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def unquantized(self) -> "ModelConfig":
+        """The model with its weights in its dtype: every quantised layout dropped (a GGUF's
+        blocks, GPTQ's and AWQ's groups, the narrow embedding)."""
+        return dataclasses.replace(
+            self, quantization=None, quantization_group_size=None, quantization_format=None,
+            quantization_bits=None, quantization_zero_points=False,
+            quantization_act_order=False, quantization_offsets=False,
+            embedding_quantization=None, embedding_offsets=False)
+
     @property
     def shared_window(self) -> int | None:
         """The window every layer has (pages behind it are never read again), else None."""

@@ -10,7 +10,6 @@
                  sequence, and what max_num_seqs lets run
 """
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,11 +126,7 @@ def plan(model: str | Path | None, config: EngineConfig, contexts: list[int] | N
         except ValueError:  # the engine would refuse it: say nothing more here
             cpu_kernels = False
         if cpu_kernels:  # its kernels take float weights: group-wise layers dequantised once
-            held = dataclasses.replace(
-                cfg, quantization=None, quantization_group_size=None, quantization_format=None,
-                quantization_bits=None, quantization_zero_points=False,
-                quantization_act_order=False, quantization_offsets=False,
-                embedding_quantization=None, embedding_offsets=False)
+            held = cfg.unquantized()
             weights = {dt: weight_bytes(held, dt) for dt in SUPPORTED_DTYPES}
     weights_per_device = weight_bytes_per_device(held, dtype, tp)
     # the TPU kernel's pool pads a head to whole lanes (backends/tpu.py)
