@@ -80,7 +80,7 @@ def test_the_server_gives_reasoning_content_apart_streamed_or_not(include):
     fmt = Formatter("chat", "id", 0, "m", None, _chat(body), [""],
                     reasoning_parser="deepseek_r1")
     pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
-    deltas = [fmt.chunk(0, _out(p, i == len(pieces) - 1))["choices"][0]["delta"]
+    deltas = [fmt.chunks(0, _out(p, i == len(pieces) - 1))[-1]["choices"][0]["delta"]
               for i, p in enumerate(pieces)]
     assert deltas[0]["role"] == "assistant"
     assert "".join(d.get("content", "") for d in deltas) == "\n\n4"

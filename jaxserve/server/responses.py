@@ -181,11 +181,6 @@ class Formatter:
                      "decoded_token": self._token(t, lp)} for t, lp in d.items()}
             for d in out.prompt_logprobs]
 
-    def chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
-        """The last of `chunks`: the one SSE chunk of an answer without tool calls."""
-        bodies = self.chunks(index, out)
-        return bodies[-1] if bodies else None
-
     def chunks(self, index: int, out: RequestOutput) -> list[dict[str, Any]]:
         """The SSE chunks carrying `out`, a delta of choice `index` (none: nothing new): one,
         or with tool calls one a delta (a call's name, then its arguments)."""

@@ -149,15 +149,13 @@ def step_shape(out: SchedulerOutput, row_buckets: tuple[int, ...],
     if ragged and prompt and not any(logprobs):
         groups = [list(range(len(prompt)))]
     for group in groups:
-        if ragged and len(group) > 1:
-            chunks = [prompt[i] for i in group]
-            mean = -(-sum(c.num_tokens for c in chunks) // len(chunks))
-            calls.append((len(chunks), mean, max(c.start + c.num_tokens for c in chunks)))
-            continue
         chunks = [prompt[i] for i in group]
-        calls.append((_bucket(len(chunks), prefill_rows),
-                      _bucket(max(c.num_tokens for c in chunks), chunk_buckets),
-                      max(c.start + c.num_tokens for c in chunks)))
+        end = max(c.start + c.num_tokens for c in chunks)
+        if ragged and len(chunks) > 1:  # their mean length, unbucketed
+            calls.append((len(chunks), -(-sum(c.num_tokens for c in chunks) // len(chunks)), end))
+        else:
+            calls.append((_bucket(len(chunks), prefill_rows),
+                          _bucket(max(c.num_tokens for c in chunks), chunk_buckets), end))
     return StepShape(_bucket(max(len(decode), out.batch_rows), row_buckets) if decode else 0, k,
                      max((c.start + k for c in decode), default=0), tuple(calls))
 
