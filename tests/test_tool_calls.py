@@ -18,6 +18,7 @@ import openai
 import pytest
 from demo_server import MODEL, bad_request, demo_server, num_prompt_tokens
 from served import KEY
+from test_reasoning_parsers import _out
 from test_tool_parsers import streamed
 
 from jaxserve.text.tokenizer import ByteTokenizer
@@ -304,13 +305,6 @@ def test_a_forced_call_waits_for_the_thinking_to_end(thinking):
         **kwargs | {"max_completion_tokens": 300}, logit_bias={"60": -100}).choices[0]
     assert called.message.reasoning_content is None
     assert [name for name, _ in _valid(called.message.tool_calls)] == ["get_weather"]
-
-
-def _out(text: str, finished: bool):
-    from jaxserve.request import CompletionOutput, RequestOutput
-
-    return RequestOutput("r", None, [1], [CompletionOutput(
-        0, text, [7] * len(text), "stop" if finished else None)], finished=finished)
 
 
 def test_calls_are_read_from_the_answer_after_the_thinking():
