@@ -9,9 +9,14 @@ from jaxserve.config.platform import default_to_cpu
 
 default_to_cpu()  # before jax starts: no accelerator plugin's errors on a machine without one
 
-from jaxserve.request import CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
+from jaxserve.request import (  # noqa: E402
+    CompletionOutput,
+    LoRARequest,
+    RequestOutput,
+    SamplingParams,
+)
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

@@ -9,7 +9,7 @@ from jaxserve.config.checks import show
 from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.engine.model_files import DEMO
-from jaxserve.request import RequestOutput, RequestOutputKind, SamplingParams
+from jaxserve.request import LoRARequest, RequestOutput, RequestOutputKind, SamplingParams
 from jaxserve.text.tool_specs import check_tools
 
 
@@ -34,8 +34,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in input order. A prompt whose params ask
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in input order. `lora_request`: the
+        adapter every prompt runs with, or one a prompt (None: the base model), as vLLM's
+        (an adapter new to the engine is loaded first; enable_lora must be on). A prompt whose params ask
         for n > 1 samples runs as n requests (`SamplingParams.for_sample`); its output holds
         the n completions in `outputs`, indexed 0..n-1, with the first request's id and
         metrics. Only final outputs are returned, so every request runs as FINAL_ONLY (as
@@ -57,15 +61,20 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
                                  f"got {show(p)}")
+        loras = (list(lora_request) if isinstance(lora_request, list | tuple)
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
         ids: list[list[str]] = []  # per prompt, its samples' request ids
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 ids.append([])
                 for i in range(p.n):
                     sample = dataclasses.replace(p.for_sample(i),
                                                  output_kind=RequestOutputKind.FINAL_ONLY)
                     ids[-1].append(self.engine.add_request(
-                        None, prompt, sample, cap_max_tokens=True).request_id)
+                        None, prompt, sample, cap_max_tokens=True,
+                        lora_request=lora).request_id)
         except Exception:  # nothing of this call stays queued
             for rid in (r for group in ids for r in group):
                 self.engine.abort(rid)

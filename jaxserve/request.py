@@ -27,6 +27,25 @@ MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (the device keeps t
 
 
 @dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter a request runs with (vLLM's LoRARequest): its name (what the server
+    calls the model), a positive integer id, and its PEFT directory."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or (
+                self.lora_int_id < 1):
+            raise ValueError(f"lora_int_id must be a positive integer, got "
+                             f"{self.lora_int_id!r}")
+        object.__setattr__(self, "lora_path", str(self.lora_path))
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """What a request's output must match (vLLM's StructuredOutputsParams): exactly one of a
     JSON schema, any JSON object, a regex, a choice of strings or a grammar (Lark-style EBNF or
@@ -332,11 +351,14 @@ class Request:
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  arrival_time: float, seed: int, max_len: int, eos_token_ids: frozenset[int],
-                 prompt: str | None = None, named_eos_ids: frozenset[int] = frozenset()):
+                 prompt: str | None = None, named_eos_ids: frozenset[int] = frozenset(),
+                 lora_request: LoRARequest | None = None):
         """named_eos_ids: those of eos_token_ids that end a request with themselves as the stop
         reason, as stop_token_ids do (the model's generation_config.json stop ids beside the
-        tokenizer's EOS, as vLLM reports them)."""
+        tokenizer's EOS, as vLLM reports them). lora_request: the adapter it runs with (None:
+        the base model)."""
         self.request_id = request_id
+        self.lora_request = lora_request
         self.prompt = prompt
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -367,6 +389,10 @@ class Request:
     @property
     def arrival_time(self) -> float:
         return self.metrics.arrival_time
+
+    @property
+    def lora_name(self) -> str | None:  # its adapter's name; None: the base model
+        return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
     def priority(self) -> int:

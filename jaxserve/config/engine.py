@@ -260,6 +260,14 @@ class EngineConfig:
     # speculative decoding (vLLM's option; the CLI takes its JSON): None off, else a mapping of
     # SpeculativeConfig's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4}
     speculative_config: SpeculativeConfig | dict | None = None
+    # LoRA adapters served beside the base (vLLM's options; jaxserve/model/lora.py): a request
+    # names its adapter; at most max_loras adapters share a step, each of rank up to
+    # max_lora_rank; max_cpu_loras adapters' weights are kept on the host (None: max_loras),
+    # the least recently used dropped past it
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config",
@@ -269,11 +277,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "min_batch_size",
                      "decode_steps", "kv_cache_bytes_cpu", "tensor_parallel_size",
-                     "data_parallel_size"):
+                     "data_parallel_size", "max_loras", "max_lora_rank"):
             if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, "
                                  f"got {show(getattr(self, name))}")
-        for name in ("max_model_len", "num_pages", "max_batch_size"):
+        for name in ("max_model_len", "num_pages", "max_batch_size", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {show(value)}")
@@ -285,7 +293,7 @@ class EngineConfig:
             raise ValueError(f"max_top_logprobs must be an integer >= 0, "
                              f"got {show(self.max_top_logprobs)}")
         for name in ("adaptive_window", "length_bucketing", "enable_prompt_logprobs",
-                     "enable_prefix_caching"):
+                     "enable_prefix_caching", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {show(getattr(self, name))}")
         for name in ("ragged_prefill", "scan_layers"):
@@ -324,6 +332,9 @@ class EngineConfig:
                                  or rows[-1] < self.max_num_seqs):
             raise ValueError(f"row_buckets must be increasing sizes of at least 2, the last >= "
                              f"max_num_seqs ({self.max_num_seqs}), got {rows!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras})")
 
     @classmethod
     def from_overrides(cls, **overrides: Any) -> "EngineConfig":

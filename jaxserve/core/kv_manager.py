@@ -104,12 +104,15 @@ class KVCacheManager:
 
         use_cache=False (a request that wants every prompt token's logprobs) takes and counts
         nothing; its pages are still keyed as they are computed. extra: what else its KV depends
-        on (an adapter), part of every key of its pages. count=False leaves the stats to
+        on, part of every key of its pages (None: its LoRA adapter's name, None for the base
+        model: an adapter's pages serve that adapter only). count=False leaves the stats to
         `count_lookup`, once the request surely joins (a lookup given back is tried again)."""
         if self.cache is None:
             return 0
         if request.pages or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id} already holds pages or tokens")
+        if extra is None:
+            extra = request.lora_name
         hit: list[int] = []
         if use_cache:
             tokens = request.prompt_ids + request.output_ids
@@ -128,6 +131,8 @@ class KVCacheManager:
         policy's key); 0 without prefix caching."""
         if self.cache is None:
             return 0
+        if extra is None:
+            extra = request.lora_name
         tokens = request.prompt_ids + request.output_ids
         return len(self.cache.match(tokens, self.page_size, (len(tokens) - 1) // self.page_size,
                                     extra)) * self.page_size

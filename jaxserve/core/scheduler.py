@@ -51,7 +51,9 @@ class Scheduler(Admission):
                  length_buckets: tuple[int, ...] = (), enable_prefix_caching: bool = False,
                  num_spec_tokens: int = 0, proposer: "Proposer | None" = None,
                  spec_max_batch: int | None = None, sliding_window: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 max_loras: int = 0, clock: Callable[[], float] = time.monotonic):
+        """max_loras: at most this many LoRA adapters among the running requests (the
+        device's slots for them); 0: no bound."""
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {batching!r}")
         if max_num_batched_tokens < max_num_seqs:
@@ -69,6 +71,7 @@ class Scheduler(Admission):
         # ordered set: the first to key a prefix holds it)
         self._to_key: dict[Request, None] = {}
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_chunk_tokens = max_chunk_tokens
         self.batching = batching
@@ -233,9 +236,13 @@ class Scheduler(Admission):
         bucket = max((self._bucket(c.num_tokens) for c in out.chunks
                       if c.num_tokens > 1 and c.draft is None),
                      default=None) if admissible and self.length_buckets else None
+        adapters = ({r.lora_name for r in self.running} - {None}) if self.max_loras else None
         for request in admissible:
             if len(self.running) >= self.max_num_seqs or budget <= 0:
                 break
+            if (adapters is not None and request.lora_name is not None
+                    and request.lora_name not in adapters and len(adapters) >= self.max_loras):
+                continue  # its adapter waits for a slot: every one is running another's
             # its cached prefix first: the chunk starts past it (taken back if it cannot join)
             self._lookup(request)
             n = self._chunk(request, budget)
@@ -258,6 +265,8 @@ class Scheduler(Admission):
             self.waiting.remove(request)
             request.set_status(RequestStatus.RUNNING)
             self.running.append(request)
+            if adapters is not None and request.lora_name is not None:
+                adapters.add(request.lora_name)
             self._running_changes += 1
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
@@ -457,5 +466,6 @@ def make_scheduler(config: EngineConfig, num_pages: int, max_chunk_tokens: int,
         num_pages=num_pages, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_chunk_tokens=max_chunk_tokens,
         batching=config.batching, policy=policy, decode_steps=config.decode_steps,
+        max_loras=config.max_loras if config.enable_lora else 0,
         window=window, clock=clock, enable_prefix_caching=config.enable_prefix_caching,
         length_buckets=config.prefill_chunk_sizes if config.length_bucketing else ())

@@ -26,7 +26,7 @@ from jaxserve.engine.model_files import DEMO, generation_defaults, resolve_model
 from jaxserve.engine.outputs import OutputProcessor
 from jaxserve.parallel import distributed
 from jaxserve.parallel.runners import ReplicaLostError
-from jaxserve.request import Request, RequestOutput, SamplingParams
+from jaxserve.request import LoRARequest, Request, RequestOutput, SamplingParams
 from jaxserve.structured.token_masks import TokenMask
 from jaxserve.text.tokenizer import load_tokenizer, same_vocabulary
 
@@ -96,6 +96,8 @@ class LLMEngine:
                 raise TypeError(f"runner {type(r).__name__} lacks {', '.join(missing)} of the "
                                 "engine's runner interface (loop.Runner)")
         self.runners = runners
+        self.loras: dict[str, LoRARequest] = {}  # the adapters requests may name, by name
+        self._retiring: set[str] = set()  # removed, and still used by unfinished requests
         self.max_model_len = runners[0].max_model_len
         # one processor for every replica: a request's text and stops, wherever it runs
         self.processor = OutputProcessor(self.tokenizer)
@@ -132,6 +134,9 @@ class LLMEngine:
 
         config = self.config
         group = distributed.group()
+        if group is not None and config.enable_lora:
+            raise ValueError("enable_lora: LoRA adapters are served by one process (leave "
+                             "num_processes 1)")
         if group is not None:  # replicas over several processes' devices: they follow
             from jaxserve.parallel.runners import LeaderRunner, RemoteRunner, check_group
 
@@ -189,12 +194,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cap_max_tokens: bool = False) -> Request:
+                    arrival_time: float | None = None, cap_max_tokens: bool = False,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Validate and queue a request; bad input is a ValueError naming the field.
         cap_max_tokens: a max_tokens past max_model_len ends the request at the limit
         (finish_reason "length", as vLLM's offline LLM does) instead of refusing it (as the
-        server must)."""
+        server must). lora_request: the adapter it runs with, loaded first if new (as
+        vLLM's)."""
         params = SamplingParams() if params is None else params
+        if lora_request is not None:
+            self._check_lora_request(lora_request)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {show(params)}")
         if params.n != 1:
@@ -232,7 +241,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         request = Request(request_id, ids, params, time.monotonic() if arrival_time is None
                           else arrival_time, seed, max_len, self.eos_token_ids, prompt=text,
-                          named_eos_ids=self.named_eos_ids)
+                          named_eos_ids=self.named_eos_ids, lora_request=lora_request)
         if params.controlled and (params.allowed_token_ids is not None or params.bad_words
                                   or params.min_tokens or params.structured_outputs):
             request.token_mask = TokenMask(
@@ -324,6 +333,63 @@ class LLMEngine:
         """Forget every cached prefix; False (nothing forgotten) while requests hold pages."""
         return all([c.scheduler.reset_prefix_cache() for c in self.cores])
 
+    # -- LoRA adapters (vLLM's add_lora, remove_lora, list_loras) ------------------------------
+
+    def _slots(self) -> list:
+        """Every replica's adapters (runner/lora_slots.py)."""
+        if not self.config.enable_lora:
+            raise ValueError("lora_request: the engine runs without LoRA adapters; start it "
+                             "with enable_lora (--enable-lora)")
+        return [r.loras for r in self.runners if getattr(r, "loras", None) is not None]
+
+    def _check_lora_request(self, lora: LoRARequest) -> None:
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {show(lora)}")
+        known = self.loras.get(lora.lora_name)
+        if known is None:
+            self.add_lora(lora)
+        elif known != lora:
+            raise ValueError(f"lora_request: adapter {lora.lora_name!r} is loaded as {known}; "
+                             "remove it first to load another under its name")
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Load an adapter (read and checked now: a bad one is a ValueError naming what is
+        wrong); requests name it from then on."""
+        slots = self._slots()
+        for name, other in self.loras.items():
+            if other.lora_int_id == lora.lora_int_id and name != lora.lora_name:
+                raise ValueError(f"lora_int_id {lora.lora_int_id} is adapter {name!r}'s")
+        if lora.lora_name in self.loras:
+            if self.loras[lora.lora_name] == lora:
+                return True
+            raise ValueError(f"adapter {lora.lora_name!r} is loaded already: remove it first")
+        for s in slots:
+            s.add(lora)
+        self.loras[lora.lora_name] = lora
+        self._retiring.discard(lora.lora_name)
+        return True
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload an adapter: new requests cannot name it; those already queued or running
+        with it finish with it, and its weights go once they have. False if unknown."""
+        self._slots()
+        if self.loras.pop(name, None) is None:
+            return False
+        self._retiring.add(name)
+        self._retire()
+        return True
+
+    def list_loras(self) -> dict[str, LoRARequest]:
+        return dict(self.loras)
+
+    def _retire(self) -> None:
+        """Drop the removed adapters no unfinished request uses any more."""
+        used = {r.lora_name for c in self.cores for r in c.scheduler.requests.values()}
+        for name in self._retiring - used:
+            for s in self._slots():
+                s.remove(name)
+            self._retiring.discard(name)
+
     @property
     def core(self) -> EngineCore:
         """The engine loop of an engine with one replica (data_parallel_size 1)."""
@@ -398,7 +464,10 @@ class LLMEngine:
                 self._wait_for_window()
             return []
         self.last_step_tokens = sum(step.num_tokens for step in read)
-        return [out for step in read for out in self._process(step)]
+        outputs = [out for step in read for out in self._process(step)]
+        if self._retiring:
+            self._retire()
+        return outputs
 
     def _write_off(self, replica: int, error: ReplicaLostError) -> None:
         """A replica on other processes is lost: its requests fail (`failed`), the others

@@ -19,4 +19,5 @@ TOP_K = 5  # vocab_size: off
 TOP_P = 6  # float32 bits; 1.0: off
 SEED = 7  # uint32 bits: input_batch.device_seed of the request's seed
 LOGPROBS = 8  # 1: the request asked for logprobs
-PAGES = 9  # the page table, from here to the end
+LORA = 9  # the request's LoRA slot (model/lora.py); 0: the base model
+PAGES = 10  # the page table, from here to the end

@@ -43,6 +43,12 @@ class AttentionMetadata:
     query_lens: jax.Array  # [B] int32   real tokens in each row; the rest is padding (0: empty row)
     seq_lens: jax.Array  # [B] int32   tokens in the pages after this step (positions[:, 0] + query_lens)
     page_table: jax.Array  # [B, pages_per_seq] int32
+    # [B] int32 each row's LoRA slot (model/lora.py; 0: the base model); None: no adapters
+    lora_slots: jax.Array | None = None
+
+    def token_lora_slots(self) -> jax.Array:  # [B * C] int32: each token's row's
+        return jnp.repeat(self.lora_slots, self.positions.shape[1],
+                          total_repeat_length=self.positions.size)
 
     def layer_pages(self, first: jax.Array) -> "AttentionMetadata":
         """The metadata of the layer whose pages start at pool row `first`."""
@@ -71,6 +77,11 @@ class RaggedMetadata:
     query_starts: jax.Array  # [B + 1] int32   row b's tokens: query_starts[b] .. [b + 1] - 1
     seq_lens: jax.Array  # [B] int32   tokens in the row's pages after this call
     page_table: jax.Array  # [B, pages_per_seq] int32
+    # [B] int32 each row's LoRA slot (model/lora.py; 0: the base model); None: no adapters
+    lora_slots: jax.Array | None = None
+
+    def token_lora_slots(self) -> jax.Array:  # [T] int32: each token's row's (padding: 0)
+        return jnp.take(self.lora_slots, self.token_rows, mode="fill", fill_value=0)
 
     def layer_pages(self, first: jax.Array) -> "RaggedMetadata":
         """The metadata of the layer whose pages start at pool row `first`."""

@@ -13,6 +13,7 @@ turns them into one layer whose weights carry a leading layer axis, which it run
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -22,6 +23,7 @@ from flax import nnx
 
 from jaxserve.config.model import ModelConfig
 from jaxserve.model.kv_cache import AttentionMetadata, KVCache, RaggedMetadata
+from jaxserve.model.lora import LoraRows, adapted
 from jaxserve.model.moe import SparseMoeBlock
 from jaxserve.model.quant import (
     QuantizedEmbed,
@@ -139,19 +141,26 @@ class Attention(nnx.Module):
         # a checkpoint's scales of an fp8 KV cache (vLLM's k_scale, v_scale): used with one
         self.k_scale = nnx.Param(jnp.ones((), jnp.float32)) if cfg.kv_cache_scales else None
         self.v_scale = nnx.Param(jnp.ones((), jnp.float32)) if cfg.kv_cache_scales else None
+        self.lora = None  # LoRA's banks by module name, where enabled (model/lora.py)
 
     def __call__(self, x, cos, sin, kv: KVCache, md: AttentionMetadata | RaggedMetadata,
-                 write_index, backend):
-        """md and write_index address this layer's pages of kv."""
+                 write_index, backend, lora: LoraRows | None = None):
+        """md and write_index address this layer's pages of kv; `lora`: the step's tokens by
+        adapter, where the model has LoRA banks."""
         b, c, _ = x.shape
-        linear, d = backend.ops.linear, self.head_dim
+        d = self.head_dim
+
+        def linear(name, x):
+            return adapted(getattr(self, name), None if self.lora is None else self.lora[name],
+                           x, lora, backend)
+
         # -1 heads: under tensor parallelism a shard holds its own part of them
-        q = linear(self.q_proj, x).reshape(b, c, -1, d)
-        k = linear(self.k_proj, x).reshape(b, c, -1, d)
+        q = linear("q_proj", x).reshape(b, c, -1, d)
+        k = linear("k_proj", x).reshape(b, c, -1, d)
         if self.q_norm is not None:  # before RoPE, as transformers' Qwen3
             q, k = self.q_norm(q, backend), self.k_norm(k, backend)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = linear(self.v_proj, x)
+        v = linear("v_proj", x)
         # an 8-bit pool with the checkpoint's scales: K and V stored divided by them, and read
         # back times them, which the kernels need not know: q times k_scale meets the stored
         # keys as q meets the keys, and the output is times v_scale (each row's weights over
@@ -166,7 +175,7 @@ class Attention(nnx.Module):
         out = backend.attention(q, kv, md, self.scale, self.sliding_window, self.soft_cap)
         if scaled:
             out = (out * v_scale).astype(out.dtype)
-        return backend.sum_shards(linear(self.o_proj, out.reshape(b, c, -1))), kv
+        return backend.sum_shards(linear("o_proj", out.reshape(b, c, -1))), kv
 
 
 class MLP(nnx.Module):
@@ -180,17 +189,21 @@ class MLP(nnx.Module):
         self.up_proj = _linear(e, i, False, dtype, rngs, cfg)
         self.down_proj = _linear(i, e, False, dtype, rngs, cfg)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SwiGLU
+        self.lora = None  # LoRA's banks by module name, where enabled (model/lora.py)
 
-    def __call__(self, x, backend):
-        return backend.sum_shards(self.partial(x, backend))
+    def __call__(self, x, backend, lora: LoraRows | None = None):
+        return backend.sum_shards(self.partial(x, backend, lora))
 
-    def partial(self, x, backend):
+    def partial(self, x, backend, lora: LoraRows | None = None):
         """The output before the shards' sum: under tensor parallelism, this shard's
         columns' share."""
-        linear = backend.ops.linear
-        gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
+        def linear(name, x):
+            return adapted(getattr(self, name), None if self.lora is None else self.lora[name],
+                           x, lora, backend)
+
+        gate, up = linear("gate_proj", x), linear("up_proj", x)
         act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        return linear(self.down_proj, act * up)
+        return linear("down_proj", act * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -208,14 +221,15 @@ class DecoderLayer(nnx.Module):
         self.mlp = SparseMoeBlock(cfg, dtype, rngs, MLP) if cfg.num_experts else MLP(cfg, dtype,
                                                                                      rngs)
 
-    def __call__(self, x, cos, sin, kv, md, write_index, backend):
+    def __call__(self, x, cos, sin, kv, md, write_index, backend, lora=None):
         h, kv = self.self_attn(self.input_layernorm(x, backend), cos, sin, kv, md, write_index,
-                               backend)
+                               backend, lora)
+        mlp = self.mlp if lora is None else functools.partial(self.mlp, lora=lora)
         if self.pre_feedforward_layernorm is None:
             x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x, backend), backend), kv
+            return x + mlp(self.post_attention_layernorm(x, backend), backend), kv
         x = x + self.post_attention_layernorm(h, backend)
-        h = self.mlp(self.pre_feedforward_layernorm(x, backend), backend)
+        h = mlp(self.pre_feedforward_layernorm(x, backend), backend)
         return x + self.post_feedforward_layernorm(h, backend), kv
 
 
@@ -239,6 +253,7 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         self.config = cfg
         self.model = Decoder(cfg, dtype, rngs)
+        self.max_loras = 0  # LoRA's slots a layer (model/lora.py's attach_banks); 0: none
         self.lm_head = None if cfg.tie_word_embeddings else _linear(
             cfg.hidden_size, cfg.vocab_size, False, dtype, rngs
         )
@@ -256,6 +271,9 @@ class LlamaForCausalLM(nnx.Module):
             cos, sin = (jnp.take(t, md.positions, axis=0, mode="clip").astype(x.dtype)
                         for t in rope)
         page, offset = md.write_index(kv.page_size)
+        lora = None  # the step's tokens sorted by adapter, once for every layer
+        if self.max_loras and md.lora_slots is not None:
+            lora = LoraRows.of(md.token_lora_slots(), self.max_loras)
         local = None  # Gemma 3's sliding layers: RoPE of their own base
         if self.config.rope_local_theta is not None:
             local = rope_cos_sin(local_rope_config(self.config), md.positions, x.dtype)
@@ -263,7 +281,8 @@ class LlamaForCausalLM(nnx.Module):
         def run_layer(layer: DecoderLayer, x, kv: KVCache, index):
             first = index * kv.num_pages  # the layer's pages start at this pool row
             turn = (cos, sin) if local is None or layer.self_attn.sliding_window is None else local
-            return layer(x, *turn, kv, md.layer_pages(first), (page + first, offset), backend)
+            return layer(x, *turn, kv, md.layer_pages(first), (page + first, offset), backend,
+                         lora)
 
         layers = self.model.layers
         if isinstance(layers, nnx.List):  # as loaded (and trained)

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.model.decode_rows import (
     HOST_TOKEN,
     LOGPROBS,
+    LORA,
     PAGES,
     QUERY_LEN,
     SEED,
@@ -106,7 +107,7 @@ def unpack_decode_rows(rows: jax.Array):
     start, query_lens = rows[:, START], rows[:, QUERY_LEN]
     seq_lens = start + query_lens
     md = AttentionMetadata(positions=start[:, None], query_lens=query_lens, seq_lens=seq_lens,
-                           page_table=rows[:, PAGES:])
+                           page_table=rows[:, PAGES:], lora_slots=rows[:, LORA])
     sm = SamplingMetadata(temperature=bits(TEMPERATURE, jnp.float32), top_k=rows[:, TOP_K],
                           top_p=bits(TOP_P, jnp.float32), seeds=bits(SEED, jnp.uint32),
                           positions=seq_lens, logprobs=rows[:, LOGPROBS] != 0)
@@ -126,6 +127,8 @@ def pack_decode_rows(host_tokens, src, md: AttentionMetadata,
     rows[:, TOP_P] = np.asarray(sm.top_p, np.float32).view(np.int32)
     rows[:, SEED] = np.asarray(sm.seeds, np.uint32).view(np.int32)
     rows[:, LOGPROBS] = sm.logprobs
+    if md.lora_slots is not None:
+        rows[:, LORA] = md.lora_slots
     rows[:, PAGES:] = page_table
     return rows
 

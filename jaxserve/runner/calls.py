@@ -162,7 +162,9 @@ class StepCalls:
                 tokens[0, at:at + chunk.num_tokens] = chunk.request.token_ids(chunk.start,
                                                            chunk.start + chunk.num_tokens)
         md = RaggedMetadata(positions=positions, token_rows=token_rows,
-                            query_starts=query_starts, seq_lens=seq_lens, page_table=page_table)
+                            query_starts=query_starts, seq_lens=seq_lens, page_table=page_table,
+                            lora_slots=None if self.loras is None
+                            else self.input_batch.lora[slots])
         last, self.kv = self.fns.ragged(self.weights, self.kv, tokens, src, *self._carries, md)
         sm = self._sampling(slots[:b], seq_lens[:b])
         if flight is not None and self.input_batch.controlled[slots].any():  # sampled at finish
@@ -180,7 +182,9 @@ class StepCalls:
         positions[len(chunks):] = 0
         seq_lens = starts + query_lens
         md = AttentionMetadata(positions=positions, query_lens=query_lens, seq_lens=seq_lens,
-                               page_table=self.input_batch.page_table[slots])
+                               page_table=self.input_batch.page_table[slots],
+                               lora_slots=None if self.loras is None
+                               else self.input_batch.lora[slots])
         return md, self._sampling(slots, seq_lens), slots
 
     def _sampling(self, slots: np.ndarray, positions: np.ndarray) -> SamplingMetadata:

@@ -4,11 +4,14 @@ The runner (model_runner.py) updates it once per dispatch with the step's chunks
 call's padded arrays from it; nothing here touches the device.
 """
 
+from collections.abc import Callable
+
 import numpy as np
 
 from jaxserve.core.scheduler_output import ScheduledChunk
 from jaxserve.model.decode_rows import (
     LOGPROBS,
+    LORA,
     PAGES,
     QUERY_LEN,
     SEED,
@@ -45,8 +48,11 @@ class InputBatch:
     step the runner never saw would otherwise miss.
     """
 
-    def __init__(self, pages_per_seq: int, vocab_size: int, num_slots: int = 8):
+    def __init__(self, pages_per_seq: int, vocab_size: int, num_slots: int = 8,
+                 lora_slot: Callable[[Request], int] | None = None):
+        """`lora_slot`: a request's LoRA slot (runner/lora_slots.py), where LoRA is on."""
         self.vocab_size = vocab_size
+        self.lora_slot = lora_slot
         self.slots: dict[Request, int] = {}  # by request object: a reused id is a new request
         self._free: list[int] = []
         self._num_pages: list[int] = [0]  # per slot: the pages written to its row
@@ -133,6 +139,7 @@ class InputBatch:
         self.top_p[slot] = p.top_p
         self.seeds[slot] = device_seed(request.seed)
         self.logprobs[slot] = p.logprobs is not None
+        self.lora[slot] = 0 if self.lora_slot is None else self.lora_slot(request)
         self.controlled[slot] = p.controlled
         self.presence[slot], self.frequency[slot] = p.presence_penalty, p.frequency_penalty
         self.repetition[slot], self.min_p[slot] = p.repetition_penalty, p.min_p
@@ -170,3 +177,4 @@ class InputBatch:
         self.top_p = table[:, TOP_P].view(np.float32)  # [slots] 1.0: off
         self.seeds = table[:, SEED].view(np.uint32)  # [slots] device_seed(request.seed)
         self.logprobs = table[:, LOGPROBS]  # [slots] 1: the request asked for logprobs
+        self.lora = table[:, LORA]  # [slots] the request's LoRA slot; 0: the base model

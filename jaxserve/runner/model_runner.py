@@ -46,6 +46,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import monitoring
 from jax.sharding import NamedSharding
 
@@ -61,6 +62,7 @@ from jaxserve.core.buckets import (
 from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import rope_tables, stack_layers
+from jaxserve.model.lora import attach_banks
 from jaxserve.model.loader import abstract_state, load_state, state_bytes
 from jaxserve.model.quant import array_bytes
 from jaxserve.model.step import make_step_fns
@@ -81,6 +83,7 @@ from jaxserve.runner.compile_only import CompilingFns, abstractly, placed
 from jaxserve.runner.draft_runner import DraftRunner
 from jaxserve.runner.inflight import Inflight, read_results
 from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.lora_slots import LoraSlots, bank_leaves
 from jaxserve.runner.sampler_controls import SamplerControls
 from jaxserve.runner.warmup import Warmup
 
@@ -176,6 +179,13 @@ class ModelRunner(StepCalls, Warmup):
         else:
             self.graphdef, self.state = load_state(
                 model_path, model_config, self.dtype, config.load_format, config.seed, place)
+        if config.enable_lora:  # every layer's banks, zeros until an adapter takes a slot
+            if compile_only or tp > 1:
+                raise ValueError("enable_lora: LoRA adapters are served on one device "
+                                 "(tensor_parallel_size 1), not compiled for a target yet")
+            model = nnx.merge(self.graphdef, self.state)
+            attach_banks(model, config.max_loras, config.max_lora_rank)
+            self.graphdef, self.state = nnx.split(model)
         # weight transforms: run, or traced for their shapes only
         transform = abstractly if compile_only else lambda fn, g, s: fn(g, s)
         if tp == 1:  # split, the kernels take each shard's weights as they are
@@ -264,6 +274,9 @@ class ModelRunner(StepCalls, Warmup):
         self.weights = (jax.tree.leaves(self.state),
                         self._put(rope_tables(model_config, self.max_model_len, self.dtype),
                                   self.placement))
+        self.loras = None if not config.enable_lora else LoraSlots(
+            model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+            bank_leaves([path for path, _ in jax.tree_util.tree_leaves_with_path(self.state)]))
         self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state), self.backend,
                                  config.max_top_logprobs, self.carry_size, self.shards)
         # committed to the device like the step outputs that replace it: jit keys its cache on
@@ -278,7 +291,8 @@ class ModelRunner(StepCalls, Warmup):
         # the requests of the last iteration's decode call, in its row order ([]: it had none)
         self._decode_requests: list[Request] = []
         self.input_batch = InputBatch(self.pages_per_seq, model_config.vocab_size,
-                                      config.max_num_seqs)
+                                      config.max_num_seqs,
+                                      None if self.loras is None else self.loras.slot)
         self.draft = None
         if draft_path is not None:
             if compile_only:
@@ -375,6 +389,9 @@ class ModelRunner(StepCalls, Warmup):
     def _dispatch(self, out: SchedulerOutput) -> Inflight:
         flight = Inflight()
         carries = [self._zeros, self._zeros]
+        if self.loras is not None:  # the step's adapters in device slots
+            leaves = self.loras.assign([c.request for c in out.chunks], self.weights[0])
+            self.weights = (leaves, self.weights[1])
         self.input_batch.update(out.chunks)
         if self.input_batch.written:
             self.controls.write(self.fns, self.input_batch)

@@ -69,7 +69,8 @@ class Warmup:
             return
         md = AttentionMetadata(positions=np.zeros((b, c), np.int32), query_lens=np.zeros((b,), np.int32),
                                seq_lens=np.zeros((b,), np.int32),
-                               page_table=np.zeros((b, self.pages_per_seq), np.int32))
+                               page_table=np.zeros((b, self.pages_per_seq), np.int32),
+                               lora_slots=None if self.loras is None else np.zeros((b,), np.int32))
         sm = SamplingMetadata(np.zeros((b,), np.float32), np.ones((b,), np.int32),
                               np.ones((b,), np.float32), np.zeros((b,), np.uint32),
                               np.zeros((b,), np.int32), np.zeros((b,), bool))
