@@ -62,8 +62,8 @@ from jaxserve.core.buckets import (
 from jaxserve.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.llama import rope_tables, stack_layers
-from jaxserve.model.lora import attach_banks
 from jaxserve.model.loader import abstract_state, load_state, state_bytes
+from jaxserve.model.lora import attach_banks
 from jaxserve.model.quant import array_bytes
 from jaxserve.model.step import make_step_fns
 from jaxserve.parallel.sharding import (
