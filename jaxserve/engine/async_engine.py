@@ -32,7 +32,7 @@ from typing import Any
 
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.engine.request_stream import RequestStream
-from jaxserve.request import RequestOutput, RequestOutputKind, SamplingParams
+from jaxserve.request import LoRARequest, RequestOutput, RequestOutputKind, SamplingParams
 
 log = logging.getLogger("jaxserve")
 
@@ -71,6 +71,27 @@ class _Add:
     arrival_time: float
     stream: RequestStream
     ack: asyncio.Future
+    lora_request: LoRARequest | None = None
+
+
+@dataclass
+class _Call:
+    """A function of the engine run on its thread between two steps (loading an adapter),
+    its result or error resolving `done` on the caller's loop."""
+
+    fn: Callable[[], Any]
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
+        def set_it():
+            if not self.done.done():
+                if error is None:
+                    self.done.set_result(result)
+                else:
+                    self.done.set_exception(error)
+
+        _call_soon(self.loop, set_it)
 
 
 class AsyncEngine:
@@ -106,7 +127,7 @@ class AsyncEngine:
         self.on_iteration: Callable[[int], None] | None = None
         self._cond = threading.Condition()
         # guarded by _cond: a request's adds, together (a tuple), or one abort (a str)
-        self._commands: list[tuple[_Add, ...] | str] = []
+        self._commands: list[tuple[_Add, ...] | str | _Call] = []
         self._stop_at: float | None = None  # guarded by _cond: shutting down, deadline
         self._error: BaseException | None = None  # guarded by _cond: the engine died of it
         self._idle = False  # guarded by _cond: the thread sleeps for want of work
@@ -167,11 +188,13 @@ class AsyncEngine:
         return (await self.add_requests([(request_id, prompt, params)], arrival_time))[0]
 
     async def add_requests(self, requests: list[tuple[str, PromptType, SamplingParams | None]],
-                           arrival_time: float | None = None) -> list[RequestStream]:
+                           arrival_time: float | None = None,
+                           lora_request: LoRARequest | None = None) -> list[RequestStream]:
         """Queue several requests together (a prompt's n samples, a list of prompts): the
         engine takes them all in one iteration, so they start together (one at a time, each
         would wait for an engine step, and a static batch would form without the rest). All
-        or none: on any error every one of them is aborted and the first error raised."""
+        or none: on any error every one of them is aborted and the first error raised.
+        `lora_request`: the adapter they all run with (None: the base model)."""
         limit = self.max_waiting_requests
         if limit is not None and len(requests) > limit + self.engine.max_num_seqs:
             # all or none, and never all: a 429 would be retried for ever
@@ -184,7 +207,7 @@ class AsyncEngine:
         adds = [_Add(rid, prompt, params, arrival, RequestStream(
             rid, self, loop, delta=params is not None
             and params.output_kind is RequestOutputKind.DELTA),
-            loop.create_future()) for rid, prompt, params in requests]
+            loop.create_future(), lora_request) for rid, prompt, params in requests]
         with self._live_lock:
             self._live.update((a.request_id, a) for a in adds)
         try:
@@ -202,6 +225,30 @@ class AsyncEngine:
             self.abort_streams([a.stream for a in adds])
             raise errors[0]
         return [a.stream for a in adds]
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the engine thread between two steps (the engine is not thread-safe);
+        its result, or its error raised here."""
+        loop = asyncio.get_running_loop()
+        command = _Call(fn, loop.create_future(), loop)
+        with self._cond:
+            if self._error is not None:
+                raise EngineDeadError(f"the engine is dead: {self._error!r}")
+            if self._stop_at is not None:
+                raise EngineStoppedError("the engine is shutting down")
+            self._commands.append(command)
+            self._cond.notify()
+        return await command.done
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter while serving: read in a worker thread (a ValueError names what is
+        wrong), then registered on the engine thread between two steps."""
+        adapter = await asyncio.to_thread(self.engine.read_lora, lora)
+        await self.call(lambda: self.engine.add_lora(lora, adapter))
+
+    async def remove_lora(self, name: str) -> bool:
+        """Unload an adapter (its requests in flight finish with it); False if unknown."""
+        return await self.call(lambda: self.engine.remove_lora(name))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ones are ignored); thread-safe, returns at once."""
@@ -306,6 +353,12 @@ class AsyncEngine:
                 self.engine.abort(command)
                 self._streams.pop(command, None)
                 continue
+            if isinstance(command, _Call):
+                try:
+                    command.resolve(command.fn())
+                except Exception as error:  # its caller's to answer (a bad adapter)
+                    command.resolve(error=error)
+                continue
             for j, add in enumerate(command):
                 try:
                     self._add(add)
@@ -344,7 +397,7 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    command.arrival_time)
+                                    command.arrival_time, lora_request=command.lora_request)
         except Exception as error:  # bad input (ValueError), or a bug: this request's alone
             self._reply(command, error)
             return
@@ -424,6 +477,8 @@ class AsyncEngine:
             if isinstance(command, tuple):
                 for add in command:
                     self._reply(add, dead)
+            elif isinstance(command, _Call):
+                command.resolve(error=dead)
         self._fail_streams(dead)
         self._stats = self._stats | {"num_requests_running": 0, "num_requests_waiting": 0,
                                      "kv_cache_usage": 0.0}
@@ -442,12 +497,12 @@ class AsyncEngine:
         _call_soon(command.stream.loop, resolve)
 
 
-def _commands_within(commands: list[tuple | str], budget: int) -> int:
+def _commands_within(commands: list[tuple | str | _Call], budget: int) -> int:
     """How many of `commands` (from the front) to apply before the next step: at least one, and
     no more than `budget` adds and aborts in all, unless the first alone is more."""
     total = 0
     for i, command in enumerate(commands):
-        total += 1 if isinstance(command, str) else len(command)
+        total += 1 if isinstance(command, str | _Call) else len(command)
         if total > budget:
             return max(i, 1)
     return len(commands)

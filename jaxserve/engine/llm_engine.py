@@ -31,11 +31,16 @@ from jaxserve.structured.token_masks import TokenMask
 from jaxserve.text.tokenizer import load_tokenizer, same_vocabulary
 
 if TYPE_CHECKING:
+    from jaxserve.model.lora_files import LoraAdapter
     from jaxserve.structured.grammar import GrammarCompiler
 
 log = logging.getLogger("jaxserve")
 PromptType = str | dict[str, Any]
 GC_YOUNG_THRESHOLD = 20_000  # see freeze_gc
+
+
+class UnknownLoRAError(ValueError):
+    """A request names an adapter the engine has not loaded (the server's 404)."""
 
 
 def freeze_gc() -> None:
@@ -97,6 +102,9 @@ class LLMEngine:
                                 "engine's runner interface (loop.Runner)")
         self.runners = runners
         self.loras: dict[str, LoRARequest] = {}  # the adapters requests may name, by name
+        # a request naming an adapter not loaded loads it (vLLM's offline LLM); the server
+        # turns it off: its adapters are loaded by name, and an unknown one is a 404
+        self.auto_load_loras = True
         self._retiring: set[str] = set()  # removed, and still used by unfinished requests
         self.max_model_len = runners[0].max_model_len
         # one processor for every replica: a request's text and stops, wherever it runs
@@ -346,15 +354,28 @@ class LLMEngine:
         if not isinstance(lora, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {show(lora)}")
         known = self.loras.get(lora.lora_name)
+        if known is None and not self.auto_load_loras:
+            raise UnknownLoRAError(f"the LoRA adapter {lora.lora_name!r} is not loaded")
         if known is None:
             self.add_lora(lora)
         elif known != lora:
             raise ValueError(f"lora_request: adapter {lora.lora_name!r} is loaded as {known}; "
                              "remove it first to load another under its name")
 
-    def add_lora(self, lora: LoRARequest) -> bool:
-        """Load an adapter (read and checked now: a bad one is a ValueError naming what is
-        wrong); requests name it from then on."""
+    def read_lora(self, lora: LoRARequest) -> "LoraAdapter":
+        """The adapter's weights read and checked against the model (any thread: it touches
+        no engine state); a bad one is a ValueError naming what is wrong."""
+        from jaxserve.model.lora_files import read_adapter
+
+        self._slots()
+        if not lora.lora_path:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: no lora_path")
+        return read_adapter(lora.lora_path, self.model_config, self.config.max_lora_rank,
+                            lora.lora_name)
+
+    def add_lora(self, lora: LoRARequest, adapter: "LoraAdapter | None" = None) -> bool:
+        """Load an adapter (read and checked now, unless `adapter` is read_lora's of it: a
+        bad one is a ValueError naming what is wrong); requests name it from then on."""
         slots = self._slots()
         for name, other in self.loras.items():
             if other.lora_int_id == lora.lora_int_id and name != lora.lora_name:
@@ -363,8 +384,9 @@ class LLMEngine:
             if self.loras[lora.lora_name] == lora:
                 return True
             raise ValueError(f"adapter {lora.lora_name!r} is loaded already: remove it first")
+        adapter = self.read_lora(lora) if adapter is None else adapter
         for s in slots:
-            s.add(lora)
+            s.add(lora, adapter)
         self.loras[lora.lora_name] = lora
         self._retiring.discard(lora.lora_name)
         return True

@@ -55,24 +55,16 @@ class LoraSlots:
         self.used: list[int] = [0] * max_loras  # when each slot last ran (assign's count)
         self._steps = 0
 
-    def add(self, lora: LoRARequest) -> LoraAdapter:
-        """Register an adapter (reading it: a bad one is a ValueError naming what is wrong).
-        The same name again with another path or id replaces it."""
+    def add(self, lora: LoRARequest, adapter: LoraAdapter) -> None:
+        """Register an adapter with its weights (read_adapter's). The same name again with
+        another path or id replaces it."""
         old = self.known.get(lora.lora_name)
-        if old is not None and old == lora and lora.lora_name in self.host:
-            self.host.move_to_end(lora.lora_name)
-            return self.host[lora.lora_name]
-        if not lora.lora_path:
-            raise ValueError(f"LoRA adapter {lora.lora_name!r}: no lora_path")
-        adapter = read_adapter(Path(lora.lora_path), self.model_config, self.max_rank,
-                               lora.lora_name)
         if old is not None:
             self.remove(lora.lora_name)
         self.known[lora.lora_name] = lora
         self._keep(adapter)
         log.info("LoRA adapter %s: rank %d, %s, %.1f MiB", lora.lora_name, adapter.rank,
                  ", ".join(adapter.modules), adapter.nbytes / 2**20)
-        return adapter
 
     def remove(self, name: str) -> bool:
         """Forget an adapter (its slot freed; a request already running with it keeps

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server, as vLLM's: routes, SSE streaming, API key, errors, serving.
 
     POST /v1/completions, /v1/chat/completions    GET /v1/models, /health, /metrics
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter (with --enable-lora)
 
 A request's body is read within its limits (`body.read_json`), parsed on the event loop and
 tokenized in a worker thread (a long prompt would stall every stream), then handed to the
@@ -30,7 +31,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxserve.engine.async_engine import (
@@ -40,10 +41,10 @@ from jaxserve.engine.async_engine import (
     QueueFullError,
     RequestTimeoutError,
 )
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine, UnknownLoRAError
 from jaxserve.engine.request_stream import RequestStream
 from jaxserve.parallel import distributed
-from jaxserve.request import RequestOutput
+from jaxserve.request import LoRARequest, RequestOutput
 from jaxserve.server import protocol
 from jaxserve.server.body import SafeJSONResponse, read_json
 from jaxserve.server.config import ServerConfig
@@ -68,6 +69,8 @@ def _api_error(error: Exception, req: GenerateRequest | None = None) -> APIError
         return APIError(503, str(error))
     if isinstance(error, RequestTimeoutError):
         return APIError(504, str(error))
+    if isinstance(error, UnknownLoRAError):  # unloaded between the check and the add
+        return APIError(404, f"the model does not exist: {error}", param="model")
     if isinstance(error, ValueError):
         return protocol.client_error(error, req.names if req else {})
     raise error
@@ -126,7 +129,7 @@ class _API:
     async def completions(self, request: Request) -> Response:
         req = protocol.parse_completion(await read_json(request, self.config.max_body_bytes,
                                                        self.config.body_timeout_s), self._sampling_defaults)
-        self._check_model(req.model)
+        req.lora_request = self._check_model(req.model)
         self._check_prompt_logprobs(req)
         self._check_num_seqs(req, len(req.prompts))
         return await self._generate(request, "completion", req, self._completion_prompts)
@@ -154,7 +157,7 @@ class _API:
     async def chat(self, request: Request) -> Response:
         req = protocol.parse_chat(await read_json(request, self.config.max_body_bytes,
                                                        self.config.body_timeout_s), self._sampling_defaults)
-        self._check_model(req.model)
+        req.lora_request = self._check_model(req.model)
         self._check_prompt_logprobs(req)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use "
@@ -220,10 +223,51 @@ class _API:
                        "(enable_prompt_logprobs=False)", param=param)
 
     async def models(self, request: Request) -> Response:
+        engine = self.engine.engine
         card = {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "jaxserve", "root": str(self.engine.engine.model_path),
-                "max_model_len": self.engine.engine.max_model_len}
-        return SafeJSONResponse({"object": "list", "data": [card]})
+                "owned_by": "jaxserve", "root": str(engine.model_path), "parent": None,
+                "max_model_len": engine.max_model_len}
+        adapters = [card | {"id": lora.lora_name, "root": lora.lora_path,
+                            "parent": self.model_name}
+                    for lora in list(engine.loras.values())]  # (a copy: the engine's thread)
+        return SafeJSONResponse({"object": "list", "data": [card, *adapters]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: {"lora_name", "lora_path"}; the adapter is read and checked, then requests
+        may name it as their model. Requests in flight are not disturbed."""
+        body = await self._lora_body(request, ("lora_name", "lora_path"))
+        name, path = body["lora_name"], body["lora_path"]
+        if name == self.model_name or name in self.engine.engine.loras:
+            raise APIError(400, f"the LoRA adapter {name!r} has already been loaded",
+                           param="lora_name")
+        ids = [lora.lora_int_id for lora in list(self.engine.engine.loras.values())]
+        lora = LoRARequest(name, max(ids, default=0) + 1, path)
+        try:
+            await self.engine.add_lora(lora)
+        except ValueError as error:
+            raise APIError(400, str(error), param="lora_path") from None
+        log.info("LoRA adapter %s loaded from %s", name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: {"lora_name"}; new requests cannot name it, those in flight finish."""
+        name = (await self._lora_body(request, ("lora_name",)))["lora_name"]
+        if not await self.engine.remove_lora(name):
+            raise APIError(404, f"the LoRA adapter {name!r} cannot be found", param="lora_name")
+        log.info("LoRA adapter %s unloaded", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _lora_body(self, request: Request, fields: tuple[str, ...]) -> dict:
+        if not self.engine.engine.config.enable_lora:
+            raise APIError(400, "this server runs without LoRA adapters (start it with "
+                           "--enable-lora)")
+        body = await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        for name in fields:
+            if not isinstance(body.get(name), str) or not body[name]:
+                raise APIError(400, f"{name} must be a non-empty string", param=name)
+        return body
 
     async def health(self, request: Request) -> Response:
         if self.engine.error is not None:
@@ -249,10 +293,16 @@ class _API:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:  # none or "": the served model, as vLLM
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's model names (None: the base model)."""
+        if not model or model == self.model_name:  # none or "": the served model, as vLLM
+            return None
+        lora = self.engine.engine.loras.get(model)
+        if lora is None:
+            adapters = "".join(f", `{n}`" for n in list(self.engine.engine.loras))
             raise APIError(404, f"the model `{model}` does not exist; this server serves "
-                           f"`{self.model_name}`", param="model")
+                           f"`{self.model_name}`{adapters}", param="model")
+        return lora
 
     def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -285,7 +335,8 @@ class _API:
             # all together: they start in one engine iteration, or none of them does
             streams = await self.engine.add_requests(
                 [(f"{request_id}-{i * n + j}", prompt, req.params.for_sample(j))
-                 for i, prompt in enumerate(prompts) for j in range(n)], arrival)
+                 for i, prompt in enumerate(prompts) for j in range(n)], arrival,
+                req.lora_request)
             return [text for text in texts for _ in range(n)], streams
 
         admitting = asyncio.ensure_future(admit())
@@ -299,7 +350,8 @@ class _API:
             info["error"] = "client disconnected"
             return Response(status_code=499)  # nginx's "client closed request": for the log only
         texts, streams = admitting.result()
-        fmt = Formatter(kind, request_id, int(time.time()), self.model_name,
+        model = self.model_name if req.lora_request is None else req.lora_request.lora_name
+        fmt = Formatter(kind, request_id, int(time.time()), model,
                         self.tokenizer, req, texts,
                         prompt_tokens_details=self.config.enable_prompt_tokens_details,
                         reasoning_parser=self.config.reasoning_parser,
@@ -376,8 +428,20 @@ async def _http_error(request: Request, error: HTTPException) -> Response:
     return _error_response(request, APIError(error.status_code, str(error.detail)))
 
 
+def load_lora_modules(engine: LLMEngine, config: ServerConfig) -> None:
+    """lora_modules loaded before serving (a bad one fails the start, naming it); from then
+    on a request naming an adapter not loaded is a 404, never a load."""
+    engine.auto_load_loras = False
+    for lora in config.lora_requests():
+        try:
+            engine.add_lora(lora)
+        except ValueError as error:
+            raise ValueError(f"lora_modules {lora.lora_name}={lora.lora_path}: {error}") from None
+
+
 def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Starlette:
     """The Starlette app over a running AsyncEngine; the app's shutdown stops the engine."""
+    engine.engine.auto_load_loras = False
     api = _API(engine, config, model_name)
 
     @contextlib.asynccontextmanager
@@ -389,6 +453,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Sta
         Route("/v1/completions", _handler(api.completions), methods=["POST"]),
         Route("/v1/chat/completions", _handler(api.chat), methods=["POST"]),
         Route("/v1/models", _handler(api.models), methods=["GET"]),
+        Route("/v1/load_lora_adapter", _handler(api.load_lora_adapter), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", _handler(api.unload_lora_adapter), methods=["POST"]),
         Route("/health", _handler(api.health), methods=["GET"]),
         Route("/metrics", _handler(api.prometheus), methods=["GET"]),
     ]
@@ -436,6 +502,7 @@ def serve(engine: LLMEngine, config: ServerConfig, model_name: str,
             async_engine.begin_shutdown(config.shutdown_grace_s)
             super().handle_exit(sig, frame)
 
+    load_lora_modules(engine, config)
     async_engine = AsyncEngine(engine, max_waiting_requests=config.max_waiting_requests,
                                request_timeout_s=config.request_timeout_s,
                                stall_timeout_s=config.stall_timeout_s)

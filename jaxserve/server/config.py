@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from jaxserve.config.checks import is_finite, is_int, show
+from jaxserve.request import LoRARequest
 from jaxserve.text.reasoning import check_parser
 from jaxserve.text.tool_parsers import get_parser
 
@@ -41,6 +42,9 @@ class ServerConfig:
     # as vLLM's --enable-auto-tool-choice --tool-call-parser; off: such requests get a 400
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # LoRA adapters loaded at start-up, each NAME=PATH (a PEFT directory), as vLLM's
+    # --lora-modules; requests name one as their model (the engine needs enable_lora)
+    lora_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         # a config file may hold any YAML value: types first, so every mistake is a ValueError
@@ -80,6 +84,21 @@ class ServerConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser: the format the "
                              "model writes its calls in")
+        if isinstance(self.lora_modules, list):  # a config file's list
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        if not isinstance(self.lora_modules, tuple) or any(
+                not isinstance(m, str) or m.count("=") < 1 or not m.split("=", 1)[0]
+                or not m.split("=", 1)[1] for m in self.lora_modules):
+            raise ValueError(f"lora_modules must be a list of NAME=PATH entries, got "
+                             f"{show(self.lora_modules)}")
+        names = [m.split("=", 1)[0] for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules: a name appears twice in {names}")
         if not (is_finite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0):
             raise ValueError(f"shutdown_grace_s must be a number >= 0, got "
                              f"{show(self.shutdown_grace_s)}")
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """lora_modules as the engine takes them (ids 1, 2, ... in order)."""
+        return [LoRARequest(name, i, path) for i, (name, path) in enumerate(
+            (m.split("=", 1) for m in self.lora_modules), start=1)]

@@ -147,6 +147,7 @@ class GenerateRequest:
     parallel_tool_calls: bool = True  # chat only: false: at most one call
     template_kwargs: dict[str, Any] | None = None  # chat only: chat_template_kwargs
     names: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> request field
+    lora_request: Any = None  # the LoRA adapter its model names (set by the app); None: base
 
 
 MAX_STOP = 64  # stop strings per request: each is searched for on every step
