@@ -528,7 +528,15 @@ class LLMEngine:
             # by replica: its requests running and waiting (what routing balances)
             "num_requests_per_replica": [s["num_requests_running"] + s["num_requests_waiting"]
                                          for s in per_replica],
-        }
+        } | (self._lora_stats() if self.config.enable_lora else {})
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """The adapters of running requests and of waiting ones that none runs (vLLM's
+        lora_requests_info)."""
+        running = {r.lora_name for c in self.cores for r in c.scheduler.running}
+        waiting = {r.lora_name for c in self.cores for r in c.scheduler.waiting} - running
+        return {"lora_running": sorted(running - {None}), "lora_waiting": sorted(waiting - {None}),
+                "max_loras": self.config.max_loras}
 
 
 def merge_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ interrupts):
        |---------------------------- e2e -------------------------|
 """
 
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -83,6 +84,13 @@ class _EngineCollector:
             yield counter
         if self.engine.engine.config.speculative_config is not None:  # as vLLM: only then
             yield from self._spec_decode(stats)
+        if "lora_running" in stats:  # vLLM's: the adapters as labels, the time as the value
+            info = GaugeMetricFamily(
+                "jaxserve:lora_requests_info", "LoRA adapters of running and waiting requests.",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(stats["max_loras"]), ",".join(stats["lora_running"]),
+                             ",".join(stats["lora_waiting"])], time.time())
+            yield info
 
     def _spec_decode(self, stats):
         """vLLM's spec_decode counters: proposals, proposed and kept tokens, kept per position."""
