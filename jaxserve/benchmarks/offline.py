@@ -59,8 +59,10 @@ class OfflineRun:
 
 def run_load(engine: LLMEngine, samples: list[Sample], *, request_rate: float = float("inf"),
              burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-             temperature: float = 0.0, progress: bool = False) -> OfflineRun:
-    """Play `samples` on the engine in real time (ignore_eos: each gets its output_len)."""
+             temperature: float = 0.0, progress: bool = False,
+             lora_requests: list | None = None) -> OfflineRun:
+    """Play `samples` on the engine in real time (ignore_eos: each gets its output_len).
+    `lora_requests`: each sample's LoRA adapter (None: the base model)."""
     from tqdm import tqdm
 
     n = len(samples)
@@ -88,6 +90,8 @@ def run_load(engine: LLMEngine, samples: list[Sample], *, request_rate: float = 
             records[nxt].arrival = sent
             try:
                 request = engine.add_request(str(nxt), sample.engine_prompt, params,
+                                             lora_request=None if lora_requests is None
+                                             else lora_requests[nxt],
                                              arrival_time=start + sent)
                 records[nxt].prompt_len = len(request.prompt_ids)
                 in_flight += 1

@@ -45,15 +45,20 @@ class LoraBank(nnx.Module):
         self.lora_b = LoraFactor(slots, rank, n_out)
 
     def __call__(self, x: jax.Array, rows: "LoraRows", backend) -> jax.Array:
-        """x [..., in] -> the adapters' part of the output [..., out] (x's dtype)."""
+        """x [..., in] -> the adapters' part of the output [..., out] (x's dtype); zeros,
+        computing nothing, in a step whose tokens are all the base model's."""
         shape = x.shape
-        flat = x.reshape(-1, shape[-1]).astype(jnp.float32)
-        sorted_rows = jnp.take(flat, rows.order, axis=0)
-        linear = backend.ops.grouped_linear
-        h = linear(self.lora_a, sorted_rows, rows.sizes)
-        out = linear(self.lora_b, h, rows.sizes)
-        out = jnp.take(out, rows.inverse, axis=0)
-        return out.reshape(*shape[:-1], -1).astype(x.dtype)
+        n_out = self.lora_b.out_features
+
+        def products():
+            flat = x.reshape(-1, shape[-1]).astype(jnp.float32)
+            sorted_rows = jnp.take(flat, rows.order, axis=0)
+            linear = backend.ops.grouped_linear
+            out = linear(self.lora_b, linear(self.lora_a, sorted_rows, rows.sizes), rows.sizes)
+            return jnp.take(out, rows.inverse, axis=0).reshape(*shape[:-1], n_out).astype(x.dtype)
+
+        return jax.lax.cond(rows.any, products,
+                            lambda: jnp.zeros((*shape[:-1], n_out), x.dtype))
 
 
 @jax.tree_util.register_dataclass
@@ -61,11 +66,12 @@ class LoraBank(nnx.Module):
 class LoraRows:
     """A step's tokens sorted by adapter slot, computed once a step: `order` [T] (the token
     at each sorted place), `inverse` [T] (each token's sorted place), `sizes` [max_loras]
-    (the tokens of slots 1, 2, ...; base tokens sort last, outside every group)."""
+    (the tokens of slots 1, 2, ...; base tokens sort last, outside every group), `any`."""
 
     order: jax.Array
     inverse: jax.Array
     sizes: jax.Array
+    any: jax.Array  # [] bool: a token has an adapter
 
     @staticmethod
     def of(token_slots: jax.Array, max_loras: int) -> "LoraRows":
@@ -75,7 +81,7 @@ class LoraRows:
         inverse = jnp.zeros_like(order).at[order].set(
             jnp.arange(order.shape[0], dtype=jnp.int32))
         sizes = jnp.bincount(group, length=max_loras + 1)[:max_loras].astype(jnp.int32)
-        return LoraRows(order=order, inverse=inverse, sizes=sizes)
+        return LoraRows(order=order, inverse=inverse, sizes=sizes, any=jnp.any(token_slots > 0))
 
 
 def adapted(layer, bank: LoraBank | None, x: jax.Array, rows: LoraRows | None,

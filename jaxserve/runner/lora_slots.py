@@ -13,7 +13,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config.model import ModelConfig
@@ -133,14 +132,34 @@ class LoraSlots:
                 values = np.stack([
                     adapter.weights[(i, module)][part] if (i, module) in adapter.weights
                     else np.zeros(shape, np.float32) for i in layers])
+                # (committed where the bank is, as the warm-up's: jit keys on it)
                 if layer is None:
-                    leaves[index] = _set_stacked(leaf, slot, jnp.asarray(values))
+                    leaves[index] = _set_stacked(leaf, slot,
+                                                 jax.device_put(values, leaf.sharding))
                 else:
-                    leaves[index] = _set(leaf, slot, jnp.asarray(values[0]))
+                    leaves[index] = _set(leaf, slot, jax.device_put(values[0], leaf.sharding))
         return leaves
 
-    def running(self) -> list[str]:
-        return [n for n in self.slots if n is not None]
+    def commit(self, leaves: list, device) -> list:
+        """The leaves with the banks committed to `device`, as a slot write's outputs are
+        (jit compiles a function again for committed arguments where it saw uncommitted
+        ones: the steps too)."""
+        leaves = list(leaves)
+        for places in self.leaves.values():
+            for index, _ in places:
+                leaves[index] = jax.device_put(leaves[index], device)
+        return leaves
+
+    def warm(self, leaves: list) -> None:
+        """Compile every bank's slot write at start-up (a compile while serving is a bug):
+        slot 0 written with what it holds."""
+        for places in self.leaves.values():
+            for index, layer in places:
+                leaf = leaves[index]
+                if layer is None:
+                    jax.block_until_ready(_set_stacked(leaf, 0, leaf[:, 0]))
+                else:
+                    jax.block_until_ready(_set(leaf, 0, leaf[0]))
 
 
 @jax.jit

@@ -277,6 +277,8 @@ class ModelRunner(StepCalls, Warmup):
         self.loras = None if not config.enable_lora else LoraSlots(
             model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
             bank_leaves([path for path, _ in jax.tree_util.tree_leaves_with_path(self.state)]))
+        if self.loras is not None:
+            self.weights = (self.loras.commit(self.weights[0], self.devices[0]), self.weights[1])
         self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state), self.backend,
                                  config.max_top_logprobs, self.carry_size, self.shards)
         # committed to the device like the step outputs that replace it: jit keys its cache on
