@@ -43,10 +43,14 @@ class LoraBank(nnx.Module):
     def __init__(self, slots: int, n_in: int, n_out: int, rank: int):
         self.lora_a = LoraFactor(slots, n_in, rank)
         self.lora_b = LoraFactor(slots, rank, n_out)
+        # [slots] int32: 1 where the slot's adapter targets this layer (else its factors are
+        # zeros, and a step none of whose adapters targets it skips it)
+        self.active = nnx.Param(jnp.zeros((slots,), jnp.int32))
 
     def __call__(self, x: jax.Array, rows: "LoraRows", backend) -> jax.Array:
         """x [..., in] -> the adapters' part of the output [..., out] (x's dtype); zeros,
-        computing nothing, in a step whose tokens are all the base model's."""
+        computing nothing, in a step none of whose tokens' adapters targets this layer (the
+        base model's tokens: none)."""
         shape = x.shape
         n_out = self.lora_b.out_features
 
@@ -57,7 +61,8 @@ class LoraBank(nnx.Module):
             out = linear(self.lora_b, linear(self.lora_a, sorted_rows, rows.sizes), rows.sizes)
             return jnp.take(out, rows.inverse, axis=0).reshape(*shape[:-1], n_out).astype(x.dtype)
 
-        return jax.lax.cond(rows.any, products,
+        targeted = jnp.take(self.active[...], rows.groups, mode="fill", fill_value=0)
+        return jax.lax.cond(jnp.any(targeted > 0), products,
                             lambda: jnp.zeros((*shape[:-1], n_out), x.dtype))
 
 
@@ -66,12 +71,12 @@ class LoraBank(nnx.Module):
 class LoraRows:
     """A step's tokens sorted by adapter slot, computed once a step: `order` [T] (the token
     at each sorted place), `inverse` [T] (each token's sorted place), `sizes` [max_loras]
-    (the tokens of slots 1, 2, ...; base tokens sort last, outside every group), `any`."""
+    (the tokens of slots 1, 2, ...; base tokens sort last, outside every group), `groups`."""
 
     order: jax.Array
     inverse: jax.Array
     sizes: jax.Array
-    any: jax.Array  # [] bool: a token has an adapter
+    groups: jax.Array  # [T] each token's group: its slot - 1, max_loras for the base model
 
     @staticmethod
     def of(token_slots: jax.Array, max_loras: int) -> "LoraRows":
@@ -81,7 +86,7 @@ class LoraRows:
         inverse = jnp.zeros_like(order).at[order].set(
             jnp.arange(order.shape[0], dtype=jnp.int32))
         sizes = jnp.bincount(group, length=max_loras + 1)[:max_loras].astype(jnp.int32)
-        return LoraRows(order=order, inverse=inverse, sizes=sizes, any=jnp.any(token_slots > 0))
+        return LoraRows(order=order, inverse=inverse, sizes=sizes, groups=group)
 
 
 def adapted(layer, bank: LoraBank | None, x: jax.Array, rows: LoraRows | None,

@@ -24,8 +24,8 @@ log = logging.getLogger("jaxserve")
 
 def bank_leaves(paths: list[tuple]) -> dict[tuple[str, str], list[tuple[int, int | None]]]:
     """The banks among a state's leaves, from each leaf's path (jax.tree_util's keys):
-    (module, "lora_a" | "lora_b") -> [(leaf index, layer)], layer None where the layers are
-    stacked (the leaf [num_layers, slots, ...])."""
+    (module, "lora_a" | "lora_b" | "active") -> [(leaf index, layer)], layer None where the
+    layers are stacked (the leaf [num_layers, slots, ...])."""
     found: dict[tuple[str, str], list[tuple[int, int | None]]] = {}
     for index, path in enumerate(paths):
         names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
@@ -124,14 +124,18 @@ class LoraSlots:
         """Slot `slot`'s bank entries set to the adapter's (zeros where it has none)."""
         leaves = list(leaves)
         for (module, factor), places in self.leaves.items():
-            part = 0 if factor == "lora_a" else 1
             for index, layer in places:
                 leaf = leaves[index]
                 shape = leaf.shape[2:] if layer is None else leaf.shape[1:]
                 layers = range(leaf.shape[0]) if layer is None else [layer]
-                values = np.stack([
-                    adapter.weights[(i, module)][part] if (i, module) in adapter.weights
-                    else np.zeros(shape, np.float32) for i in layers])
+                if factor == "active":  # whether the adapter targets the layer
+                    values = np.array([(i, module) in adapter.weights for i in layers],
+                                      np.int32)
+                else:
+                    part = 0 if factor == "lora_a" else 1
+                    values = np.stack([
+                        adapter.weights[(i, module)][part] if (i, module) in adapter.weights
+                        else np.zeros(shape, np.float32) for i in layers])
                 # (committed where the bank is, as the warm-up's: jit keys on it)
                 if layer is None:
                     leaves[index] = _set_stacked(leaf, slot,
