@@ -81,11 +81,13 @@ def test_adapters_mixed_with_base_requests_match_peft(name, llms):
     assert llm.engine.stats()["num_compilations_after_warmup"] == 0
 
 
-def test_stacked_layers_serve_adapters(llms):
-    """Layers stacked under jax.lax.scan hold each bank with a leading layer axis."""
+@pytest.mark.parametrize("matmul", ["cpu", "xla"])
+def test_stacked_layers_serve_adapters(llms, matmul):
+    """Layers stacked under jax.lax.scan hold each bank with a leading layer axis; with XLA's
+    matmuls the banks' grouped products are jax.lax.ragged_dot's (the GPU's and TPU's)."""
     expected, base = _expected("llama")
     loras = list(_loras("llama").values())
-    llm = llms("llama", scan_layers=True)
+    llm = llms("llama", scan_layers=True, matmul_impl=matmul)
     prompts = [{"prompt_token_ids": p} for p in expected["prompts"]]
     got = _ids(llm.generate(prompts * 2, GREEDY, use_tqdm=False,
                             lora_request=[loras[2]] * 4 + [None] * 4))
