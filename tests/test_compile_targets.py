@@ -28,6 +28,9 @@ CASES = [  # (fixture, target, tensor_parallel_size, extra flags)
     ("llama:64", "v5e-1", 1, []),  # SmolLM2's head_dim: padded to the kernel's 128 lanes
     # the experts in JAX's Hopper grouped matmul (128-wide: whole tiles of its outputs)
     ("qwen3_moe:128", "h100", 2, ["--enable-expert-parallel"]),
+    # LoRA's banks: their grouped products as jax.lax.ragged_dot on each platform
+    ("llama", "h100", 1, ["--enable-lora", "--max-loras", "4"]),
+    ("qwen3", "v5e-1", 1, ["--enable-lora", "--max-loras", "4"]),
 ]
 
 
@@ -48,7 +51,8 @@ def _head_dim_128(fixture: str, root: Path) -> Path:
 
 
 @pytest.mark.parametrize(("fixture", "target", "tp", "extra"), CASES,
-                         ids=[f"{c[0]}-{c[1]}-tp{c[2]}" for c in CASES])
+                         ids=[f"{c[0]}-{c[1]}-tp{c[2]}" + ("-lora" if "--enable-lora" in c[3]
+                                                           else "") for c in CASES])
 def test_every_step_compiles_for_the_target_with_our_kernels(fixture, target, tp, extra,
                                                              tmp_path):
     model = _head_dim_128(fixture, tmp_path)

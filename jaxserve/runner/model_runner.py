@@ -179,15 +179,19 @@ class ModelRunner(StepCalls, Warmup):
         else:
             self.graphdef, self.state = load_state(
                 model_path, model_config, self.dtype, config.load_format, config.seed, place)
-        if config.enable_lora:  # every layer's banks, zeros until an adapter takes a slot
-            if compile_only or tp > 1:
-                raise ValueError("enable_lora: LoRA adapters are served on one device "
-                                 "(tensor_parallel_size 1), not compiled for a target yet")
-            model = nnx.merge(self.graphdef, self.state)
-            attach_banks(model, config.max_loras, config.max_lora_rank)
-            self.graphdef, self.state = nnx.split(model)
         # weight transforms: run, or traced for their shapes only
         transform = abstractly if compile_only else lambda fn, g, s: fn(g, s)
+        if config.enable_lora:  # every layer's banks, zeros until an adapter takes a slot
+            if tp > 1:
+                raise ValueError("enable_lora: LoRA adapters are served on one device for now "
+                                 "(leave tensor_parallel_size 1)")
+
+            def with_banks(graphdef, state):
+                model = nnx.merge(graphdef, state)
+                attach_banks(model, config.max_loras, config.max_lora_rank)
+                return nnx.split(model)
+
+            self.graphdef, self.state = transform(with_banks, self.graphdef, self.state)
         if tp == 1:  # split, the kernels take each shard's weights as they are
             self.graphdef, self.state = transform(self.backend.ops.pack_weights, self.graphdef,
                                                   self.state)
@@ -277,7 +281,7 @@ class ModelRunner(StepCalls, Warmup):
         self.loras = None if not config.enable_lora else LoraSlots(
             model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
             bank_leaves([path for path, _ in jax.tree_util.tree_leaves_with_path(self.state)]))
-        if self.loras is not None:
+        if self.loras is not None and not compile_only:
             self.weights = (self.loras.commit(self.weights[0], self.devices[0]), self.weights[1])
         self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state), self.backend,
                                  config.max_top_logprobs, self.carry_size, self.shards)

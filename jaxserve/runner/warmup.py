@@ -48,7 +48,7 @@ class Warmup:
         with self._counting():
             for kind, b, c, steps in tqdm(shapes, desc="compiling", disable=not progress):
                 self._warm(kind, b, c, steps)
-            if self.loras is not None:  # the writes of an adapter into a slot
+            if self.loras is not None and not self.compile_only:  # an adapter's slot writes
                 self.loras.warm(self.weights[0])
         jax.block_until_ready(self.kv)
         self._compiles_at_warmup = self.num_compilations
