@@ -183,6 +183,13 @@ def test_lora_requests_and_options_are_checked(llms):
     plain = LLM(str(HF_FIXTURES / "llama"), **ENGINE | {"enable_lora": False})
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
+    # a base request beside an adapter's gives the bits of an engine without banks
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    with_banks = llm.generate([prompt, prompt], params, use_tqdm=False,
+                              lora_request=[None, lora])[0]
+    without = plain.generate([prompt], params, use_tqdm=False)[0]
+    assert with_banks.outputs[0].token_ids == without.outputs[0].token_ids
+    assert with_banks.outputs[0].logprobs == without.outputs[0].logprobs
 
 
 def _copy(name, adapter, tmp_path):

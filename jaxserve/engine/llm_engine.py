@@ -384,6 +384,9 @@ class LLMEngine:
             if self.loras[lora.lora_name] == lora:
                 return True
             raise ValueError(f"adapter {lora.lora_name!r} is loaded already: remove it first")
+        if lora.lora_name in self._retiring:
+            raise ValueError(f"adapter {lora.lora_name!r} is being unloaded: requests still "
+                             "run with it; load it again once they finish")
         adapter = self.read_lora(lora) if adapter is None else adapter
         for s in slots:
             s.add(lora, adapter)

@@ -14,7 +14,9 @@ mixture of experts' own: jax.lax.ragged_dot, or the CPU's batch invariant kernel
 step's tokens sorted by slot. Base tokens sort past every group, where the grouped matmul
 writes zeros without computing: they add exact zeros, so a base request's output is what the
 model without banks gives, and an adapter's token's output depends on its own adapter only
-(not on which adapters share its step, nor in which slot its adapter sits).
+(not on which adapters share its step, nor in which slot its adapter sits). A bank that no
+adapter of the step targets (each slot's `active` flag) is skipped whole (jax.lax.cond): a step
+of base requests, or of q and v adapters in the other projections, costs no product.
 """
 
 from dataclasses import dataclass

@@ -66,8 +66,8 @@ class LoraSlots:
                  ", ".join(adapter.modules), adapter.nbytes / 2**20)
 
     def remove(self, name: str) -> bool:
-        """Forget an adapter (its slot freed; a request already running with it keeps
-        running only if the engine let it: the engine refuses to remove one in use)."""
+        """Forget an adapter, its slot freed (the engine calls this once no unfinished
+        request uses it)."""
         if name not in self.known:
             return False
         del self.known[name]
