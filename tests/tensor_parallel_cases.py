@@ -204,6 +204,34 @@ def tpu_attention_ids(tmp: Path) -> dict:
             for name, impl, tp in (("reference", "reference", 1), ("tpu", "tpu", 4))}
 
 
+def lora_cases() -> dict:
+    """The tiny Llama's three PEFT adapters mixed with base requests (make_lora_fixtures.py),
+    at tp 1, 2 and 4 (4 shards of its 2 KV heads: k_proj's and v_proj's B repeated as their
+    kernels): greedy ids, PEFT's expected, and compiles after warm-up."""
+    from jaxserve import LoRARequest
+
+    fixture = MODELS["llama"] / "lora"
+    expected = json.loads((fixture / "expected.json").read_text())
+    base = json.loads((MODELS["llama"] / "expected.json").read_text())["greedy"]
+    names = list(expected["adapters"])
+    params = SamplingParams(max_tokens=expected["new_tokens"], temperature=0.0, ignore_eos=True)
+    prompts, loras, want = [], [], []
+    for i, prompt in enumerate(expected["prompts"]):
+        for j, name in enumerate([None, *names]):
+            prompts.append({"prompt_token_ids": prompt})
+            loras.append(None if name is None else LoRARequest(name, j, str(fixture / name)))
+            want.append(base[i][:expected["new_tokens"]] if name is None
+                        else expected["adapters"][name]["greedy"][i])
+    report = {"expected": want}
+    for tp in (1, 2, 4):
+        llm = LLM(MODELS["llama"], tensor_parallel_size=tp, enable_lora=True, max_loras=2,
+                  **ENGINE | dict(max_num_seqs=8, row_buckets=(8,), num_pages=160))
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        report[str(tp)] = {"ids": [o.outputs[0].token_ids for o in outs],
+                           "compiles": llm.stats()["num_compilations_after_warmup"]}
+    return report
+
+
 def main() -> None:
     if len(jax.devices()) < 8:
         sys.exit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -260,6 +288,7 @@ def main() -> None:
     report["llama_reference_backend"] = run_model(MODELS["llama"], (1, 2),
                                                   **bench.BACKENDS["reference"])
     report["sharded_greedy"] = sharded_greedy_cases()
+    report["lora"] = lora_cases()
     with tempfile.TemporaryDirectory() as tmp:
         report["tpu_attention"] = tpu_attention_ids(Path(tmp))
     json.dump(report, sys.stdout)

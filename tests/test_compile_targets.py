@@ -30,7 +30,7 @@ CASES = [  # (fixture, target, tensor_parallel_size, extra flags)
     ("qwen3_moe:128", "h100", 2, ["--enable-expert-parallel"]),
     # LoRA's banks: their grouped products as jax.lax.ragged_dot on each platform
     ("llama", "h100", 1, ["--enable-lora", "--max-loras", "4"]),
-    ("qwen3", "v5e-1", 1, ["--enable-lora", "--max-loras", "4"]),
+    ("qwen3", "v5e-4", 4, ["--enable-lora", "--max-loras", "4"]),  # split with their layers
 ]
 
 

@@ -58,6 +58,16 @@ def test_logits_within_1e_5_of_one_device_and_the_same_greedy_ids(report, model)
         assert run["ids"] == runs["1"]["ids"], tp
 
 
+def test_lora_adapters_split_with_their_layers_give_pefts_ids(report):
+    """LoRA banks split as their layers (B by columns, A by rows; k's and v's B with their
+    heads repeated at tp 4): PEFT's greedy ids, base requests beside adapters', at tp 1, 2, 4;
+    no compile after warm-up (slot writes on split banks included)."""
+    lora = report["lora"]
+    for tp in ("1", "2", "4"):
+        assert lora[tp]["ids"] == lora["expected"], tp
+        assert lora[tp]["compiles"] == 0, tp
+
+
 def test_random_weights_made_on_their_shards_are_one_devices(report):
     """load_format="dummy" at tp=4 makes each weight on its shards, the values tp=1 makes."""
     one, four = (np.array(report["dummy_logits"][tp]) for tp in ("1", "4"))

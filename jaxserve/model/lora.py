@@ -54,7 +54,7 @@ class LoraBank(nnx.Module):
         computing nothing, in a step none of whose tokens' adapters targets this layer (the
         base model's tokens: none)."""
         shape = x.shape
-        n_out = self.lora_b.out_features
+        n_out = self.lora_b.kernel[...].shape[-1]  # (this shard's, under tensor parallelism)
 
         def products():
             flat = x.reshape(-1, shape[-1]).astype(jnp.float32)

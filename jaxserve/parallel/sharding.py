@@ -117,7 +117,13 @@ def weight_spec(names: list[str], ndim: int, expert_parallel: bool = False) -> P
     tail: tuple = ()
     # a kernel [in, out], and group-wise scales, zero points and minima [in / group, out], alike
     matrix = any(n in names for n in ("kernel", "group_scale", "group_zero", "group_min"))
-    if expert_parallel and "experts" in names:
+    if "lora" in names:  # a LoRA bank (model/lora.py): [slots, in, rank], [slots, rank, out]
+        # B split by output columns as its layer's kernel, A by input rows; the rest whole
+        if "lora_b" in names and any(n in _COLUMNS for n in names):
+            tail = (None, None, MODEL_AXIS)
+        elif "lora_a" in names and any(n in _ROWS for n in names):
+            tail = (None, MODEL_AXIS, None)
+    elif expert_parallel and "experts" in names:
         tail = (MODEL_AXIS, None, None)
     elif any(n in _COLUMNS for n in names):
         tail = (None, MODEL_AXIS) if matrix else (MODEL_AXIS,)
@@ -130,13 +136,14 @@ def weight_spec(names: list[str], ndim: int, expert_parallel: bool = False) -> P
     return P(*([None] * (ndim - len(tail)) + list(tail)))
 
 
-def _repeat_heads(names: list[str], x, cfg: ModelConfig, tp: int):
+def repeat_heads(names: list[str], x, cfg: ModelConfig, tp: int):
     """Fewer KV heads than shards: k_proj's and v_proj's columns (and biases) of each head
     repeated tp / num_kv_heads times, so shard s holds head s // (tp / num_kv_heads), the one
     its query heads read. Numpy or jax; a weight already repeated is returned as it is."""
     repeats = tp // cfg.num_kv_heads
     if (repeats <= 1 or not any(n in ("k_proj", "v_proj") for n in names)
-            or x.shape[-1] != cfg.num_kv_heads * cfg.head_dim):
+            or x.shape[-1] != cfg.num_kv_heads * cfg.head_dim
+            or ("lora" in names and "lora_b" not in names)):  # (a LoRA bank's B: its columns)
         return x
     heads = x.reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
     xp = np if isinstance(x, np.ndarray) else jnp
@@ -144,9 +151,9 @@ def _repeat_heads(names: list[str], x, cfg: ModelConfig, tp: int):
 
 
 def repeat_kv_heads(state, cfg: ModelConfig, tp: int):
-    """_repeat_heads over a whole state."""
+    """repeat_heads over a whole state."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: _repeat_heads(path_names(path), x, cfg, tp), state)
+        lambda path, x: repeat_heads(path_names(path), x, cfg, tp), state)
 
 
 @dataclass(frozen=True)
@@ -162,7 +169,7 @@ class ShardPlacement:
     expert_parallel: bool = False
 
     def transform(self, path: tuple, x):  # the model's layout -> the sharded model's
-        return _repeat_heads([str(p) for p in path], x, self.cfg, self.tp)
+        return repeat_heads([str(p) for p in path], x, self.cfg, self.tp)
 
     def sharding(self, path: tuple, ndim: int) -> NamedSharding:
         return NamedSharding(self.mesh, weight_spec([str(p) for p in path], ndim,

@@ -10,32 +10,46 @@ arrays (`.at[slot].set`): a step already dispatched keeps reading the old ones.
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.config.model import ModelConfig
 from jaxserve.model.lora_files import LoraAdapter, read_adapter
+from jaxserve.parallel.sharding import path_names, repeat_heads
 from jaxserve.request import LoRARequest, Request
 
 log = logging.getLogger("jaxserve")
 
 
-def bank_leaves(paths: list[tuple]) -> dict[tuple[str, str], list[tuple[int, int | None]]]:
-    """The banks among a state's leaves, from each leaf's path (jax.tree_util's keys):
-    (module, "lora_a" | "lora_b" | "active") -> [(leaf index, layer)], layer None where the
-    layers are stacked (the leaf [num_layers, slots, ...])."""
-    found: dict[tuple[str, str], list[tuple[int, int | None]]] = {}
+@dataclass(frozen=True)
+class BankLeaf:
+    """A bank's array among the weights' leaves: `index` in the list, its `module`, its
+    `factor` ("lora_a", "lora_b" or "active"), its `layer` (None where the layers are stacked:
+    the leaf [num_layers, slots, ...]) and its path's `names`."""
+
+    index: int
+    module: str
+    factor: str
+    layer: int | None
+    names: tuple[str, ...]
+
+
+def bank_leaves(paths: list[tuple]) -> list[BankLeaf]:
+    """The banks among a state's leaves, from each leaf's path (jax.tree_util's keys)."""
+    found = []
     for index, path in enumerate(paths):
-        names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        names = path_names(path)
         if "lora" not in names:
             continue
         at = names.index("lora")
-        module, factor = names[at + 1], names[at + 2]
         after = names[names.index("layers") + 1]
-        layer = int(after) if after.isdigit() else None
-        found.setdefault((module, factor), []).append((index, layer))
+        found.append(BankLeaf(index, names[at + 1], names[at + 2],
+                              int(after) if after.isdigit() else None, tuple(names)))
     return found
 
 
@@ -43,8 +57,10 @@ class LoraSlots:
     """Adapters by name: known (registered), on the host, and in device slots 1..max_loras."""
 
     def __init__(self, model_config: ModelConfig, max_loras: int, max_rank: int,
-                 max_cpu_loras: int | None, leaves: dict):
-        self.model_config = model_config
+                 max_cpu_loras: int | None, leaves: list[BankLeaf], tp: int = 1):
+        """`tp`: the tensor-parallel shards the banks are split over (k_proj's and v_proj's
+        B with their heads repeated where the model has fewer KV heads, as their kernels)."""
+        self.model_config, self.tp = model_config, tp
         self.max_loras, self.max_rank = max_loras, max_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
         self.leaves = leaves  # bank_leaves of the runner's weights
@@ -123,25 +139,19 @@ class LoraSlots:
     def _write(self, slot: int, adapter: LoraAdapter, leaves: list) -> list:
         """Slot `slot`'s bank entries set to the adapter's (zeros where it has none)."""
         leaves = list(leaves)
-        for (module, factor), places in self.leaves.items():
-            for index, layer in places:
-                leaf = leaves[index]
-                shape = leaf.shape[2:] if layer is None else leaf.shape[1:]
-                layers = range(leaf.shape[0]) if layer is None else [layer]
-                if factor == "active":  # whether the adapter targets the layer
-                    values = np.array([(i, module) in adapter.weights for i in layers],
-                                      np.int32)
-                else:
-                    part = 0 if factor == "lora_a" else 1
-                    values = np.stack([
-                        adapter.weights[(i, module)][part] if (i, module) in adapter.weights
-                        else np.zeros(shape, np.float32) for i in layers])
-                # (committed where the bank is, as the warm-up's: jit keys on it)
-                if layer is None:
-                    leaves[index] = _set_stacked(leaf, slot,
-                                                 jax.device_put(values, leaf.sharding))
-                else:
-                    leaves[index] = _set(leaf, slot, jax.device_put(values[0], leaf.sharding))
+        weights = adapter.weights
+        for bank in self.leaves:
+            leaf, module = leaves[bank.index], bank.module
+            layers = range(leaf.shape[0]) if bank.layer is None else [bank.layer]
+            if bank.factor == "active":  # whether the adapter targets the layer
+                values = np.array([(i, module) in weights for i in layers], np.int32)
+            else:
+                part = 0 if bank.factor == "lora_a" else 1
+                values = np.stack([
+                    repeat_heads(list(bank.names), weights[(i, module)][part],
+                                 self.model_config, self.tp) if (i, module) in weights
+                    else np.zeros(_slot_shape(leaf, bank), np.float32) for i in layers])
+            leaves[bank.index] = _place(leaf, bank, slot, values)
         return leaves
 
     def commit(self, leaves: list, device) -> list:
@@ -149,21 +159,36 @@ class LoraSlots:
         (jit compiles a function again for committed arguments where it saw uncommitted
         ones: the steps too)."""
         leaves = list(leaves)
-        for places in self.leaves.values():
-            for index, _ in places:
-                leaves[index] = jax.device_put(leaves[index], device)
+        for bank in self.leaves:
+            leaves[bank.index] = jax.device_put(leaves[bank.index], device)
         return leaves
 
     def warm(self, leaves: list) -> None:
         """Compile every bank's slot write at start-up (a compile while serving is a bug):
         slot 0 written with what it holds."""
-        for places in self.leaves.values():
-            for index, layer in places:
-                leaf = leaves[index]
-                if layer is None:
-                    jax.block_until_ready(_set_stacked(leaf, 0, leaf[:, 0]))
-                else:
-                    jax.block_until_ready(_set(leaf, 0, leaf[0]))
+        for bank in self.leaves:
+            leaf = leaves[bank.index]
+            values = np.asarray(leaf[:, 0] if bank.layer is None else leaf[0:1])
+            jax.block_until_ready(_place(leaf, bank, 0, values))
+
+
+def _slot_shape(leaf, bank: BankLeaf) -> tuple[int, ...]:
+    """A slot's shape in one layer (the leaf without its layer and slot axes)."""
+    return leaf.shape[2:] if bank.layer is None else leaf.shape[1:]
+
+
+def _place(leaf, bank: BankLeaf, slot: int, values: np.ndarray):
+    """leaf with slot `slot` set to `values` ([layers, ...]: every layer's, or the one
+    layer's), sent where the leaf's slot lives (committed, split as the leaf is: the same
+    placement every time, or jit would compile again)."""
+    sharding = leaf.sharding
+    axis = 1 if bank.layer is None else 0  # the slot axis
+    if isinstance(sharding, NamedSharding):
+        spec = list(sharding.spec) + [None] * (leaf.ndim - len(sharding.spec))
+        sharding = NamedSharding(sharding.mesh, P(*(spec[:axis] + spec[axis + 1:])))
+    if bank.layer is None:
+        return _set_stacked(leaf, slot, jax.device_put(values, sharding))
+    return _set(leaf, slot, jax.device_put(values[0], sharding))
 
 
 @jax.jit

@@ -182,10 +182,6 @@ class ModelRunner(StepCalls, Warmup):
         # weight transforms: run, or traced for their shapes only
         transform = abstractly if compile_only else lambda fn, g, s: fn(g, s)
         if config.enable_lora:  # every layer's banks, zeros until an adapter takes a slot
-            if tp > 1:
-                raise ValueError("enable_lora: LoRA adapters are served on one device for now "
-                                 "(leave tensor_parallel_size 1)")
-
             def with_banks(graphdef, state):
                 model = nnx.merge(graphdef, state)
                 attach_banks(model, config.max_loras, config.max_lora_rank)
@@ -280,8 +276,9 @@ class ModelRunner(StepCalls, Warmup):
                                   self.placement))
         self.loras = None if not config.enable_lora else LoraSlots(
             model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
-            bank_leaves([path for path, _ in jax.tree_util.tree_leaves_with_path(self.state)]))
-        if self.loras is not None and not compile_only:
+            bank_leaves([path for path, _ in jax.tree_util.tree_leaves_with_path(self.state)]),
+            tp)
+        if self.loras is not None and not compile_only and tp == 1:  # (split ones are placed)
             self.weights = (self.loras.commit(self.weights[0], self.devices[0]), self.weights[1])
         self.fns = make_step_fns(self.graphdef, jax.tree.structure(self.state), self.backend,
                                  config.max_top_logprobs, self.carry_size, self.shards)
