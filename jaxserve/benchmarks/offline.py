@@ -89,10 +89,9 @@ def run_load(engine: LLMEngine, samples: list[Sample], *, request_rate: float = 
             sent = max(float(arrivals[nxt]), freed)
             records[nxt].arrival = sent
             try:
+                adapter = {} if lora_requests is None else {"lora_request": lora_requests[nxt]}
                 request = engine.add_request(str(nxt), sample.engine_prompt, params,
-                                             lora_request=None if lora_requests is None
-                                             else lora_requests[nxt],
-                                             arrival_time=start + sent)
+                                             arrival_time=start + sent, **adapter)
                 records[nxt].prompt_len = len(request.prompt_ids)
                 in_flight += 1
             except ValueError as err:
