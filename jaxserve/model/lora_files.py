@@ -13,7 +13,6 @@ embedding and lm_head, modules the model does not have, shapes that do not fit t
 past max_lora_rank, and the MLP of a mixture of experts.
 """
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.config.checks import read_json_object
 from jaxserve.config.model import ModelConfig
 from jaxserve.model.lora import ATTENTION_MODULES, MLP_MODULES, MODULES, module_shapes
 
@@ -65,12 +65,7 @@ def read_config(path: Path) -> dict:
     if not file.is_file():
         raise ValueError(f"LoRA adapter {path}: no adapter_config.json (PEFT's format: "
                          "adapter_config.json and adapter_model.safetensors)")
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"LoRA adapter {file}: not JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"LoRA adapter {file}: not a JSON object")
+    config = read_json_object(file)
     kind = config.get("peft_type", "LORA")
     if str(kind).upper() != "LORA":
         raise ValueError(f"LoRA adapter {file}: peft_type {kind!r}; only LORA adapters are "

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from jaxserve.config.checks import read_json_object
 from jaxserve.config.gguf import gguf_file, metadata, read_gguf
 from jaxserve.text.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
@@ -203,11 +204,11 @@ class Tokenizer(BaseTokenizer):
         file = path / "tokenizer.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file} not found: a Hugging Face tokenizer needs it")
-        config = {**_read_json(path / "special_tokens_map.json")}
-        config.update(_read_json(path / "tokenizer_config.json"))
+        config = {**read_json_object(path / "special_tokens_map.json")}
+        config.update(read_json_object(path / "tokenizer_config.json"))
         if (path / "chat_template.jinja").is_file():
             config["chat_template"] = (path / "chat_template.jinja").read_text()
-        generation_config = _read_json(path / "generation_config.json")
+        generation_config = read_json_object(path / "generation_config.json")
         return cls(HFTokenizer.from_file(str(file)), config, generation_config)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -380,7 +381,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer | ByteTokenizer:
     if (path / "tokenizer.json").is_file():
         return Tokenizer.from_dir(path)
     if (path / BYTE_TOKENIZER_FILE).is_file():
-        return ByteTokenizer.from_json(_read_json(path / BYTE_TOKENIZER_FILE))
+        return ByteTokenizer.from_json(read_json_object(path / BYTE_TOKENIZER_FILE))
     raise FileNotFoundError(
         f"no tokenizer in {path}: expected tokenizer.json or {BYTE_TOKENIZER_FILE}"
     )
@@ -472,13 +473,3 @@ def _decoder_types(hf_tokenizer: HFTokenizer) -> set[str]:
     return {d.get("type") for d in [state, *state.get("decoders", [])]}
 
 
-def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: invalid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: expected a JSON object")
-    return data
