@@ -5,7 +5,7 @@
 
 `--num-seqs` requests (32) of `--input-len` random prompt tokens and `--output-len` greedy
 tokens each (ignore_eos), all submitted at once, on one engine with LoRA enabled
-(max_loras 16, rank `--rank` adapters of the `--targets` projections: PEFT's default q and v,
+(max_loras: the largest K, rank `--rank` adapters of the `--targets` projections: PEFT's default q and v,
 or all of q, k, v, o, gate, up, down), the
 requests spread round-robin over K adapters (K = 0: every request on the base model); and the
 same load on an engine without LoRA (its banks absent: what serving costs without adapters).
@@ -53,7 +53,7 @@ def write_adapter(path: Path, cfg, rank: int, targets: list[str], seed: int) -> 
         "bias": "none", "task_type": "CAUSAL_LM"}))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct's GGUF")
@@ -68,7 +68,7 @@ def main() -> None:
                              " all: every one)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each; the best counts")
     parser.add_argument("--json", type=Path, help="write the figures here too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     targets = list(MODULES) if args.targets == "all" else args.targets.split(",")
     if not set(targets) <= set(MODULES):
         parser.error(f"--targets: among {', '.join(MODULES)} (or all)")
@@ -108,7 +108,8 @@ def main() -> None:
                     assert not any(run.errors), run.errors
                     best = seconds if best is None else min(best, seconds)
                 tokens = args.num_seqs * args.output_len
-                rows.append({"lora": lora_on, "adapters": k, "seconds": best,
+                rows.append({"lora": lora_on, "max_loras": config.max_loras if lora_on else 0,
+                             "adapters": k, "seconds": best,
                              "output_tokens_per_s": tokens / best,
                              "compiles_after_warmup": engine.stats()[
                                  "num_compilations_after_warmup"]})
@@ -120,11 +121,12 @@ def main() -> None:
     print("| engine | adapters in the mix | output tok/s | base-only / this |")
     print("|---|---|---|---|")
     for row in rows:
-        name = "LoRA on (max_loras 16)" if row["lora"] else "LoRA off"
+        name = f"LoRA on (max_loras {row['max_loras']})" if row["lora"] else "LoRA off"
         print(f"| {name} | {row['adapters']} | {row['output_tokens_per_s']:.0f} | "
               f"{base / row['output_tokens_per_s']:.2f}x |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 if __name__ == "__main__":

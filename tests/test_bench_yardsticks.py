@@ -1,6 +1,7 @@
 """Yardsticks run at tiny sizes: issue 29's bench/compile_time.py (compile seconds, layers
 scanned and unrolled) and bench/host_overhead.py (the host's cost per engine iteration), issue
-31's bench/prefix_caching.py (cache on against off)."""
+31's bench/prefix_caching.py (cache on against off), issue 54's bench/lora.py (adapters in the
+mix)."""
 
 from bench_scripts import ROOT, _load
 
@@ -79,3 +80,14 @@ def test_prefix_caching_bench_compares_on_and_off_on_one_engine(stories_dir):
                               chat_prefix_len=8) for cache in (False, True))
     assert off_p["token_ids"] == on_p["token_ids"] and len(on_p["token_ids"]) == 6
     assert off_p["hit_rate"] == 0 and on_p["hit_rate"] > on["hit_rate"]
+
+
+def test_lora_bench_runs_each_mix_on_engines_with_and_without_lora(stories_dir, capsys):
+    """bench/lora.py: LoRA off, then on with 0 and 2 adapters in the mix (written in PEFT's
+    format, every projection), no compile after warm-up, a ratio each."""
+    rows = _load(ROOT / "bench" / "lora.py").main([
+        "--model", str(stories_dir), "--adapters", "0", "2", "--num-seqs", "4", "--input-len",
+        "8", "--output-len", "4", "--repeats", "1", "--targets", "all", "--rank", "4"])
+    assert [(r["lora"], r["adapters"]) for r in rows] == [(False, 0), (True, 0), (True, 2)]
+    assert all(r["output_tokens_per_s"] > 0 and r["compiles_after_warmup"] == 0 for r in rows)
+    assert "| LoRA on (max_loras 2) | 2 |" in capsys.readouterr().out
