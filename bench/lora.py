@@ -4,11 +4,11 @@
     python bench/lora.py --model bench/models/llama-20m --load-format dummy
 
 `--num-seqs` requests (32) of `--input-len` random prompt tokens and `--output-len` greedy
-tokens each (ignore_eos), all submitted at once, on one engine with LoRA enabled
-(max_loras: the largest K, rank `--rank` adapters of the `--targets` projections: PEFT's default q and v,
-or all of q, k, v, o, gate, up, down), the
-requests spread round-robin over K adapters (K = 0: every request on the base model); and the
-same load on an engine without LoRA (its banks absent: what serving costs without adapters).
+tokens each (ignore_eos), all submitted at once, on one engine with LoRA enabled (max_loras the
+largest K; rank `--rank` adapters of the `--targets` projections: PEFT's default q and v, or
+all of q, k, v, o, gate, up, down), the requests spread round-robin over K adapters (K = 0:
+every request on the base model); and the same load on an engine without LoRA (its banks
+absent: what serving costs without adapters).
 The adapters are random, written in PEFT's format (adapter_config.json +
 adapter_model.safetensors) to a temporary directory and loaded as any other. Prints output
 tokens/s per K and each against the base-only run (goal: 16 adapters within 1.3x of it).
