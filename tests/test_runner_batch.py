@@ -80,14 +80,16 @@ def assert_fields(got, want: dict, what: str):
 
 def test_a_decode_calls_one_array_unpacks_to_its_arrays():
     """pack_decode_rows (the host) and unpack_decode_rows (the device, model/step.py) agree on
-    every column of model/decode_rows.py: float and uint32 bits (seeds past 2**31), the page table."""
+    every column of model/decode_rows.py: float and uint32 bits (seeds past 2**31), the LoRA
+    slots, the page table."""
     rng = np.random.default_rng(0)
     b, pages = 5, 7
     starts = rng.integers(0, 4000, b).astype(np.int32)
     query_lens = np.array([1, 1, 1, 1, 0], np.int32)
     md = AttentionMetadata(positions=starts[:, None], query_lens=query_lens,
                            seq_lens=starts + query_lens,
-                           page_table=rng.integers(0, 99, (b, pages)).astype(np.int32))
+                           page_table=rng.integers(0, 99, (b, pages)).astype(np.int32),
+                           lora_slots=np.array([0, 2, 1, 16, 0], np.int32))
     sm = SamplingMetadata(temperature=np.array([0.0, 0.7, 1.3, 1e-6, 0.0], np.float32),
                           top_k=np.array([32, 5, 1, 32, 32], np.int32),
                           top_p=np.array([1.0, 0.9, 0.25, 1.0, 1.0], np.float32),

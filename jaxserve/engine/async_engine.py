@@ -396,8 +396,10 @@ class AsyncEngine:
                 f"the waiting queue is full ({limit} requests wait); retry later"))
             return
         try:
+            adapter = {} if command.lora_request is None else {
+                "lora_request": command.lora_request}
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    command.arrival_time, lora_request=command.lora_request)
+                                    command.arrival_time, **adapter)
         except Exception as error:  # bad input (ValueError), or a bug: this request's alone
             self._reply(command, error)
             return
