@@ -123,6 +123,12 @@ def _linear(cfg_in: int, cfg_out: int, bias: bool, dtype, rngs: nnx.Rngs,
                       kernel_init=nnx.initializers.normal(0.02))
 
 
+def _project(module, lora: LoraRows | None, backend, name: str, x: jax.Array) -> jax.Array:
+    """The module's linear layer `name` applied to x, with its LoRA bank where it has one."""
+    bank = None if module.lora is None else module.lora[name]
+    return adapted(getattr(module, name), bank, x, lora, backend)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layer: int = 0):
         e, d = cfg.hidden_size, cfg.head_dim
@@ -150,10 +156,7 @@ class Attention(nnx.Module):
         b, c, _ = x.shape
         d = self.head_dim
 
-        def linear(name, x):
-            return adapted(getattr(self, name), None if self.lora is None else self.lora[name],
-                           x, lora, backend)
-
+        linear = functools.partial(_project, self, lora, backend)
         # -1 heads: under tensor parallelism a shard holds its own part of them
         q = linear("q_proj", x).reshape(b, c, -1, d)
         k = linear("k_proj", x).reshape(b, c, -1, d)
@@ -197,10 +200,7 @@ class MLP(nnx.Module):
     def partial(self, x, backend, lora: LoraRows | None = None):
         """The output before the shards' sum: under tensor parallelism, this shard's
         columns' share."""
-        def linear(name, x):
-            return adapted(getattr(self, name), None if self.lora is None else self.lora[name],
-                           x, lora, backend)
-
+        linear = functools.partial(_project, self, lora, backend)
         gate, up = linear("gate_proj", x), linear("up_proj", x)
         act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
         return linear("down_proj", act * up)

@@ -123,6 +123,7 @@ class _API:
         engine.on_iteration = self.metrics.observe_iteration
         self.created = int(time.time())
         self._stall_logged = False
+        self._lora_ids = 0  # the last id a loaded adapter took
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -240,8 +241,10 @@ class _API:
         if name == self.model_name or name in self.engine.engine.loras:
             raise APIError(400, f"the LoRA adapter {name!r} has already been loaded",
                            param="lora_name")
+        # ids from the event loop's own count: two loads at once never take the same one
         ids = [lora.lora_int_id for lora in list(self.engine.engine.loras.values())]
-        lora = LoRARequest(name, max(ids, default=0) + 1, path)
+        self._lora_ids = max([self._lora_ids, *ids]) + 1
+        lora = LoRARequest(name, self._lora_ids, path)
         try:
             await self.engine.add_lora(lora)
         except ValueError as error:
