@@ -104,8 +104,8 @@ class KVCacheManager:
 
         use_cache=False (a request that wants every prompt token's logprobs) takes and counts
         nothing; its pages are still keyed as they are computed. extra: what else its KV depends
-        on, part of every key of its pages (None: its LoRA adapter's name, None for the base
-        model: an adapter's pages serve that adapter only). count=False leaves the stats to
+        on, part of every key of its pages; by default its LoRA adapter's name (None for the
+        base model), so an adapter's pages serve that adapter only. count=False leaves the stats to
         `count_lookup`, once the request surely joins (a lookup given back is tried again)."""
         if self.cache is None:
             return 0
