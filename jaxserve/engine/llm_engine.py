@@ -22,6 +22,7 @@ from jaxserve.config.gguf import gguf_file
 from jaxserve.config.model import ModelConfig
 from jaxserve.core.scheduler import Scheduler, make_scheduler
 from jaxserve.engine.loop import RUNNER_MEMBERS, EngineCore, Runner, Step
+from jaxserve.engine.loras import Adapters, UnknownLoRAError  # noqa: F401 (the server's)
 from jaxserve.engine.model_files import DEMO, generation_defaults, resolve_model
 from jaxserve.engine.outputs import OutputProcessor
 from jaxserve.parallel import distributed
@@ -37,10 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("jaxserve")
 PromptType = str | dict[str, Any]
 GC_YOUNG_THRESHOLD = 20_000  # see freeze_gc
-
-
-class UnknownLoRAError(ValueError):
-    """A request names an adapter the engine has not loaded (the server's 404)."""
 
 
 def freeze_gc() -> None:
@@ -101,11 +98,8 @@ class LLMEngine:
                 raise TypeError(f"runner {type(r).__name__} lacks {', '.join(missing)} of the "
                                 "engine's runner interface (loop.Runner)")
         self.runners = runners
-        self.loras: dict[str, LoRARequest] = {}  # the adapters requests may name, by name
-        # a request naming an adapter not loaded loads it (vLLM's offline LLM); the server
-        # turns it off: its adapters are loaded by name, and an unknown one is a 404
-        self.auto_load_loras = True
-        self._retiring: set[str] = set()  # removed, and still used by unfinished requests
+        self.adapters = Adapters(config, self.model_config, runners,
+                                 lambda: [c.scheduler for c in self.cores])
         self.max_model_len = runners[0].max_model_len
         # one processor for every replica: a request's text and stops, wherever it runs
         self.processor = OutputProcessor(self.tokenizer)
@@ -211,7 +205,7 @@ class LLMEngine:
         vLLM's)."""
         params = SamplingParams() if params is None else params
         if lora_request is not None:
-            self._check_lora_request(lora_request)
+            self.adapters.check(lora_request)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {show(params)}")
         if params.n != 1:
@@ -341,79 +335,31 @@ class LLMEngine:
         """Forget every cached prefix; False (nothing forgotten) while requests hold pages."""
         return all([c.scheduler.reset_prefix_cache() for c in self.cores])
 
-    # -- LoRA adapters (vLLM's add_lora, remove_lora, list_loras) ------------------------------
+    # -- LoRA adapters (vLLM's add_lora, remove_lora, list_loras: loras.py) ------------------
 
-    def _slots(self) -> list:
-        """Every replica's adapters (runner/lora_slots.py)."""
-        if not self.config.enable_lora:
-            raise ValueError("lora_request: the engine runs without LoRA adapters; start it "
-                             "with enable_lora (--enable-lora)")
-        return [r.loras for r in self.runners if getattr(r, "loras", None) is not None]
+    @property
+    def loras(self) -> dict[str, LoRARequest]:  # the adapters requests may name, by name
+        return self.adapters.loras
 
-    def _check_lora_request(self, lora: LoRARequest) -> None:
-        if not isinstance(lora, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {show(lora)}")
-        known = self.loras.get(lora.lora_name)
-        if known is None and not self.auto_load_loras:
-            raise UnknownLoRAError(f"the LoRA adapter {lora.lora_name!r} is not loaded")
-        if known is None:
-            self.add_lora(lora)
-        elif known != lora:
-            raise ValueError(f"lora_request: adapter {lora.lora_name!r} is loaded as {known}; "
-                             "remove it first to load another under its name")
+    @property
+    def auto_load_loras(self) -> bool:  # a request naming a new adapter loads it (offline)
+        return self.adapters.auto_load
+
+    @auto_load_loras.setter
+    def auto_load_loras(self, value: bool) -> None:
+        self.adapters.auto_load = value
 
     def read_lora(self, lora: LoRARequest) -> "LoraAdapter":
-        """The adapter's weights read and checked against the model (any thread: it touches
-        no engine state); a bad one is a ValueError naming what is wrong."""
-        from jaxserve.model.lora_files import read_adapter
-
-        self._slots()
-        if not lora.lora_path:
-            raise ValueError(f"LoRA adapter {lora.lora_name!r}: no lora_path")
-        return read_adapter(lora.lora_path, self.model_config, self.config.max_lora_rank,
-                            lora.lora_name)
+        return self.adapters.read(lora)
 
     def add_lora(self, lora: LoRARequest, adapter: "LoraAdapter | None" = None) -> bool:
-        """Load an adapter (read and checked now, unless `adapter` is read_lora's of it: a
-        bad one is a ValueError naming what is wrong); requests name it from then on."""
-        slots = self._slots()
-        for name, other in self.loras.items():
-            if other.lora_int_id == lora.lora_int_id and name != lora.lora_name:
-                raise ValueError(f"lora_int_id {lora.lora_int_id} is adapter {name!r}'s")
-        if lora.lora_name in self.loras:
-            if self.loras[lora.lora_name] == lora:
-                return True
-            raise ValueError(f"adapter {lora.lora_name!r} is loaded already: remove it first")
-        if lora.lora_name in self._retiring:
-            raise ValueError(f"adapter {lora.lora_name!r} is being unloaded: requests still "
-                             "run with it; load it again once they finish")
-        adapter = self.read_lora(lora) if adapter is None else adapter
-        for s in slots:
-            s.add(lora, adapter)
-        self.loras[lora.lora_name] = lora
-        self._retiring.discard(lora.lora_name)
-        return True
+        return self.adapters.add(lora, adapter)
 
     def remove_lora(self, name: str) -> bool:
-        """Unload an adapter: new requests cannot name it; those already queued or running
-        with it finish with it, and its weights go once they have. False if unknown."""
-        self._slots()
-        if self.loras.pop(name, None) is None:
-            return False
-        self._retiring.add(name)
-        self._retire()
-        return True
+        return self.adapters.remove(name)
 
     def list_loras(self) -> dict[str, LoRARequest]:
-        return dict(self.loras)
-
-    def _retire(self) -> None:
-        """Drop the removed adapters no unfinished request uses any more."""
-        used = {r.lora_name for c in self.cores for r in c.scheduler.requests.values()}
-        for name in self._retiring - used:
-            for s in self._slots():
-                s.remove(name)
-            self._retiring.discard(name)
+        return dict(self.adapters.loras)
 
     @property
     def core(self) -> EngineCore:
@@ -490,8 +436,8 @@ class LLMEngine:
             return []
         self.last_step_tokens = sum(step.num_tokens for step in read)
         outputs = [out for step in read for out in self._process(step)]
-        if self._retiring:
-            self._retire()
+        if self.adapters.retiring:
+            self.adapters.retire()
         return outputs
 
     def _write_off(self, replica: int, error: ReplicaLostError) -> None:
@@ -531,15 +477,7 @@ class LLMEngine:
             # by replica: its requests running and waiting (what routing balances)
             "num_requests_per_replica": [s["num_requests_running"] + s["num_requests_waiting"]
                                          for s in per_replica],
-        } | (self._lora_stats() if self.config.enable_lora else {})
-
-    def _lora_stats(self) -> dict[str, Any]:
-        """The adapters of running requests and of waiting ones that none runs (vLLM's
-        lora_requests_info)."""
-        running = {r.lora_name for c in self.cores for r in c.scheduler.running}
-        waiting = {r.lora_name for c in self.cores for r in c.scheduler.waiting} - running
-        return {"lora_running": sorted(running - {None}), "lora_waiting": sorted(waiting - {None}),
-                "max_loras": self.config.max_loras}
+        } | self.adapters.stats()
 
 
 def merge_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
